@@ -1,0 +1,132 @@
+"""The one streaming interface every speech engine sits behind.
+
+An engine runs inside the worker process. It turns one speakable unit of text
+(a clause or sentence chosen by the segmenter) into a sequence of audio chunks.
+Engines that can stream inside a unit (the torch engine) yield several chunks
+per unit; engines that cannot (Piper on onnxruntime) yield one.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class WordTiming:
+    """A word of the chunk's text and when it is spoken, in seconds from the chunk's start."""
+
+    text: str
+    start: float
+    end: float
+
+
+@dataclass
+class AudioChunk:
+    """Mono int16 PCM plus the text it speaks."""
+
+    pcm: np.ndarray
+    sample_rate: int
+    text: str = ""
+    words: list[WordTiming] = field(default_factory=list)
+    # Position of this chunk inside its unit; the last chunk of a unit has unit_end set.
+    unit_index: int = 0
+    unit_end: bool = True
+
+    @property
+    def duration(self) -> float:
+        return len(self.pcm) / float(self.sample_rate)
+
+
+@dataclass
+class SynthesisOptions:
+    """Per-stream knobs. None means the voice's own default."""
+
+    voice: str | None = None
+    rate: float = 1.0  # speaking rate: 2.0 is twice as fast
+    noise_scale: float | None = None
+    noise_w_scale: float | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "voice": self.voice,
+            "rate": self.rate,
+            "noise_scale": self.noise_scale,
+            "noise_w_scale": self.noise_w_scale,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> "SynthesisOptions":
+        data = data or {}
+        return cls(
+            voice=data.get("voice"),
+            rate=float(data.get("rate") or 1.0),
+            noise_scale=data.get("noise_scale"),
+            noise_w_scale=data.get("noise_w_scale"),
+        )
+
+
+class EngineError(RuntimeError):
+    """Raised by an engine for a problem the user can fix (unknown voice, bad option)."""
+
+
+class Engine(ABC):
+    """A speech engine, loaded once per worker process."""
+
+    name: str = "engine"
+    # Tags (from the inline speech-tag set) this engine renders itself; others are
+    # rendered by the stream (breaks, spelling) or dropped.
+    supported_tags: frozenset[str] = frozenset()
+
+    @abstractmethod
+    def load(self) -> None:
+        """Load models. Called once in the worker before any synthesis."""
+
+    @abstractmethod
+    def voices(self) -> list[str]:
+        """Names a client may pass as SynthesisOptions.voice."""
+
+    @abstractmethod
+    def sample_rate(self, voice: str | None = None) -> int:
+        """Output sample rate for a voice."""
+
+    @abstractmethod
+    def synthesize(self, text: str, options: SynthesisOptions) -> Iterator[AudioChunk]:
+        """Yield the audio for one speakable unit, in order.
+
+        The worker calls next() once per scheduling step, so a generator that
+        yields often lets other streams in and lets cancel act between chunks.
+        """
+
+    def close(self) -> None:
+        """Release models and devices."""
+
+    def info(self) -> dict:
+        return {
+            "engine": self.name,
+            "voices": self.voices(),
+            "sample_rate": self.sample_rate(),
+            "supported_tags": sorted(self.supported_tags),
+        }
+
+
+def words_by_length(text: str, duration: float, start: float = 0.0) -> list[WordTiming]:
+    """Spread a text's words over a duration in proportion to their length.
+
+    Used where an engine gives no alignment, or its alignment does not map onto
+    the written words (numbers that espeak expands, say).
+    """
+    words = text.split()
+    if not words or duration <= 0:
+        return []
+    total = sum(len(w) + 1 for w in words)
+    t = start
+    out = []
+    for w in words:
+        d = duration * (len(w) + 1) / total
+        out.append(WordTiming(w, t, t + d))
+        t += d
+    return out

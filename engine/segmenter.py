@@ -1,0 +1,242 @@
+"""Turning a token stream into speakable units.
+
+The first unit is short (the first clause, or a few words once a timeout
+fires), because time to first audio matters most. Later units are whole
+sentences or long clauses, for natural prosody. Every unit keeps the exact
+input span it came from (`raw`), so joining the raw spans gives back the input:
+nothing is lost, duplicated or reordered. What the engine is asked to say
+(`speak`) is the raw span cleaned of markdown, emoji and markup.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from dataclasses import dataclass
+
+SENTENCE_END = ".!?…"
+CLOSERS = "\"')]}”’»*_"
+ABBREVIATIONS = {
+    "dr", "mr", "mrs", "ms", "prof", "sr", "jr", "st", "vs", "etc", "inc", "ltd", "co",
+    "no", "fig", "approx", "dept", "est", "gen", "gov", "lt", "mt", "rev", "sgt", "capt",
+    "col", "cmdr", "jan", "feb", "mar", "apr", "jun", "jul", "aug", "sep", "sept", "oct",
+    "nov", "dec", "mon", "tue", "wed", "thu", "fri", "sat", "sun", "a.m", "p.m", "e.g", "i.e",
+    "u.s", "u.k", "ph.d",
+}
+
+
+@dataclass(frozen=True)
+class Unit:
+    raw: str
+    speak: str
+    first: bool = False
+
+
+@dataclass
+class SegmenterConfig:
+    # The first unit may end at a comma once it has this many characters.
+    first_min_chars: int = 12
+    # Later units end at a sentence, or at ; and : once this long.
+    min_chars: int = 24
+    # Later units end at a comma only once this long.
+    comma_min_chars: int = 120
+    # Text without punctuation is split at the last space before this length.
+    max_chars: int = 220
+
+
+class Segmenter:
+    def __init__(self, config: SegmenterConfig | None = None) -> None:
+        self.config = config or SegmenterConfig()
+        self._buf = ""
+        self._emitted_first = False
+
+    @property
+    def pending(self) -> str:
+        return self._buf
+
+    @property
+    def started(self) -> bool:
+        return self._emitted_first
+
+    def push(self, text: str) -> list[Unit]:
+        self._buf += text
+        return self._drain(final=False)
+
+    def end(self) -> list[Unit]:
+        units = self._drain(final=True)
+        if self._buf:
+            units.append(self._unit(len(self._buf)))
+        return units
+
+    def flush_first(self) -> list[Unit]:
+        """Called when the first clause is slow to arrive: say the whole words so far."""
+        if self._emitted_first or not speakable(self._buf):
+            return []
+        cut = _last_space(self._buf, len(self._buf))
+        if cut is None or not speakable(self._buf[:cut]):
+            return []
+        if _open_tag(self._buf[:cut]):
+            return []
+        return [self._unit(cut)]
+
+    def _unit(self, cut: int) -> Unit:
+        raw, self._buf = self._buf[:cut], self._buf[cut:]
+        first = not self._emitted_first and bool(speakable(raw))
+        if first:
+            self._emitted_first = True
+        return Unit(raw=raw, speak=speakable(raw), first=first)
+
+    def _drain(self, final: bool) -> list[Unit]:
+        units = []
+        while True:
+            cut = self._find_cut(final)
+            if cut is None:
+                return units
+            units.append(self._unit(cut))
+
+    def _find_cut(self, final: bool) -> int | None:
+        buf = self._buf
+        cfg = self.config
+        first = not self._emitted_first
+        n = len(buf)
+        i = 0
+        while i < n:
+            c = buf[i]
+            if c == "<":
+                close = buf.find(">", i)
+                if close < 0:
+                    # An unfinished tag: nothing after it can be decided yet.
+                    return self._hard_cut(i) if i >= cfg.max_chars else None
+                i = close + 1
+                continue
+            if i >= cfg.max_chars:
+                return self._hard_cut(i)
+            length = len(buf[:i].strip())
+            if c in SENTENCE_END:
+                j = i + 1
+                while j < n and (buf[j] in SENTENCE_END or buf[j] in CLOSERS):
+                    j += 1
+                if j >= n:
+                    return None  # undecided until the next character, or end()
+                if buf[j].isspace() and not _is_abbreviation(buf, i):
+                    if first or length + 1 >= cfg.min_chars:
+                        return j
+                i = j
+                continue
+            if c in ",;:":
+                j = i + 1
+                if j >= n:
+                    return None
+                if buf[j].isspace():
+                    if c == ",":
+                        need = cfg.first_min_chars if first else cfg.comma_min_chars
+                    else:
+                        need = cfg.first_min_chars if first else cfg.min_chars
+                    if length + 1 >= need:
+                        return j
+                i = j
+                continue
+            if c == "\n":
+                if speakable(buf[:i]):
+                    j = i + 1
+                    while j < n and buf[j] == "\n":
+                        j += 1
+                    return j
+            i += 1
+        return None
+
+    def _hard_cut(self, limit: int) -> int:
+        cut = _last_space(self._buf, limit)
+        if cut is None or cut < self.config.max_chars // 2:
+            cut = limit
+        return cut
+
+
+def _last_space(buf: str, limit: int) -> int | None:
+    """Index just after the last whitespace before limit that is not inside a tag."""
+    depth_start = None
+    best = None
+    for k in range(min(limit, len(buf))):
+        ch = buf[k]
+        if ch == "<":
+            depth_start = k
+        elif ch == ">":
+            depth_start = None
+        elif ch.isspace() and depth_start is None and k > 0:
+            best = k + 1
+    return best
+
+
+def _open_tag(text: str) -> bool:
+    return text.rfind("<") > text.rfind(">")
+
+
+def _is_abbreviation(buf: str, dot: int) -> bool:
+    if buf[dot] != ".":
+        return False
+    start = dot
+    while start > 0 and not buf[start - 1].isspace():
+        start -= 1
+    token = buf[start:dot].lstrip("(\"'“‘").lower()
+    if not token:
+        return False
+    if token in ABBREVIATIONS:
+        return True
+    if len(token) == 1 and token.isalpha():
+        return True  # an initial, as in "J. Smith"
+    if re.fullmatch(r"(?:[a-z]\.)+[a-z]", token):
+        return True  # e.g, i.e, U.S
+    if token.isdigit() and (start == 0 or buf[start - 1] == "\n"):
+        return True  # "1. " starting a list item
+    return False
+
+
+_MD_LINK = re.compile(r"!?\[([^\]]*)\]\([^)]*\)")
+_URL = re.compile(r"\b(?:https?://|www\.)[^\s<>]+", re.IGNORECASE)
+_EMAIL = re.compile(r"\b([\w.+-]+)@([\w-]+(?:\.[\w-]+)+)\b")
+_TAG = re.compile(r"<[^>]*>")
+_BULLET = re.compile(r"(?m)^[ \t]*(?:[-*+•]|#{1,6})[ \t]+")
+_MD_MARKS = re.compile(r"(\*\*|__|\*|`+|~~)")
+_SPACES = re.compile(r"\s+")
+_SPACE_BEFORE_PUNCT = re.compile(r"\s+([.,;:!?])")
+
+
+def _say_host(host: str) -> str:
+    return " dot ".join(part for part in host.split(".") if part)
+
+
+def _url(match: re.Match) -> str:
+    url = re.sub(r"^(?:https?://)", "", match.group(0), flags=re.IGNORECASE)
+    url = url.rstrip(".,;:!?)")
+    host = url.split("/", 1)[0]
+    trailing = match.group(0)[len(match.group(0).rstrip(".,;:!?)")) :]
+    return _say_host(host) + trailing
+
+
+def _email(match: re.Match) -> str:
+    return f"{match.group(1)} at {_say_host(match.group(2))}"
+
+
+def _is_emoji(ch: str) -> bool:
+    cp = ord(ch)
+    if cp in (0x200D, 0xFE0F, 0xFE0E, 0x20E3):
+        return True
+    if 0x1F000 <= cp <= 0x1FAFF or 0x2600 <= cp <= 0x27BF or 0x1F1E6 <= cp <= 0x1F1FF:
+        return True
+    return unicodedata.category(ch) in ("So", "Cs", "Co", "Cn")
+
+
+def speakable(raw: str) -> str:
+    """What to say for a raw span: no markup, no emoji; '' if nothing is speakable."""
+    text = _TAG.sub(" ", raw)
+    text = _MD_LINK.sub(r"\1", text)
+    text = _EMAIL.sub(_email, text)
+    text = _URL.sub(_url, text)
+    text = _BULLET.sub("", text)
+    text = _MD_MARKS.sub("", text)
+    text = "".join(" " if _is_emoji(ch) or unicodedata.category(ch) == "Cc" else ch for ch in text)
+    text = _SPACES.sub(" ", text).strip()
+    text = _SPACE_BEFORE_PUNCT.sub(r"\1", text)
+    if not any(ch.isalnum() for ch in text):
+        return ""
+    return text
