@@ -116,6 +116,9 @@ class PiperEngine(Engine):
     def load(self) -> None:
         self._providers = choose_providers(self.device)
         self._voice(None)
+        # onnxruntime allocates on the first run; pay that here, not on a listener's first words.
+        for _ in self.synthesize("Ready.", SynthesisOptions()):
+            pass
         log.info("piper voice %s loaded on %s", self.default_voice, self._providers[0])
 
     def voices(self) -> list[str]:

@@ -120,7 +120,7 @@ class Segmenter:
                     return None  # undecided until the next character, or end()
                 if buf[j].isspace() and not _is_abbreviation(buf, i):
                     if first or length + 1 >= cfg.min_chars:
-                        return j
+                        return _past_spaces(buf, j)
                 i = j
                 continue
             if c in ",;:":
@@ -133,7 +133,7 @@ class Segmenter:
                     else:
                         need = cfg.first_min_chars if first else cfg.min_chars
                     if length + 1 >= need:
-                        return j
+                        return _past_spaces(buf, j)
                 i = j
                 continue
             if c == "\n":
@@ -150,6 +150,14 @@ class Segmenter:
         if cut is None or cut < self.config.max_chars // 2:
             cut = limit
         return cut
+
+
+def _past_spaces(buf: str, j: int) -> int:
+    # The spaces after a boundary belong to the unit they end, so that units
+    # joined back together keep the words apart.
+    while j < len(buf) and buf[j] in " \t":
+        j += 1
+    return j
 
 
 def _last_space(buf: str, limit: int) -> int | None:
@@ -235,8 +243,9 @@ def speakable(raw: str) -> str:
     text = _BULLET.sub("", text)
     text = _MD_MARKS.sub("", text)
     text = "".join(" " if _is_emoji(ch) or unicodedata.category(ch) == "Cc" else ch for ch in text)
+    trailing = " " if text[-1:].isspace() else ""
     text = _SPACES.sub(" ", text).strip()
     text = _SPACE_BEFORE_PUNCT.sub(r"\1", text)
     if not any(ch.isalnum() for ch in text):
         return ""
-    return text
+    return text + trailing

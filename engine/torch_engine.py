@@ -1,0 +1,400 @@
+"""Piper voices on torch, streaming inside a sentence and batching across streams.
+
+The ONNX engine speaks a sentence per model call, so a long sentence's first
+audio waits for all of it. Here the clause goes through text encoder and
+duration predictor in one call, and then the flow and the vocoder run on
+successive windows of output frames, each with enough context either side
+that its samples equal a whole-sentence decode. The first window is small, so
+the first audio goes out after a fraction of the sentence's work; later
+windows grow to cut the cost of their context.
+
+Several streams' steps can run as one forward pass: `start()` makes a job per
+unit of text, and `step(jobs)` advances each job by one chunk, batching the
+encoder calls, flow segments and decoder windows of all the jobs it is given.
+`synthesize()` is `step()` on a single job, so both paths run the same code.
+
+torch is imported only when this engine is created.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from .base import AudioChunk, Engine, EngineError, SynthesisOptions, WordTiming
+from .piper_engine import DEFAULT_VOICE, PiperEngine, _split_words_over, _word_timings
+
+try:
+    import torch
+except ImportError as exc:  # the registry imports this module only when asked for "torch"
+    raise EngineError(
+        "the torch engine needs PyTorch: pip install 'voxgate[gpu]' (or pip install torch)"
+    ) from exc
+
+from .torch_vits import Aligned, Vits
+
+log = logging.getLogger(__name__)
+
+FIRST_WINDOW_FRAMES = 16  # ~190 ms at 22050 Hz / hop 256: small, so the first audio is early
+MAX_WINDOW_FRAMES = 64  # later windows double up to this; bigger amortises context
+FLOW_SEGMENT_FRAMES = 128  # the flow runs ahead of the vocoder in segments at least this long
+
+
+def choose_device(device: str) -> "torch.device":
+    """A torch device for a device name: auto, cpu or cuda."""
+    if device == "cpu":
+        return torch.device("cpu")
+    cuda = torch.cuda.is_available()
+    if device.startswith("cuda"):
+        if not cuda:
+            build = torch.version.cuda or "none (CPU-only build)"
+            raise EngineError(
+                f"--device {device} was asked for, but torch {torch.__version__} sees no CUDA device "
+                f"(CUDA build: {build}). Install a CUDA build of torch on a machine with an NVIDIA GPU, "
+                "or use --device cpu."
+            )
+        return torch.device(device)
+    if device != "auto":
+        raise EngineError(f"unknown device {device!r}: use auto, cpu or cuda")
+    return torch.device("cuda" if cuda else "cpu")
+
+
+class _TorchVoice:
+    """A Piper voice: the torch model plus Piper's phonemizer for its config."""
+
+    def __init__(self, path: Path, device: "torch.device") -> None:
+        import json
+
+        from piper import PiperVoice
+        from piper.config import PiperConfig
+
+        config_path = Path(str(path) + ".json")
+        if not path.exists() or not config_path.exists():
+            raise EngineError(
+                f"Piper voice {path} needs both the .onnx file and its .onnx.json config beside it."
+            )
+        config = PiperConfig.from_dict(json.loads(config_path.read_text(encoding="utf-8")))
+        try:
+            model = Vits.from_onnx(path)
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise EngineError(f"cannot load {path} into the torch VITS model: {exc}") from exc
+        model.to(device)
+        if device.type == "cuda":
+            model.half_decoder()
+        self.model = model
+        # No onnxruntime session: only phonemize() and phonemes_to_ids() are used.
+        # The attribute names match piper_engine._LoadedVoice so its word-timing helper applies.
+        self.voice = PiperVoice(session=None, config=config)  # type: ignore[arg-type]
+        self.sample_rate = config.sample_rate
+        self.hop = model.hop
+        self.flow_context = model.flow_context()
+        self.dec_context = model.dec.context_frames()
+        # espeak-ng keeps global state; one phonemizer call at a time.
+        self.phonemize_lock = threading.Lock()
+
+
+@dataclass
+class _Sentence:
+    """One espeak sentence of a unit, from phonemes to emitted windows."""
+
+    text: str
+    phonemes: list[str]
+    ids: list[int]
+    last_of_unit: bool
+    aligned: Aligned | None = None
+    z: "torch.Tensor | None" = None  # flow output, filled ahead of the vocoder
+    flowed: int = 0  # frames of z computed
+    decoded: int = 0  # frames turned into audio
+    windows: int = 0
+    words: list[WordTiming] = field(default_factory=list)
+
+    @property
+    def frames(self) -> int:
+        return self.aligned.frames if self.aligned is not None else 0
+
+
+@dataclass
+class SynthesisJob:
+    """One unit of text on its way to audio; advance it with TorchEngine.step()."""
+
+    text: str
+    options: SynthesisOptions
+    voice: _TorchVoice
+    length_scale: float
+    noise_scale: float
+    noise_w: float
+    pending: list[_Sentence]
+    generator: "torch.Generator | None" = None
+    current: _Sentence | None = None
+    chunks: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.current is None and not self.pending
+
+
+@dataclass
+class _FlowTask:
+    sentence: _Sentence
+    src_start: int
+    src_end: int
+    keep_start: int
+    keep_end: int
+
+
+@dataclass
+class _Window:
+    job: SynthesisJob
+    sentence: _Sentence
+    start: int
+    end: int
+    src_start: int
+    src_end: int
+
+
+class TorchEngine(Engine):
+    name = "torch"
+
+    def __init__(
+        self,
+        voice: str | None = None,
+        device: str = "auto",
+        threads: int | None = None,
+        first_window: int = FIRST_WINDOW_FRAMES,
+        max_window: int = MAX_WINDOW_FRAMES,
+        **_: object,
+    ) -> None:
+        self.default_voice = voice or DEFAULT_VOICE
+        self.device_name = device
+        self.threads = threads or int(os.environ.get("VOXGATE_ENGINE_THREADS", "0")) or (os.cpu_count() or 1)
+        self.first_window = max(1, int(first_window))
+        self.max_window = max(self.first_window, int(max_window))
+        self.device: torch.device | None = None
+        self._voices: dict[str, _TorchVoice] = {}
+        self._load_lock = threading.Lock()
+        # Voice names resolve exactly as in the ONNX engine (it loads nothing until load()).
+        self._names = PiperEngine(voice=voice)
+
+    # Engine interface
+
+    def load(self) -> None:
+        self.device = choose_device(self.device_name)
+        if self.device.type == "cpu":
+            torch.set_num_threads(self.threads)
+        self._voice(None)
+        log.info("torch voice %s loaded on %s", self.default_voice, self.device)
+
+    def voices(self) -> list[str]:
+        return list(dict.fromkeys([DEFAULT_VOICE, *self._voices]))
+
+    def sample_rate(self, voice: str | None = None) -> int:
+        return self._voice(voice).sample_rate
+
+    def synthesize(self, text: str, options: SynthesisOptions) -> Iterator[AudioChunk]:
+        job = self.start(text, options)
+        while True:
+            chunk = self.step([job])[0]
+            if chunk is None:
+                return
+            yield chunk
+
+    def close(self) -> None:
+        self._voices.clear()
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def info(self) -> dict:
+        info = super().info()
+        info["device"] = str(self.device)
+        info["first_window_frames"] = self.first_window
+        info["max_window_frames"] = self.max_window
+        return info
+
+    # Batched API
+
+    def start(self, text: str, options: SynthesisOptions, seed: int | None = None) -> SynthesisJob:
+        """Phonemize a unit of text into a job; no model work happens yet."""
+        loaded = self._voice(options.voice)
+        config = loaded.voice.config
+        with loaded.phonemize_lock:
+            sentences = [p for p in loaded.voice.phonemize(text) if p]
+        pieces = _split_words_over(text, sentences)
+        pending = [
+            _Sentence(text=piece, phonemes=ph, ids=loaded.voice.phonemes_to_ids(ph), last_of_unit=i == len(sentences) - 1)
+            for i, (ph, piece) in enumerate(zip(sentences, pieces))
+        ]
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        return SynthesisJob(
+            text=text,
+            options=options,
+            voice=loaded,
+            length_scale=config.length_scale / max(options.rate, 0.1),
+            noise_scale=config.noise_scale if options.noise_scale is None else float(options.noise_scale),
+            noise_w=config.noise_w_scale if options.noise_w_scale is None else float(options.noise_w_scale),
+            pending=pending,
+            generator=generator,
+        )
+
+    def step(self, jobs: Sequence[SynthesisJob]) -> list[AudioChunk | None]:
+        """Advance every job by one chunk in as few forward passes as possible.
+
+        Returns one entry per job, in order: its next chunk, or None once the
+        job has no more audio. Jobs may use different voices (one batch per
+        voice). A job must not be stepped from two threads at once.
+        """
+        results: list[AudioChunk | None] = [None] * len(jobs)
+        by_voice: dict[int, list[int]] = {}
+        for i, job in enumerate(jobs):
+            by_voice.setdefault(id(job.voice), []).append(i)
+        with torch.inference_mode():
+            for indices in by_voice.values():
+                group = [jobs[i] for i in indices]
+                for i, chunk in zip(indices, self._step_voice(group)):
+                    results[i] = chunk
+        return results
+
+    def synthesize_batch(
+        self, requests: Sequence[tuple[str, SynthesisOptions]], seeds: Sequence[int | None] | None = None
+    ) -> list[list[AudioChunk]]:
+        """Run several units to completion together; the chunks of each, in order."""
+        jobs = [self.start(text, opts, seed=(seeds[i] if seeds else None)) for i, (text, opts) in enumerate(requests)]
+        out: list[list[AudioChunk]] = [[] for _ in jobs]
+        live = list(range(len(jobs)))
+        while live:
+            chunks = self.step([jobs[i] for i in live])
+            still = []
+            for i, chunk in zip(live, chunks):
+                if chunk is not None:
+                    out[i].append(chunk)
+                    still.append(i)
+            live = still
+        return out
+
+    # Internals
+
+    def _voice(self, voice: str | None) -> _TorchVoice:
+        name, path = self._names._resolve(voice)
+        loaded = self._voices.get(name)
+        if loaded is None:
+            with self._load_lock:
+                loaded = self._voices.get(name)
+                if loaded is None:
+                    if self.device is None:
+                        self.device = choose_device(self.device_name)
+                    loaded = _TorchVoice(path, self.device)
+                    self._voices[name] = loaded
+        return loaded
+
+    def _step_voice(self, jobs: list[SynthesisJob]) -> list[AudioChunk | None]:
+        voice = jobs[0].voice
+        model = voice.model
+
+        # 1. Jobs between sentences: encoder and duration predictor, batched.
+        fresh = []
+        for job in jobs:
+            if job.current is None and job.pending:
+                job.current = job.pending.pop(0)
+                fresh.append(job)
+        if fresh:
+            aligned = model.encode(
+                [j.current.ids for j in fresh],
+                [j.length_scale for j in fresh],
+                [j.noise_scale for j in fresh],
+                [j.noise_w for j in fresh],
+                [j.generator for j in fresh],
+            )
+            for job, a in zip(fresh, aligned):
+                self._aligned(job, a)
+
+        # 2. Plan each job's next vocoder window and the flow frames it needs.
+        windows: list[_Window | None] = []
+        flows: list[_FlowTask] = []
+        for job in jobs:
+            s = job.current
+            if s is None:
+                windows.append(None)
+                continue
+            window = self._plan_window(job, s)
+            windows.append(window)
+            need = min(s.frames, window.end + voice.dec_context)
+            if s.flowed < need:
+                end = min(s.frames, max(need, s.flowed + FLOW_SEGMENT_FRAMES))
+                src_start = max(0, s.flowed - voice.flow_context)
+                src_end = min(s.frames, end + voice.flow_context)
+                flows.append(_FlowTask(s, src_start, src_end, s.flowed - src_start, end - src_start))
+
+        # 3. Flow segments, batched.
+        if flows:
+            outs = model.flow_windows([f.sentence.aligned.z_p[:, f.src_start : f.src_end] for f in flows])
+            for f, z in zip(flows, outs):
+                s = f.sentence
+                if s.z is None:
+                    s.z = torch.empty(z.shape[0], s.frames, dtype=z.dtype, device=z.device)
+                s.z[:, s.flowed : s.flowed + f.keep_end - f.keep_start] = z[:, f.keep_start : f.keep_end]
+                s.flowed += f.keep_end - f.keep_start
+
+        # 4. Vocoder windows, batched.
+        live = [w for w in windows if w is not None]
+        audio = model.decode([w.sentence.z[:, w.src_start : w.src_end] for w in live]) if live else []
+        results: list[AudioChunk | None] = []
+        it = iter(audio)
+        for w in windows:
+            results.append(None if w is None else self._emit(w, next(it)))
+        return results
+
+    def _aligned(self, job: SynthesisJob, aligned: Aligned) -> None:
+        s = job.current
+        s.aligned = aligned
+        voice = job.voice
+        id_samples = (aligned.durations.cpu().numpy() * voice.hop).astype(np.int64)
+        duration = aligned.frames * voice.hop / voice.sample_rate
+        # Same mapping from phoneme spans to written words as the ONNX engine.
+        s.words = _word_timings(s.text, s.phonemes, s.ids, id_samples, voice, duration)
+
+    def _plan_window(self, job: SynthesisJob, s: _Sentence) -> _Window:
+        size = min(self.max_window, self.first_window << min(s.windows, 16))
+        end = min(s.frames, s.decoded + size)
+        if s.frames - end < self.first_window // 2:
+            end = s.frames  # fold a sliver of a tail into this window
+        ctx = job.voice.dec_context
+        return _Window(job, s, s.decoded, end, max(0, s.decoded - ctx), min(s.frames, end + ctx))
+
+    def _emit(self, w: _Window, wave: "torch.Tensor") -> AudioChunk:
+        s, job, voice = w.sentence, w.job, w.job.voice
+        hop = voice.hop
+        samples = wave[(w.start - w.src_start) * hop : (w.end - w.src_start) * hop]
+        pcm = (samples.float().clamp(-1.0, 1.0) * 32767.0).to(torch.int16).cpu().numpy()
+        last_window = w.end >= s.frames
+        s.decoded = w.end
+        s.windows += 1
+
+        # Words belong to the window in which they start; times from this chunk's start.
+        t0 = w.start * hop / voice.sample_rate
+        t1 = w.end * hop / voice.sample_rate
+        words = [
+            WordTiming(x.text, x.start - t0, x.end - t0)
+            for x in s.words
+            if (t0 <= x.start < t1) or (last_window and x.start >= t1)
+        ]
+        text = " ".join(x.text for x in words)
+        if last_window:
+            job.current = None
+        unit_end = last_window and s.last_of_unit
+        if text and not unit_end:
+            text += " "
+        chunk = AudioChunk(
+            pcm=pcm,
+            sample_rate=voice.sample_rate,
+            text=text,
+            words=words,
+            unit_index=job.chunks,
+            unit_end=unit_end,
+        )
+        job.chunks += 1
+        return chunk

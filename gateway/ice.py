@@ -1,0 +1,100 @@
+"""ICE policy: which local addresses we offer, and which remote candidates we accept.
+
+aioice offers every interface except 127.0.0.1, and aiortc defaults to a public
+STUN server. Voxgate offers only the configured host addresses (loopback in
+tests), uses only configured STUN/TURN servers (none by default), and drops
+remote candidates outside an allow-list of networks, so a peer cannot make
+the gateway probe internal networks.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from dataclasses import dataclass, field
+
+import aioice.ice
+from aiortc import RTCConfiguration, RTCIceServer
+
+log = logging.getLogger(__name__)
+
+_original_get_host_addresses = aioice.ice.get_host_addresses
+_host_addresses: list[str] | None = None
+
+
+def restrict_host_addresses(addresses: list[str] | None) -> None:
+    """Offer only these local addresses as host candidates (None: every interface).
+
+    aioice reads host addresses through one module-level function, so this is
+    process-wide; the gateway sets it once at start-up.
+    """
+    global _host_addresses
+    _host_addresses = list(addresses) if addresses else None
+    aioice.ice.get_host_addresses = _host_addresses_hook
+
+
+def _host_addresses_hook(use_ipv4: bool, use_ipv6: bool) -> list[str]:
+    if _host_addresses is None:
+        return _original_get_host_addresses(use_ipv4, use_ipv6)
+    out = []
+    for addr in _host_addresses:
+        version = ipaddress.ip_address(addr).version
+        if (version == 4 and use_ipv4) or (version == 6 and use_ipv6):
+            out.append(addr)
+    return out
+
+
+def parse_ice_server(url: str) -> RTCIceServer:
+    """`turn:user:pass@host:3478?transport=udp` style URLs; credentials optional."""
+    username = credential = None
+    scheme, _, rest = url.partition(":")
+    if scheme not in ("stun", "turn", "turns"):
+        raise ValueError(f"ICE server URL {url!r} must start with stun:, turn: or turns:")
+    if "@" in rest:
+        userinfo, rest = rest.rsplit("@", 1)
+        username, _, credential = userinfo.partition(":")
+    return RTCIceServer(urls=f"{scheme}:{rest}", username=username or None, credential=credential or None)
+
+
+@dataclass
+class IcePolicy:
+    servers: list[RTCIceServer] = field(default_factory=list)
+    # Remote candidates must come from these networks, or be public addresses
+    # when allow_public is set; private ranges are refused unless listed.
+    allowed_networks: list[ipaddress._BaseNetwork] = field(default_factory=list)
+    allow_public: bool = True
+
+    def rtc_configuration(self) -> RTCConfiguration:
+        # An explicit empty list: aiortc would otherwise use a public STUN server.
+        return RTCConfiguration(iceServers=list(self.servers))
+
+    def allows(self, address: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return False  # mDNS (.local) names and junk: not resolvable to a checked network
+        if any(ip in net for net in self.allowed_networks):
+            return True
+        return self.allow_public and ip.is_global
+
+    def filter_sdp(self, sdp: str) -> tuple[str, int]:
+        """Drop candidate lines from disallowed networks; returns (sdp, dropped count)."""
+        kept, dropped = [], 0
+        for line in sdp.splitlines():
+            if line.startswith("a=candidate:"):
+                parts = line.split()
+                if len(parts) < 5 or not self.allows(parts[4]):
+                    dropped += 1
+                    continue
+            kept.append(line)
+        return "\r\n".join(kept) + "\r\n", dropped
+
+
+def parse_networks(values: list[str]) -> list[ipaddress._BaseNetwork]:
+    nets = []
+    for value in values:
+        try:
+            nets.append(ipaddress.ip_network(value, strict=False))
+        except ValueError:
+            raise ValueError(f"{value!r} is not a network; use CIDR such as 127.0.0.0/8 or 203.0.113.0/24") from None
+    return nets

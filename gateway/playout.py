@@ -1,0 +1,152 @@
+"""What the outbound track plays next: encoded frames grouped by utterance.
+
+Frames are encoded ahead of time and queued here per utterance. The track
+takes one frame per tick. An utterance starts once enough audio is buffered
+for the current pre-roll; inside an utterance an underrun is filled with
+silence (never by stretching) and raises the pre-roll for what follows.
+Between utterances the track sends silence. A cancel empties everything, so
+the very next frame on the wire is silence.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+FRAME_MS = 20
+
+
+@dataclass
+class UtterancePlay:
+    id: str
+    # When the utterance could first have been spoken: its first text, or the
+    # end of the utterance before it if that came later. TTFA counts from here.
+    ready_at: float | None = None
+    frames: deque = field(default_factory=deque)
+    words: list = field(default_factory=list)  # (text, start_ms, end_ms) in utterance time
+    queued_ms: int = 0
+    sent_frames: int = 0
+    input_done: bool = False
+    started: bool = False
+    first_frame_at: float | None = None
+    underruns: int = 0
+
+    @property
+    def played_ms(self) -> int:
+        return self.sent_frames * FRAME_MS
+
+    @property
+    def buffered_ms(self) -> int:
+        return len(self.frames) * FRAME_MS
+
+    def played_text(self) -> str:
+        """The words whose middle has gone out on the wire."""
+        heard = [w for w, start, end in self.words if (start + end) / 2 <= self.played_ms]
+        return _join(heard)
+
+    def full_text(self) -> str:
+        return _join([w for w, _, _ in self.words])
+
+
+def _join(words: list[str]) -> str:
+    # Tone-engine "words" are single characters including spaces; voice words are whitespace-split.
+    if words and all(len(w) == 1 for w in words):
+        return "".join(words)
+    return " ".join(words)
+
+
+@dataclass
+class PlayoutStats:
+    underruns: int = 0
+    utterances: int = 0
+
+
+class Playout:
+    def __init__(
+        self,
+        silence: bytes,
+        on_audio_started: Callable[[UtterancePlay, float], None] | None = None,
+        on_done: Callable[[UtterancePlay], None] | None = None,
+        initial_preroll_ms: int = 0,
+        max_preroll_ms: int = 200,
+    ) -> None:
+        self.silence = silence
+        self.queue: deque[UtterancePlay] = deque()
+        self.on_audio_started = on_audio_started
+        self.on_done = on_done
+        self.preroll_ms = initial_preroll_ms
+        self.max_preroll_ms = max_preroll_ms
+        self.stats = PlayoutStats()
+        self._rebuffering = False
+
+    # Producer side (the session's feeder)
+    def add(self, utt: UtterancePlay) -> None:
+        self.queue.append(utt)
+
+    def push(self, utt: UtterancePlay, frames: list[bytes]) -> None:
+        utt.frames.extend(frames)
+        utt.queued_ms += len(frames) * FRAME_MS
+
+    def finish(self, utt: UtterancePlay) -> None:
+        utt.input_done = True
+
+    @property
+    def current(self) -> UtterancePlay | None:
+        return self.queue[0] if self.queue else None
+
+    # Consumer side (the track, once per 20 ms)
+    def next_frame(self, now: float | None = None) -> bytes:
+        while self.queue:
+            utt = self.queue[0]
+            if not utt.started:
+                enough = utt.buffered_ms >= max(self.preroll_ms, FRAME_MS)
+                if not (enough or (utt.input_done and utt.frames)):
+                    if utt.input_done:
+                        self._finish_current(now)  # nothing to say at all
+                        continue
+                    return self.silence
+                utt.started = True
+                self._rebuffering = False
+            if utt.frames:
+                if self._rebuffering and not utt.input_done and utt.buffered_ms < self.preroll_ms:
+                    return self.silence
+                self._rebuffering = False
+                frame = utt.frames.popleft()
+                utt.sent_frames += 1
+                if utt.first_frame_at is None:
+                    utt.first_frame_at = now if now is not None else time.perf_counter()
+                    if self.on_audio_started is not None:
+                        self.on_audio_started(utt, utt.first_frame_at)
+                return frame
+            if utt.input_done:
+                self._finish_current(now)
+                continue
+            # Underrun inside an utterance: silence now, more pre-roll from here on.
+            if not self._rebuffering:
+                utt.underruns += 1
+                self.stats.underruns += 1
+                self.preroll_ms = min(self.max_preroll_ms, self.preroll_ms + 3 * FRAME_MS)
+                self._rebuffering = True
+            return self.silence
+        return self.silence
+
+    def _finish_current(self, now: float | None) -> None:
+        utt = self.queue.popleft()
+        self.stats.utterances += 1
+        if utt.underruns == 0 and self.preroll_ms > 0:
+            # The engine kept ahead this time: lean back towards starting at once.
+            self.preroll_ms = max(0, self.preroll_ms - FRAME_MS)
+        if self.queue and self.queue[0].ready_at is not None:
+            t = now if now is not None else time.perf_counter()
+            self.queue[0].ready_at = max(self.queue[0].ready_at, t)
+        if self.on_done is not None:
+            self.on_done(utt)
+
+    def clear(self) -> list[UtterancePlay]:
+        """Drop everything; returns the dropped utterances, the playing one first."""
+        dropped = list(self.queue)
+        self.queue.clear()
+        self._rebuffering = False
+        return dropped

@@ -1,0 +1,433 @@
+"""One session per listener: the utterance queue, speech output, barge-in.
+
+A session is independent of transport. Messages arrive from the WebRTC data
+channel or a backend WebSocket and go through `handle_message`; events go
+out to every attached listener. Speech goes out through one output (a WebRTC
+track, or a telephony stream) which pulls 20 ms frames from `playout`.
+
+Per utterance: text -> TTSStream (segmenter + engine worker) -> feeder
+(resample, frame, encode in a thread) -> Playout -> track. A cancel or
+barge-in empties the playout at once, cancels every engine stream, and
+reports how much of the current utterance was heard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import numpy as np
+
+from ..engine.base import SynthesisOptions
+from ..engine.client import EngineClient, EngineCrashed, EngineStreamError, EngineUnavailable, TTSStream
+from .encoder import FrameEncoder, OpusSettings, create_encoder
+from .playout import Playout, UtterancePlay
+from .protocol import Limits, ProtocolError, parse
+from .resample import StreamResampler
+from .vad import VadSettings, VoiceActivityDetector
+
+log = logging.getLogger(__name__)
+
+Listener = Callable[[dict], None]
+
+# Encoding runs here, never on the event loop. libopus releases the GIL.
+_encode_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="encode")
+
+
+@dataclass
+class SessionOptions:
+    voice: str | None = None
+    rate: float = 1.0
+    vad: VadSettings = field(default_factory=VadSettings)
+    opus: OpusSettings = field(default_factory=OpusSettings)
+    limits: Limits = field(default_factory=Limits)
+    max_utterance_chars: int = 20000
+    max_queued_utterances: int = 32
+
+
+@dataclass
+class Utterance:
+    id: str
+    stream: TTSStream
+    play: UtterancePlay
+    source: str
+    chars: int = 0
+    ended: bool = False
+    started_sent: bool = False
+
+
+class SessionMetrics:
+    """Hooks the signaling layer points at Prometheus; no-ops by default."""
+
+    def ttfa(self, seconds: float) -> None: ...
+    def first_chunk(self, seconds: float) -> None: ...
+    def aggregation_wait(self, seconds: float) -> None: ...
+    def cancel_to_silence(self, seconds: float) -> None: ...
+    def utterance(self, outcome: str) -> None: ...
+
+
+class Session:
+    _ids = itertools.count(1)
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        options: SessionOptions | None = None,
+        session_id: str | None = None,
+        metrics: SessionMetrics | None = None,
+    ) -> None:
+        self.id = session_id or uuid.uuid4().hex[:16]
+        self.engine = engine
+        self.options = options or SessionOptions()
+        self.metrics = metrics or SessionMetrics()
+        self.created_at = time.monotonic()
+        self.last_activity = self.created_at
+        self.listeners: dict[str, Listener] = {}
+        self.writer: str | None = None  # the one backend allowed to write, besides the peer
+        self.utterances: list[Utterance] = []
+        self._open_by_source: dict[str, str] = {}
+        self._interrupted_ids: set[str] = set()
+        self._auto_ids = itertools.count(1)
+        self.encoder: FrameEncoder | None = None
+        self.output_codec: str | None = None
+        self.playout = Playout(b"", on_audio_started=self._on_audio_started, on_done=self._on_done)
+        self._wake = asyncio.Event()
+        self._feeder: asyncio.Task | None = None
+        self._closed = False
+        self.closed_event = asyncio.Event()
+        self.vad = VoiceActivityDetector(self.options.vad)
+        self.on_close: list[Callable[["Session"], Awaitable[None] | None]] = []
+        self.stats = {"utterances": 0, "interrupted": 0, "errors": 0}
+        self._pending_cancel_at: float | None = None
+
+    # Listeners and output
+    def add_listener(self, name: str, listener: Listener) -> None:
+        self.listeners[name] = listener
+
+    def remove_listener(self, name: str) -> None:
+        self.listeners.pop(name, None)
+
+    def emit(self, event: dict, only: str | None = None) -> None:
+        targets = [self.listeners[only]] if only and only in self.listeners else list(self.listeners.values())
+        for listener in targets:
+            try:
+                listener(event)
+            except Exception:
+                log.exception("session %s: listener failed", self.id)
+
+    def attach_output(self, codec: str) -> None:
+        """Choose the wire codec ('opus', 'pcmu', 'pcma') once the output is known."""
+        self.output_codec = codec
+        self.encoder = create_encoder(codec, self.options.opus)
+        self.playout.silence = self.encoder.silence()
+        if self._feeder is None:
+            self._start_feeder()
+
+    @property
+    def speaking(self) -> bool:
+        return bool(self.utterances)
+
+    # Inbound messages
+    def handle_message(self, raw: str | bytes, source: str = "peer") -> None:
+        self.last_activity = time.monotonic()
+        try:
+            msg = parse(raw, self.options.limits)
+            self._dispatch(msg, source)
+        except ProtocolError as exc:
+            self.stats["errors"] += 1
+            self.emit(exc.event(), only=source)
+        except Exception as exc:  # a bug must cost one message, not the session
+            log.exception("session %s: message failed", self.id)
+            self.emit({"type": "error", "code": "internal", "message": f"internal error: {type(exc).__name__}"}, only=source)
+
+    def _dispatch(self, msg: dict, source: str) -> None:
+        kind = msg["type"]
+        if source != "peer" and self.writer is not None and source != self.writer and kind != "ping":
+            raise ProtocolError("read_only", "another backend holds this session's write access; this one may only watch")
+        if kind == "ping":
+            self.emit({"type": "pong", "t": msg.get("t")}, only=source)
+        elif kind == "speak":
+            utt = self._utterance_for(msg.get("id"), source, streaming=False)
+            self._push(utt, msg["text"])
+            self._end(utt)
+        elif kind == "text.delta":
+            utt = self._utterance_for(msg.get("id"), source, streaming=True)
+            self._push(utt, msg["text"])
+        elif kind == "text.end":
+            uid = msg.get("id") or self._open_by_source.get(source)
+            utt = self._find(uid)
+            if utt is None:
+                if uid in self._interrupted_ids:
+                    return  # ending an interrupted utterance is fine and does nothing
+                raise ProtocolError("unknown_utterance", f"no open utterance {uid!r} to end", uid)
+            self._end(utt)
+        elif kind == "cancel":
+            self.interrupt("cancel")
+        elif kind == "session.update":
+            self._update(msg)
+
+    def _find(self, uid: str | None) -> Utterance | None:
+        for utt in self.utterances:
+            if utt.id == uid:
+                return utt
+        return None
+
+    def _utterance_for(self, uid: str | None, source: str, streaming: bool) -> Utterance:
+        if uid is None and streaming:
+            uid = self._open_by_source.get(source)
+        if uid is not None:
+            utt = self._find(uid)
+            if utt is not None:
+                if utt.ended:
+                    raise ProtocolError("utterance_ended", f"utterance {uid!r} has already ended; use a new id", uid)
+                return utt
+            if uid in self._interrupted_ids:
+                raise ProtocolError(
+                    "utterance_interrupted", f"utterance {uid!r} was interrupted; its text is not spoken", uid
+                )
+        if len(self.utterances) >= self.options.max_queued_utterances:
+            raise ProtocolError(
+                "queue_full", f"{len(self.utterances)} utterances are queued; the limit is "
+                f"{self.options.max_queued_utterances}. Wait for utterance.done or send cancel.", uid
+            )
+        if self.encoder is None:
+            raise ProtocolError("not_connected", "no audio output is attached to this session yet", uid)
+        if uid is None:
+            uid = f"u{next(self._auto_ids)}"
+        try:
+            stream = self.engine.stream(SynthesisOptions(voice=self.options.voice, rate=self.options.rate))
+        except EngineUnavailable as exc:
+            raise ProtocolError("engine_unavailable", str(exc), uid) from None
+        play = UtterancePlay(id=uid, ready_at=time.perf_counter())
+        utt = Utterance(id=uid, stream=stream, play=play, source=source)
+        self.utterances.append(utt)
+        self.playout.add(play)
+        if streaming:
+            self._open_by_source[source] = uid
+        self.stats["utterances"] += 1
+        self.emit({"type": "utterance.queued", "id": uid, "position": len(self.utterances) - 1})
+        self._wake.set()
+        return utt
+
+    def _push(self, utt: Utterance, text: str) -> None:
+        if utt.chars + len(text) > self.options.max_utterance_chars:
+            raise ProtocolError(
+                "utterance_too_long",
+                f"utterance {utt.id!r} would exceed {self.options.max_utterance_chars} characters; end it and start another",
+                utt.id,
+            )
+        utt.chars += len(text)
+        utt.stream.push_text(text)
+
+    def _end(self, utt: Utterance) -> None:
+        if utt.ended:
+            return
+        utt.ended = True
+        if self._open_by_source.get(utt.source) == utt.id:
+            del self._open_by_source[utt.source]
+        utt.stream.end_input()
+
+    def _update(self, msg: dict) -> None:
+        if "voice" in msg and msg["voice"] is not None:
+            voice = msg["voice"]
+            voices = self.engine.info.get("voices", [])
+            if voice not in voices and not voice.endswith(".onnx"):
+                raise ProtocolError("unknown_voice", f"unknown voice {voice!r}; available: {', '.join(voices)}")
+            self.options.voice = voice
+        if "rate" in msg:
+            self.options.rate = float(msg["rate"])
+        if isinstance(msg.get("vad"), dict):
+            try:
+                self.options.vad.update(msg["vad"])
+            except (ValueError, TypeError) as exc:
+                raise ProtocolError("invalid_field", str(exc)) from None
+        self.emit({"type": "session.updated", **self.describe_options()})
+
+    def describe_options(self) -> dict:
+        vad = self.options.vad
+        return {
+            "voice": self.options.voice or self.engine.info.get("voices", [None])[0],
+            "rate": self.options.rate,
+            "vad": {"enabled": vad.enabled, "aggressiveness": vad.aggressiveness, "min_speech_ms": vad.min_speech_ms},
+        }
+
+    def ready_event(self) -> dict:
+        return {
+            "type": "session.ready",
+            "session_id": self.id,
+            "voice": self.describe_options()["voice"],
+            "voices": self.engine.info.get("voices", []),
+            "sample_rate": self.encoder.sample_rate if self.encoder else 48000,
+            "engine_sample_rate": self.engine.info.get("sample_rate"),
+            "codec": self.output_codec,
+            "engine": self.engine.info.get("engine"),
+        }
+
+    # Barge-in and cancel
+    def interrupt(self, reason: str) -> None:
+        t0 = time.perf_counter()
+        dropped = self.playout.clear()
+        utterances, self.utterances = self.utterances, []
+        self._open_by_source.clear()
+        for utt in utterances:
+            utt.stream.cancel()
+            self._interrupted_ids.add(utt.id)
+        if len(self._interrupted_ids) > 1000:
+            self._interrupted_ids = set(list(self._interrupted_ids)[-500:])
+        self._restart_feeder()
+        if dropped:
+            self._pending_cancel_at = t0
+        for i, play in enumerate(dropped):
+            self.stats["interrupted"] += 1
+            self.metrics.utterance("interrupted")
+            self.emit(
+                {
+                    "type": "utterance.interrupted",
+                    "id": play.id,
+                    "reason": reason,
+                    "played_ms": play.played_ms,
+                    "played_text": play.played_text(),
+                }
+            )
+
+    def on_departure(self, now: float) -> None:
+        """Called by the output after each frame; measures cancel-to-silence."""
+        if self._pending_cancel_at is not None:
+            self.metrics.cancel_to_silence(now - self._pending_cancel_at)
+            self._pending_cancel_at = None
+
+    def _restart_feeder(self) -> None:
+        if self._feeder is not None:
+            self._feeder.cancel()
+        if self.encoder is not None and not self._closed:
+            # A fresh encoder: the cancelled audio must not colour what comes next.
+            self.encoder = create_encoder(self.output_codec or "opus", self.options.opus)
+            self._start_feeder()
+
+    def _start_feeder(self) -> None:
+        self._feeder = asyncio.ensure_future(self._feed())
+        self._feeder.add_done_callback(self._feeder_done)
+
+    def _feeder_done(self, task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        # A bug in the audio path: report it, drop what was queued, keep the session.
+        log.error("session %s: feeder failed", self.id, exc_info=task.exception())
+        self.emit({"type": "error", "code": "internal", "message": "the audio path failed; queued speech was dropped"})
+        if not self._closed and task is self._feeder:
+            self.interrupt("error")
+
+    # Inbound audio (microphone / caller)
+    def on_inbound_audio(self, pcm16k: np.ndarray) -> None:
+        vad = self.options.vad
+        for event in self.vad.process(pcm16k):
+            self.last_activity = time.monotonic()
+            self.emit({"type": event})
+            if event == "speech.started" and vad.enabled and self.playout.current is not None:
+                self.interrupt("barge_in")
+
+    # The feeder: engine chunks -> encoded frames, in utterance order
+    async def _feed(self) -> None:
+        encoder = self.encoder
+        assert encoder is not None
+        loop = asyncio.get_running_loop()
+        try:
+            while not self._closed:
+                utt = next((u for u in self.utterances if not u.play.input_done), None)
+                if utt is None:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                if not utt.started_sent:
+                    utt.started_sent = True
+                    self.emit({"type": "utterance.started", "id": utt.id})
+                resampler: StreamResampler | None = None
+                leftover = np.zeros(0, dtype=np.int16)
+                position_s = 0.0
+                first = True
+                try:
+                    async for chunk in utt.stream:
+                        if first:
+                            first = False
+                            if chunk.unit_sent_at and utt.stream.first_text_at:
+                                self.metrics.aggregation_wait(chunk.unit_sent_at - utt.stream.first_text_at)
+                                self.metrics.first_chunk(time.perf_counter() - chunk.unit_sent_at)
+                        if resampler is None:
+                            resampler = StreamResampler(chunk.sample_rate, encoder.sample_rate)
+                        frames, leftover = await loop.run_in_executor(
+                            _encode_pool, _encode_chunk, encoder, resampler, leftover, chunk.pcm, False
+                        )
+                        for word in chunk.words:
+                            utt.play.words.append(
+                                (word.text, (position_s + word.start) * 1000.0, (position_s + word.end) * 1000.0)
+                            )
+                        position_s += chunk.duration
+                        self.playout.push(utt.play, frames)
+                except (EngineCrashed, EngineStreamError, EngineUnavailable) as exc:
+                    code = "engine_crashed" if isinstance(exc, EngineCrashed) else "engine_error"
+                    self.emit({"type": "error", "code": code, "message": str(exc), "id": utt.id})
+                if resampler is not None:
+                    frames, _ = await loop.run_in_executor(
+                        _encode_pool, _encode_chunk, encoder, resampler, leftover, np.zeros(0, np.int16), True
+                    )
+                    self.playout.push(utt.play, frames)
+                self.playout.finish(utt.play)
+        except asyncio.CancelledError:
+            pass
+
+    def _on_audio_started(self, play: UtterancePlay, at: float) -> None:
+        ttfa = max(0.0, at - (play.ready_at or at))
+        self.metrics.ttfa(ttfa)
+        self.emit({"type": "audio.started", "id": play.id, "ttfa_ms": round(ttfa * 1000.0, 1)})
+
+    def _on_done(self, play: UtterancePlay) -> None:
+        self.utterances = [u for u in self.utterances if u.play is not play]
+        self.metrics.utterance("done")
+        self.emit({"type": "utterance.done", "id": play.id, "audio_ms": play.played_ms, "text": play.full_text()})
+
+    # Lifecycle
+    async def close(self, reason: str = "closed") -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for utt in self.utterances:
+            utt.stream.cancel()
+        self.utterances = []
+        self.playout.clear()
+        if self._feeder is not None:
+            self._feeder.cancel()
+        self.emit({"type": "session.closed", "reason": reason})
+        for callback in self.on_close:
+            try:
+                result = callback(self)
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception:
+                log.exception("session %s: close callback failed", self.id)
+        self.closed_event.set()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
+def _encode_chunk(
+    encoder: FrameEncoder, resampler: StreamResampler, leftover: np.ndarray, pcm: np.ndarray, last: bool
+) -> tuple[list[bytes], np.ndarray]:
+    """Resample, cut into 20 ms frames, encode; returns the frames and the remainder."""
+    out = resampler.process(pcm, last=last)
+    samples = np.concatenate([leftover, out]) if len(leftover) else out
+    n = encoder.frame_samples
+    whole = len(samples) // n * n
+    if last and len(samples) > whole:
+        padded = np.zeros(whole + n, dtype=np.int16)
+        padded[: len(samples)] = samples
+        samples, whole = padded, whole + n
+    frames = encoder.encode(samples[:whole]) if whole else []
+    return frames, samples[whole:]

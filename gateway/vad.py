@@ -1,0 +1,107 @@
+"""Voice activity on the inbound microphone, for barge-in.
+
+webrtcvad classifies 20 ms frames at 16 kHz. On its own it fires on steady
+noise (fans, hiss), so a frame also has to stand clearly above an adaptive
+noise floor to count as speech. Speech starts after `min_speech_ms` of voiced
+frames within a short window, and stops after `hangover_ms` without any.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import webrtcvad
+
+VAD_RATE = 16000
+FRAME_SAMPLES = VAD_RATE // 50
+
+
+@dataclass
+class VadSettings:
+    enabled: bool = True
+    aggressiveness: int = 2  # webrtcvad mode 0..3
+    min_speech_ms: int = 200
+    hangover_ms: int = 500
+    # Decibels above the tracked noise floor a frame needs to count as speech.
+    floor_margin_db: float = 9.0
+
+    def update(self, data: dict) -> None:
+        if "enabled" in data:
+            self.enabled = bool(data["enabled"])
+        if "aggressiveness" in data:
+            value = int(data["aggressiveness"])
+            if not 0 <= value <= 3:
+                raise ValueError("vad aggressiveness must be 0, 1, 2 or 3")
+            self.aggressiveness = value
+        if "min_speech_ms" in data:
+            value = int(data["min_speech_ms"])
+            if not 20 <= value <= 5000:
+                raise ValueError("min_speech_ms must be between 20 and 5000")
+            self.min_speech_ms = value
+        if "hangover_ms" in data:
+            value = int(data["hangover_ms"])
+            if not 100 <= value <= 10000:
+                raise ValueError("hangover_ms must be between 100 and 10000")
+            self.hangover_ms = value
+
+
+class VoiceActivityDetector:
+    def __init__(self, settings: VadSettings | None = None) -> None:
+        self.settings = settings or VadSettings()
+        self._vad = webrtcvad.Vad(self.settings.aggressiveness)
+        self._mode = self.settings.aggressiveness
+        self._pending = np.zeros(0, dtype=np.int16)
+        self._floor_db = None  # tracked noise floor
+        self._recent: deque = deque()
+        self._silent_ms = 0
+        self.speaking = False
+
+    def process(self, pcm16k: np.ndarray) -> list[str]:
+        """Feed 16 kHz mono int16; returns 'speech.started' / 'speech.stopped' events."""
+        if self._mode != self.settings.aggressiveness:
+            self._vad.set_mode(self.settings.aggressiveness)
+            self._mode = self.settings.aggressiveness
+        buf = np.concatenate([self._pending, np.asarray(pcm16k, dtype=np.int16)])
+        events = []
+        n = len(buf) // FRAME_SAMPLES
+        for i in range(n):
+            frame = buf[i * FRAME_SAMPLES : (i + 1) * FRAME_SAMPLES]
+            event = self._frame(frame)
+            if event:
+                events.append(event)
+        self._pending = buf[n * FRAME_SAMPLES :]
+        return events
+
+    def _frame(self, frame: np.ndarray) -> str | None:
+        s = self.settings
+        rms = float(np.sqrt(np.mean(frame.astype(np.float64) ** 2))) + 1e-9
+        level_db = 20 * math.log10(rms)
+        if self._floor_db is None:
+            self._floor_db = level_db
+        voiced = self._vad.is_speech(frame.tobytes(), VAD_RATE) and level_db > self._floor_db + s.floor_margin_db
+        # The floor follows quiet frames quickly and loud ones slowly, so it
+        # settles on steady noise but not on speech.
+        rate = 0.2 if level_db < self._floor_db else 0.01
+        if not voiced:
+            self._floor_db += rate * (level_db - self._floor_db)
+            # Digital silence must not drag the floor to nothing (-70 dBFS).
+            self._floor_db = max(self._floor_db, 20.0)
+        window = max(1, s.min_speech_ms // 20) * 2
+        self._recent.append(voiced)
+        while len(self._recent) > window:
+            self._recent.popleft()
+        if not self.speaking:
+            if sum(self._recent) * 20 >= s.min_speech_ms:
+                self.speaking = True
+                self._silent_ms = 0
+                return "speech.started"
+        else:
+            self._silent_ms = 0 if voiced else self._silent_ms + 20
+            if self._silent_ms >= s.hangover_ms:
+                self.speaking = False
+                self._recent.clear()
+                return "speech.stopped"
+        return None

@@ -1,0 +1,58 @@
+"""Prometheus metrics, one registry per gateway so tests can run several in a process."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ..gateway.session import SessionMetrics
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
+JITTER_BUCKETS = (0.0, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.ttfa = Histogram("voxgate_ttfa_seconds", "Server-side time to first audio: first text in to first packet out", buckets=LATENCY_BUCKETS, registry=r)
+        self.first_chunk = Histogram("voxgate_engine_first_chunk_seconds", "Engine time to first chunk of an utterance", ["engine"], buckets=LATENCY_BUCKETS, registry=r)
+        self.aggregation_wait = Histogram("voxgate_text_aggregation_wait_seconds", "Time text waited in the segmenter before the first unit went to the engine", buckets=LATENCY_BUCKETS, registry=r)
+        self.cancel_to_silence = Histogram("voxgate_cancel_to_silence_seconds", "Cancel or barge-in to the first silent packet", buckets=LATENCY_BUCKETS, registry=r)
+        self.late_frames = Counter("voxgate_pacer_late_frames_total", "Frames sent more than 5 ms after their deadline", registry=r)
+        self.underruns = Counter("voxgate_pacer_underruns_total", "Underruns inside an utterance, filled with silence", registry=r)
+        self.jitter = Histogram("voxgate_pacer_departure_jitter_seconds", "Absolute deviation of inter-departure intervals from 20 ms", buckets=JITTER_BUCKETS, registry=r)
+        self.sessions = Gauge("voxgate_active_sessions", "Open sessions", registry=r)
+        self.utterances_active = Gauge("voxgate_active_utterances", "Utterances queued or playing", registry=r)
+        self.utterances = Counter("voxgate_utterances_total", "Utterances by outcome", ["outcome"], registry=r)
+        self.engine_streams = Gauge("voxgate_engine_queue_depth", "Engine streams open in the worker", registry=r)
+        self.engine_rtf = Histogram("voxgate_engine_rtf", "Engine real-time factor per chunk (synthesis time / audio time)", buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0), registry=r)
+        self.worker_restarts = Counter("voxgate_engine_worker_restarts_total", "Engine worker restarts", registry=r)
+        self.loop_lag = Histogram("voxgate_event_loop_lag_seconds", "Event-loop lag measured by a 100 ms ticker", buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0), registry=r)
+        self.rejected = Counter("voxgate_sessions_rejected_total", "Sessions refused", ["reason"], registry=r)
+        self.errors = Counter("voxgate_protocol_errors_total", "Error events sent to clients", ["code"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def for_session(self, engine: str) -> SessionMetrics:
+        return _SessionMetrics(self, engine)
+
+
+class _SessionMetrics(SessionMetrics):
+    def __init__(self, metrics: GatewayMetrics, engine: str) -> None:
+        self.m = metrics
+        self.engine = engine
+
+    def ttfa(self, seconds: float) -> None:
+        self.m.ttfa.observe(seconds)
+
+    def first_chunk(self, seconds: float) -> None:
+        self.m.first_chunk.labels(self.engine).observe(seconds)
+
+    def aggregation_wait(self, seconds: float) -> None:
+        self.m.aggregation_wait.observe(seconds)
+
+    def cancel_to_silence(self, seconds: float) -> None:
+        self.m.cancel_to_silence.observe(seconds)
+
+    def utterance(self, outcome: str) -> None:
+        self.m.utterances.labels(outcome).inc()

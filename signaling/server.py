@@ -1,0 +1,290 @@
+"""The HTTP face of the gateway: SDP offer/answer, ICE config, health, metrics, the page.
+
+Every error is JSON `{"error": {"code", "message"}}` with a fitting status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from ..engine.client import EngineClient, EngineConfig
+from ..gateway.encoder import OpusSettings
+from ..gateway.ice import IcePolicy, parse_ice_server, parse_networks, restrict_host_addresses
+from ..gateway.peer import OfferError, PeerConnection
+from ..gateway.protocol import Limits
+from ..gateway.session import Session, SessionOptions
+from ..gateway.vad import VadSettings
+from ..config import Settings
+from .metrics import GatewayMetrics
+
+log = logging.getLogger(__name__)
+
+WEB_DIR = Path(__file__).resolve().parent.parent / "web"
+MAX_OFFER_BYTES = 256 * 1024
+
+
+def error_response(status: int, code: str, message: str) -> web.Response:
+    return web.json_response({"error": {"code": code, "message": message}}, status=status)
+
+
+class Gateway:
+    """Everything one server process holds: settings, the engine, the sessions."""
+
+    def __init__(self, settings: Settings, engine: EngineClient | None = None) -> None:
+        self.settings = settings
+        self.metrics = GatewayMetrics()
+        self.engine = engine or EngineClient(
+            EngineConfig(
+                engine=settings.engine,
+                voice=settings.voice,
+                device=settings.device,
+                parallel=settings.parallel,
+                threads=settings.engine_threads,
+                first_unit_timeout=settings.first_unit_timeout_ms / 1000.0,
+            )
+        )
+        self.ice = IcePolicy(
+            servers=[parse_ice_server(u) for u in settings.ice_server],
+            allowed_networks=self._allowed_networks(),
+            allow_public="public" in settings.ice_allow or not settings.ice_allow,
+        )
+        self.sessions: dict[str, Session] = {}
+        self.peers: dict[str, PeerConnection] = {}
+        self.accepting = True
+        self._tasks: list[asyncio.Task] = []
+
+    def _allowed_networks(self):
+        explicit = [v for v in self.settings.ice_allow if v != "public"]
+        if explicit:
+            return parse_networks(explicit)
+        # Default: the networks our own host candidates live in.
+        nets = []
+        for host in self.settings.ice_host:
+            nets.append(host + ("/8" if host.startswith("127.") else "/32" if ":" not in host else "/128"))
+        return parse_networks(nets)
+
+    async def start(self) -> None:
+        restrict_host_addresses(self.settings.ice_host or None)
+        await self.engine.start()
+        self.engine.listeners.append(self._on_engine_event)
+        self._tasks.append(asyncio.ensure_future(self._watch_loop_lag()))
+        self._tasks.append(asyncio.ensure_future(self._reap_idle()))
+        log.info("engine %s ready: %s", self.settings.engine, self.engine.info)
+
+    async def stop(self) -> None:
+        self.accepting = False
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*(s.close("server shutting down") for s in list(self.sessions.values())), return_exceptions=True)
+        await self.engine.close()
+
+    def _on_engine_event(self, event: str, data: dict) -> None:
+        if event == "restart":
+            self.metrics.worker_restarts.inc()
+
+    async def _watch_loop_lag(self) -> None:
+        interval = 0.1
+        while True:
+            t0 = time.monotonic()
+            await asyncio.sleep(interval)
+            self.metrics.loop_lag.observe(max(0.0, time.monotonic() - t0 - interval))
+            self.metrics.sessions.set(len(self.sessions))
+            self.metrics.utterances_active.set(sum(len(s.utterances) for s in self.sessions.values()))
+            self.metrics.engine_streams.set(self.engine.active_streams)
+
+    async def _reap_idle(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for session in list(self.sessions.values()):
+                if session.speaking:
+                    session.last_activity = now
+                if now - session.last_activity > self.settings.idle_timeout_s:
+                    await session.close("idle timeout")
+                elif now - session.created_at > self.settings.session_lifetime_s:
+                    await session.close("session lifetime reached")
+
+    def session_options(self, voice: str | None = None) -> SessionOptions:
+        s = self.settings
+        return SessionOptions(
+            voice=voice or s.voice,
+            vad=VadSettings(enabled=s.vad, aggressiveness=s.vad_aggressiveness, min_speech_ms=s.vad_min_speech_ms),
+            opus=OpusSettings(bitrate=s.opus_bitrate, fec=s.opus_fec, dtx=s.opus_dtx, complexity=s.opus_complexity),
+            limits=Limits(max_message_bytes=s.max_message_bytes, max_text_chars=s.max_text_chars),
+            max_utterance_chars=s.max_utterance_chars,
+            max_queued_utterances=s.max_queued_utterances,
+        )
+
+    def create_session(self, voice: str | None = None, session_id: str | None = None) -> Session:
+        if not self.accepting:
+            self.metrics.rejected.labels("draining").inc()
+            raise web.HTTPServiceUnavailable(
+                text=json.dumps({"error": {"code": "draining", "message": "the server is shutting down; retry on another instance"}}),
+                content_type="application/json",
+            )
+        if len(self.sessions) >= self.settings.max_sessions:
+            self.metrics.rejected.labels("capacity").inc()
+            raise web.HTTPServiceUnavailable(
+                text=json.dumps({"error": {"code": "at_capacity", "message": f"the server holds its maximum of {self.settings.max_sessions} sessions; retry later"}}),
+                content_type="application/json",
+                headers={"Retry-After": "5"},
+            )
+        session = Session(self.engine, self.session_options(voice), session_id, self.metrics.for_session(self.settings.engine))
+        self.sessions[session.id] = session
+
+        def forget(s: Session) -> None:
+            self.sessions.pop(s.id, None)
+            self.peers.pop(s.id, None)
+
+        session.on_close.append(forget)
+        return session
+
+
+async def _json_body(request: web.Request, limit: int) -> dict:
+    if request.content_length is not None and request.content_length > limit:
+        raise OfferError("too_large", f"request body is over {limit} bytes", 413)
+    raw = await request.content.read(limit + 1)
+    if len(raw) > limit:
+        raise OfferError("too_large", f"request body is over {limit} bytes", 413)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise OfferError("invalid_utf8", "request body is not valid UTF-8") from None
+    try:
+        body = json.loads(text)
+    except ValueError:
+        raise OfferError("invalid_json", "request body is not JSON") from None
+    if not isinstance(body, dict):
+        raise OfferError("invalid_json", "request body must be a JSON object")
+    return body
+
+
+async def handle_offer(request: web.Request) -> web.Response:
+    gw: Gateway = request.app["gateway"]
+    try:
+        body = await _json_body(request, MAX_OFFER_BYTES)
+        sdp, kind = body.get("sdp"), body.get("type", "offer")
+        if not isinstance(sdp, str) or not sdp.strip():
+            raise OfferError("invalid_sdp", "'sdp' must be the offer's SDP text")
+        if kind != "offer":
+            raise OfferError("invalid_sdp", "'type' must be 'offer'")
+        voice = body.get("voice")
+        if voice is not None and not isinstance(voice, str):
+            raise OfferError("invalid_field", "'voice' must be a string")
+        session = gw.create_session(voice=voice)
+    except OfferError as exc:
+        return error_response(exc.status, exc.code, exc.message)
+    peer = PeerConnection(session, gw.ice)
+    gw.peers[session.id] = peer
+    try:
+        answer = await peer.answer(sdp)
+    except OfferError as exc:
+        await session.close("offer rejected")
+        return error_response(exc.status, exc.code, exc.message)
+    except Exception as exc:
+        log.exception("offer failed")
+        await session.close("offer failed")
+        return error_response(500, "internal", f"could not answer the offer: {type(exc).__name__}")
+    return web.json_response({"sdp": answer, "type": "answer", "session_id": session.id})
+
+
+async def handle_candidate(request: web.Request) -> web.Response:
+    gw: Gateway = request.app["gateway"]
+    peer = gw.peers.get(request.match_info["session_id"])
+    if peer is None:
+        return error_response(404, "unknown_session", "no such session")
+    try:
+        body = await _json_body(request, 8192)
+        accepted = await peer.add_candidate(body.get("candidate") and body)
+    except OfferError as exc:
+        return error_response(exc.status, exc.code, exc.message)
+    except Exception as exc:
+        return error_response(400, "invalid_candidate", f"the candidate could not be parsed: {type(exc).__name__}")
+    if not accepted:
+        return error_response(403, "candidate_refused", "the candidate's address is outside the allowed networks")
+    return web.json_response({"ok": True})
+
+
+async def handle_ice_servers(request: web.Request) -> web.Response:
+    gw: Gateway = request.app["gateway"]
+    servers = []
+    for server in gw.ice.servers:
+        entry = {"urls": [server.urls] if isinstance(server.urls, str) else server.urls}
+        if server.username:
+            entry["username"] = server.username
+            entry["credential"] = server.credential
+        servers.append(entry)
+    return web.json_response({"ice_servers": servers})
+
+
+async def handle_healthz(request: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
+
+
+async def handle_readyz(request: web.Request) -> web.Response:
+    gw: Gateway = request.app["gateway"]
+    ready = gw.accepting and gw.engine.ready and len(gw.sessions) < gw.settings.max_sessions
+    return web.json_response(
+        {"ready": ready, "engine": gw.engine.ready, "accepting": gw.accepting, "sessions": len(gw.sessions)},
+        status=200 if ready else 503,
+    )
+
+
+async def handle_metrics(request: web.Request) -> web.Response:
+    gw: Gateway = request.app["gateway"]
+    return web.Response(body=gw.metrics.render(), content_type="text/plain", charset="utf-8")
+
+
+async def handle_index(request: web.Request) -> web.StreamResponse:
+    index = WEB_DIR / "index.html"
+    if not index.exists():
+        return error_response(404, "no_page", "the bundled page is not installed")
+    return web.FileResponse(index)
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.content_type == "application/json" or exc.status < 400:
+            raise
+        return error_response(exc.status, exc.reason.lower().replace(" ", "_"), exc.reason)
+
+
+def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Application:
+    app = web.Application(middlewares=[json_errors], client_max_size=MAX_OFFER_BYTES)
+    gw = Gateway(settings, engine)
+    app["gateway"] = gw
+    app.router.add_post("/v1/offer", handle_offer)
+    app.router.add_post("/v1/sessions/{session_id}/candidates", handle_candidate)
+    app.router.add_get("/v1/ice-servers", handle_ice_servers)
+    app.router.add_get("/healthz", handle_healthz)
+    app.router.add_get("/readyz", handle_readyz)
+    app.router.add_get("/metrics", handle_metrics)
+    if settings.web:
+        app.router.add_get("/", handle_index)
+        if WEB_DIR.exists():
+            app.router.add_static("/static/", WEB_DIR, show_index=False)
+
+    async def on_startup(app: web.Application) -> None:
+        await gw.start()
+
+    async def on_cleanup(app: web.Application) -> None:
+        await gw.stop()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+def run(settings: Settings) -> None:
+    app = create_app(settings)
+    web.run_app(app, host=settings.host, port=settings.port, print=lambda msg: log.info(msg), handle_signals=True)

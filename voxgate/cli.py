@@ -1,0 +1,108 @@
+"""The `voxgate` command: serve, say."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+import wave
+
+from .config import add_arguments, settings_from
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .logs import setup_logging
+    from .signaling.server import run
+
+    settings = settings_from(args)
+    setup_logging(settings.log_level, settings.log_json)
+    try:
+        run(settings)
+    except OSError as exc:
+        print(f"voxgate: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}. "
+              "Choose another --port or stop what is using it.", file=sys.stderr)
+        return 2
+    return 0
+
+
+async def _say_async(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from .engine.base import SynthesisOptions
+    from .engine.client import EngineClient, EngineConfig
+
+    client = EngineClient(EngineConfig(engine=args.engine, voice=args.voice, device=args.device))
+    t_start = time.perf_counter()
+    await client.start()
+    load_s = time.perf_counter() - t_start
+    stream = client.stream(SynthesisOptions(voice=args.voice, rate=args.rate))
+    chunks = []
+    t0 = time.perf_counter()
+    first = None
+
+    async def feed() -> None:
+        if args.stream:
+            # Word by word, the way an LLM streams tokens.
+            for word in args.text.split(" "):
+                stream.push_text(word + " ")
+                await asyncio.sleep(1.0 / args.tokens_per_s)
+        else:
+            stream.push_text(args.text)
+        stream.end_input()
+
+    feeder = asyncio.ensure_future(feed())
+    rate = None
+    try:
+        async for chunk in stream:
+            if first is None:
+                first = time.perf_counter() - t0
+            rate = chunk.sample_rate
+            chunks.append(chunk.pcm)
+    finally:
+        await feeder
+        await client.close()
+    elapsed = time.perf_counter() - t0
+    pcm = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int16)
+    rate = rate or 22050
+    with wave.open(args.output, "wb") as wav:
+        wav.setnchannels(1)
+        wav.setsampwidth(2)
+        wav.setframerate(rate)
+        wav.writeframes(pcm.tobytes())
+    audio_s = len(pcm) / rate
+    print(f"wrote {args.output}: {audio_s:.2f} s at {rate} Hz")
+    print(f"engine {args.engine}: worker ready in {load_s:.2f} s")
+    if first is not None:
+        print(f"time to first chunk: {first * 1000:.1f} ms")
+    if audio_s > 0:
+        print(f"real-time factor: {elapsed / audio_s:.3f} ({elapsed:.2f} s for {audio_s:.2f} s of audio)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="voxgate", description="Real-time WebRTC voice gateway")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the gateway (HTTP signaling, WebRTC, the bundled page)")
+    add_arguments(serve)
+    serve.set_defaults(func=_serve)
+
+    say = sub.add_parser("say", help="synthesize text to a WAV file through the engine worker")
+    say.add_argument("text")
+    say.add_argument("-o", "--output", default="out.wav")
+    say.add_argument("--engine", default="piper")
+    say.add_argument("--voice", default=None)
+    say.add_argument("--device", default="auto")
+    say.add_argument("--rate", type=float, default=1.0, help="speaking rate (2.0 is twice as fast)")
+    say.add_argument("--stream", action="store_true", help="feed the text word by word, like LLM tokens")
+    say.add_argument("--tokens-per-s", type=float, default=30.0)
+    say.set_defaults(func=lambda a: asyncio.run(_say_async(a)))
+
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Gateway settings: one dataclass, filled from CLI flags and VOXGATE_* environment variables.
+
+Every flag `--some-name` also reads `VOXGATE_SOME_NAME`; a flag given on the
+command line wins over the environment. Repeatable flags take a
+comma-separated list from the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    # ICE
+    ice_host: list[str] = field(default_factory=list)
+    ice_server: list[str] = field(default_factory=list)
+    ice_allow: list[str] = field(default_factory=list)
+    # Speech
+    engine: str = "piper"
+    voice: str | None = None
+    device: str = "auto"
+    engine_parallel: int = 0  # 0: one per core
+    engine_threads: int = 1
+    first_unit_timeout_ms: int = 350
+    # Outbound Opus
+    opus_bitrate: int = 32000
+    opus_fec: bool = True
+    opus_dtx: bool = False
+    opus_complexity: int = 5
+    # Barge-in defaults for new sessions
+    vad: bool = True
+    vad_aggressiveness: int = 2
+    vad_min_speech_ms: int = 200
+    # Sessions and limits
+    max_sessions: int = 200
+    max_sessions_per_key: int = 50
+    idle_timeout_s: float = 300.0
+    session_lifetime_s: float = 3600.0
+    max_text_chars: int = 4000  # per message
+    max_utterance_chars: int = 20000
+    max_message_bytes: int = 65536
+    max_messages_per_s: float = 200.0
+    max_queued_utterances: int = 32
+    drain_timeout_s: float = 10.0
+    # Access
+    api_key: list[str] = field(default_factory=list)
+    token_secret: str | None = None
+    require_token: bool = False
+    token_ttl_s: int = 300
+    cors_origin: list[str] = field(default_factory=list)
+    turn_secret: str | None = None
+    turn_ttl_s: int = 3600
+    web: bool = True
+    log_level: str = "INFO"
+    log_json: bool = False
+
+    @property
+    def parallel(self) -> int:
+        return self.engine_parallel or (os.cpu_count() or 1)
+
+
+_HELP = {
+    "host": "address the HTTP server listens on",
+    "port": "port the HTTP server listens on",
+    "ice_host": "offer only this local address as ICE host candidate (repeatable; default: every interface)",
+    "ice_server": "STUN/TURN server URL, e.g. turn:user:pass@turn.example.com:3478 (repeatable; default none)",
+    "ice_allow": "network remote ICE candidates may come from, CIDR or 'public' (repeatable; default: public "
+    "addresses plus the networks of --ice-host)",
+    "engine": "speech engine: piper (embedded voice), tone (test engine), torch, cosyvoice2",
+    "voice": "default voice: 'joe' (embedded) or the path of a Piper .onnx voice",
+    "device": "where the engine runs: auto, cpu or cuda",
+    "engine_parallel": "synthesis steps the worker runs at once (0: one per core)",
+    "engine_threads": "onnxruntime intra-op threads per synthesis step",
+    "first_unit_timeout_ms": "speak the first words after this long even without a clause boundary",
+    "opus_bitrate": "outbound Opus bitrate in bit/s",
+    "opus_fec": "Opus in-band forward error correction",
+    "opus_dtx": "Opus discontinuous transmission",
+    "opus_complexity": "Opus encoder complexity 0..10",
+    "vad": "barge-in by voice on for new sessions",
+    "vad_aggressiveness": "webrtcvad mode 0..3 for new sessions",
+    "vad_min_speech_ms": "speech needed before a barge-in fires",
+    "max_sessions": "concurrent sessions in total; more are refused with 503",
+    "max_sessions_per_key": "concurrent sessions per API key",
+    "idle_timeout_s": "close a session after this long without messages or audio",
+    "session_lifetime_s": "close a session after this long in any case",
+    "max_text_chars": "characters of text per message",
+    "max_utterance_chars": "characters of text per utterance",
+    "max_message_bytes": "bytes per data-channel or WebSocket message",
+    "max_messages_per_s": "messages per second per connection",
+    "max_queued_utterances": "utterances waiting per session",
+    "drain_timeout_s": "on SIGTERM, how long current utterances may finish",
+    "api_key": "API key for backend endpoints (repeatable); none: backend endpoints are open",
+    "token_secret": "secret that signs browser tokens (default: random per process)",
+    "require_token": "browsers need a token from POST /v1/sessions to connect",
+    "token_ttl_s": "lifetime of browser tokens",
+    "cors_origin": "Origin allowed to call the HTTP API from a browser (repeatable; default: same origin)",
+    "turn_secret": "coturn REST-auth shared secret; enables short-lived TURN credentials",
+    "turn_ttl_s": "lifetime of issued TURN credentials",
+    "web": "serve the bundled page at /",
+    "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "log_json": "structured JSON log lines",
+}
+
+
+def _env_name(name: str) -> str:
+    return "VOXGATE_" + name.upper()
+
+
+def _parse_bool(value: str) -> bool:
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{value!r} is not a boolean; use true or false")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = Settings()
+    for f in fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        help_text = _HELP.get(f.name, "") + f" [env {_env_name(f.name)}]"
+        if isinstance(default, bool):
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif isinstance(default, list):
+            parser.add_argument(flag, dest=f.name, action="append", default=None, help=help_text)
+        else:
+            kind = type(default) if default is not None else str
+            parser.add_argument(flag, dest=f.name, type=kind, default=None, help=help_text + f" (default {default})")
+
+
+def settings_from(args: argparse.Namespace | None = None, environ: dict | None = None) -> Settings:
+    environ = os.environ if environ is None else environ
+    settings = Settings()
+    for f in fields(Settings):
+        value = getattr(args, f.name, None) if args is not None else None
+        if value is None and _env_name(f.name) in environ:
+            raw = environ[_env_name(f.name)]
+            current = getattr(settings, f.name)
+            try:
+                if isinstance(current, bool):
+                    value = _parse_bool(raw)
+                elif isinstance(current, list):
+                    value = [v.strip() for v in raw.split(",") if v.strip()]
+                elif isinstance(current, int):
+                    value = int(raw)
+                elif isinstance(current, float):
+                    value = float(raw)
+                else:
+                    value = raw
+            except ValueError as exc:
+                raise SystemExit(f"{_env_name(f.name)}={raw!r}: {exc}") from None
+        if value is not None:
+            setattr(settings, f.name, value)
+    return settings

@@ -1,0 +1,192 @@
+"""A WebRTC client for Voxgate, on aiortc: connects, sends protocol messages,
+records the speech it receives and can play audio into its microphone track.
+
+Used by the tests, the benchmarks and `voxgate probe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fractions
+import json
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import av
+import numpy as np
+from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+
+from .gateway.ice import restrict_host_addresses
+
+
+class MicTrack(MediaStreamTrack):
+    """A microphone that plays queued 48 kHz mono PCM in real time, silence otherwise."""
+
+    kind = "audio"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending = np.zeros(0, dtype=np.int16)
+        self._pts = 0
+        self._start: float | None = None
+        self.playing_since: float | None = None
+
+    def play(self, pcm48k: np.ndarray) -> None:
+        self._pending = np.concatenate([self._pending, np.asarray(pcm48k, dtype=np.int16)])
+        self.playing_since = time.perf_counter()
+
+    @property
+    def busy(self) -> bool:
+        return len(self._pending) > 0
+
+    async def recv(self) -> av.AudioFrame:
+        if self.readyState != "live":
+            raise MediaStreamError
+        n = 960
+        if self._start is None:
+            self._start = time.monotonic()
+        wait = self._start + self._pts / 48000 - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        chunk, self._pending = self._pending[:n], self._pending[n:]
+        if len(chunk) < n:
+            chunk = np.concatenate([chunk, np.zeros(n - len(chunk), dtype=np.int16)])
+        frame = av.AudioFrame.from_ndarray(chunk.reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate = 48000
+        frame.pts = self._pts
+        frame.time_base = fractions.Fraction(1, 48000)
+        self._pts += n
+        return frame
+
+
+@dataclass
+class ReceivedAudio:
+    """Decoded frames as they arrived: mono int16 at `sample_rate`, with arrival times."""
+
+    sample_rate: int = 48000
+    frames: list = field(default_factory=list)  # (arrival perf_counter, pcm)
+
+    def pcm(self, since: float = 0.0) -> np.ndarray:
+        parts = [p for t, p in self.frames if t >= since]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int16)
+
+    def first_sound_after(self, since: float, threshold: float = 300.0) -> float | None:
+        for t, p in self.frames:
+            if t >= since and len(p) and np.sqrt(np.mean(p.astype(np.float64) ** 2)) > threshold:
+                return t
+        return None
+
+    def last_sound(self, threshold: float = 300.0) -> float | None:
+        for t, p in reversed(self.frames):
+            if len(p) and np.sqrt(np.mean(p.astype(np.float64) ** 2)) > threshold:
+                return t
+        return None
+
+
+class RtcClient:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        mic: bool = False,
+        codecs: list[str] | None = None,
+        ice_hosts: list[str] | None = ("127.0.0.1",),
+        voice: str | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        if ice_hosts:
+            restrict_host_addresses(list(ice_hosts))
+        self.pc = RTCPeerConnection(configuration=RTCConfiguration(iceServers=[]))
+        self.mic = MicTrack() if mic else None
+        self.codecs = codecs
+        self.voice = voice
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.event_log: list[tuple[float, dict]] = []
+        self.audio = ReceivedAudio()
+        self.session_id: str | None = None
+        self.ready: dict | None = None
+        self._channel = None
+        self._audio_task: asyncio.Task | None = None
+        self._opened = asyncio.Event()
+
+    async def connect(self, timeout: float = 20.0) -> dict:
+        pc = self.pc
+        if self.mic is not None:
+            transceiver = pc.addTransceiver(self.mic, direction="sendrecv")
+        else:
+            transceiver = pc.addTransceiver("audio", direction="recvonly")
+        if self.codecs:
+            from aiortc.rtcrtpsender import RTCRtpSender
+
+            caps = RTCRtpSender.getCapabilities("audio")
+            wanted = [c for c in caps.codecs if c.mimeType.split("/")[-1].lower() in self.codecs]
+            transceiver.setCodecPreferences(wanted)
+        self._channel = pc.createDataChannel("control")
+
+        @self._channel.on("message")
+        def on_message(message: str) -> None:
+            event = json.loads(message)
+            self.event_log.append((time.perf_counter(), event))
+            self.events.put_nowait(event)
+
+        @pc.on("track")
+        def on_track(track) -> None:
+            if track.kind == "audio":
+                self._audio_task = asyncio.ensure_future(self._record(track))
+
+        await pc.setLocalDescription(await pc.createOffer())
+        body = {"sdp": pc.localDescription.sdp, "type": "offer"}
+        if self.voice:
+            body["voice"] = self.voice
+        async with aiohttp.ClientSession() as http:
+            async with http.post(self.base_url + "/v1/offer", json=body) as resp:
+                answer = await resp.json()
+                if resp.status != 200:
+                    raise RuntimeError(f"offer refused ({resp.status}): {answer}")
+        self.session_id = answer["session_id"]
+        await pc.setRemoteDescription(RTCSessionDescription(sdp=answer["sdp"], type="answer"))
+        self.ready = await self.wait_for("session.ready", timeout=timeout)
+        return self.ready
+
+    async def _record(self, track) -> None:
+        while True:
+            try:
+                frame = await track.recv()
+            except (MediaStreamError, asyncio.CancelledError):
+                return
+            arr = frame.to_ndarray()
+            channels = len(frame.layout.channels)
+            pcm = arr.reshape(-1, channels).mean(axis=1).astype(np.int16) if channels > 1 else arr.reshape(-1)
+            self.audio.sample_rate = frame.sample_rate
+            self.audio.frames.append((time.perf_counter(), pcm))
+
+    def send(self, message: dict | str | bytes) -> float:
+        if isinstance(message, dict):
+            message = json.dumps(message)
+        self._channel.send(message)
+        return time.perf_counter()
+
+    async def wait_for(self, kind: str, timeout: float = 20.0, id: str | None = None) -> dict:
+        """Next event of a type (earlier events of other types stay in event_log)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise asyncio.TimeoutError(f"no {kind} event within {timeout} s; saw {[e.get('type') for _, e in self.event_log[-10:]]}")
+            event = await asyncio.wait_for(self.events.get(), remaining)
+            if event.get("type") == kind and (id is None or event.get("id") == id):
+                return event
+
+    async def close(self) -> None:
+        if self._audio_task:
+            self._audio_task.cancel()
+        await self.pc.close()
+
+    async def __aenter__(self) -> "RtcClient":
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
