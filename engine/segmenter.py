@@ -35,9 +35,9 @@ class Unit:
 @dataclass
 class SegmenterConfig:
     # The first unit may end at a comma once it has this many characters.
-    first_min_chars: int = 12
+    first_min_chars: int = 8
     # Later units end at a sentence, or at ; and : once this long.
-    min_chars: int = 24
+    min_chars: int = 16
     # Later units end at a comma only once this long.
     comma_min_chars: int = 120
     # Text without punctuation is split at the last space before this length.
@@ -204,7 +204,8 @@ _URL = re.compile(r"\b(?:https?://|www\.)[^\s<>]+", re.IGNORECASE)
 _EMAIL = re.compile(r"\b([\w.+-]+)@([\w-]+(?:\.[\w-]+)+)\b")
 _TAG = re.compile(r"<[^>]*>")
 _BULLET = re.compile(r"(?m)^[ \t]*(?:[-*+•]|#{1,6})[ \t]+")
-_MD_MARKS = re.compile(r"(\*\*|__|\*|`+|~~)")
+# Emphasis marks; an underscore only at a word's edge, so snake_case survives.
+_MD_MARKS = re.compile(r"(\*\*|\*|`+|~~|(?<![A-Za-z0-9])_+|_+(?![A-Za-z0-9]))")
 _SPACES = re.compile(r"\s+")
 _SPACE_BEFORE_PUNCT = re.compile(r"\s+([.,;:!?])")
 

@@ -188,6 +188,9 @@ class TorchEngine(Engine):
         if self.device.type == "cpu":
             torch.set_num_threads(self.threads)
         self._voice(None)
+        # The first run pays for espeak's start and torch's kernel choices; pay it here.
+        for _ in self.synthesize("Ready.", SynthesisOptions()):
+            pass
         log.info("torch voice %s loaded on %s", self.default_voice, self.device)
 
     def voices(self) -> list[str]:

@@ -500,16 +500,36 @@ class ResBlock(nn.Module):
         if self.kind == 1:
             for c1, c2 in zip(self.convs1, self.convs2):
                 y = _masked(F.leaky_relu(x, 0.1), mask)
-                y = _masked(F.leaky_relu(c1(y), 0.1), mask)
-                x = x + c2(y)
+                y = _masked(F.leaky_relu(conv_rows(c1, y), 0.1), mask)
+                x = x + conv_rows(c2, y)
         else:
             for c in self.convs:
-                x = x + c(_masked(F.leaky_relu(x, 0.1), mask))
+                x = x + conv_rows(c, _masked(F.leaky_relu(x, 0.1), mask))
         return x
 
 
 def _masked(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return x if mask is None else x * mask
+
+
+def conv_rows(conv: nn.Conv1d | nn.ConvTranspose1d, x: torch.Tensor) -> torch.Tensor:
+    """Apply a 1-d conv module to [batch, channels, 1, time] in channels-last layout.
+
+    oneDNN's channels-last 2-d kernels run the vocoder's long, narrow
+    convolutions 2-4x faster on CPU than torch's conv1d path, and suit cuDNN's
+    fp16 kernels too. The 4-d weight is cached per weight tensor, so .to() and
+    .half() refresh it.
+    """
+    w = conv.weight
+    key = (w.data_ptr(), w.dtype, w.device)
+    cached = conv.__dict__.get("_rows_weight")
+    if cached is None or cached[0] != key:
+        cached = (key, w.detach().unsqueeze(2).contiguous(memory_format=torch.channels_last))
+        conv.__dict__["_rows_weight"] = cached
+    w4 = cached[1]
+    if isinstance(conv, nn.ConvTranspose1d):
+        return F.conv_transpose2d(x, w4, conv.bias, stride=(1, conv.stride[0]), padding=(0, conv.padding[0]))
+    return F.conv2d(x, w4, conv.bias, padding=(0, conv.padding[0]), dilation=(1, conv.dilation[0]))
 
 
 class Generator(nn.Module):
@@ -551,22 +571,23 @@ class Generator(nn.Module):
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         mask = None
-        if lengths is not None:
+        if lengths is not None and bool((lengths < x.shape[2]).any()):
             t = torch.arange(x.shape[2], device=x.device)
-            mask = (t[None, :] < lengths[:, None]).unsqueeze(1).to(x.dtype)
-        x = self.conv_pre(_masked(x, mask))
+            mask = (t[None, :] < lengths[:, None]).view(x.shape[0], 1, 1, -1).to(x.dtype)
+        x = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+        x = conv_rows(self.conv_pre, _masked(x, mask))
         n = self.kernels_per_stage
         for i, up in enumerate(self.ups):
-            x = up(_masked(F.leaky_relu(x, 0.1), mask))
+            x = conv_rows(up, _masked(F.leaky_relu(x, 0.1), mask))
             if mask is not None:
-                mask = mask.repeat_interleave(self.strides[i], dim=2)[..., : x.shape[2]]
+                mask = mask.repeat_interleave(self.strides[i], dim=3)[..., : x.shape[3]]
             acc = None
             for block in self.resblocks[i * n : (i + 1) * n]:
                 y = block(x, mask)
                 acc = y if acc is None else acc + y
             x = acc / n
-        x = self.conv_post(_masked(F.leaky_relu(x), mask))
-        return torch.tanh(x)
+        x = conv_rows(self.conv_post, _masked(F.leaky_relu(x), mask))
+        return torch.tanh(x).squeeze(2)
 
 
 # ---------------------------------------------------------------------------

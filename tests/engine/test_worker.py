@@ -1,0 +1,151 @@
+"""The engine worker process through its client: streams, cancel, crash recovery, backpressure."""
+
+import asyncio
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from voxgate.engine import tone
+from voxgate.engine.base import SynthesisOptions
+from voxgate.engine.client import STREAM_WINDOW, EngineClient, EngineConfig, EngineCrashed, EngineStreamError
+
+
+@pytest.fixture
+async def tone_client():
+    client = EngineClient(EngineConfig(engine="tone", parallel=2))
+    await client.start()
+    yield client
+    await client.close()
+
+
+async def collect(stream):
+    return [chunk async for chunk in stream]
+
+
+async def test_tone_stream_roundtrips_text_exactly_in_order(tone_client):
+    text = "Hello there, this is the tone engine. It speaks every byte; even ünïcode!"
+    stream = tone_client.stream()
+    for piece in text.split(" "):
+        stream.push_text(piece + " ")
+    stream.end_input()
+    chunks = await collect(stream)
+    assert [c.unit_index for c in chunks] == sorted(c.unit_index for c in chunks)
+    pcm = np.concatenate([c.pcm for c in chunks])
+    assert tone.decode(pcm, tone.SAMPLE_RATE).strip() == text
+
+
+async def test_many_concurrent_streams_each_get_their_own_text(tone_client):
+    texts = [f"Stream number {i} says {'abc' * i}. Then it ends." for i in range(1, 13)]
+    streams = [tone_client.stream() for _ in texts]
+    for stream, text in zip(streams, texts):
+        stream.push_text(text)
+        stream.end_input()
+    results = await asyncio.gather(*(collect(s) for s in streams))
+    for text, chunks in zip(texts, results):
+        pcm = np.concatenate([c.pcm for c in chunks])
+        assert tone.decode(pcm, tone.SAMPLE_RATE).strip() == text
+
+
+async def test_cancel_stops_the_stream_and_the_worker_serves_the_next(tone_client):
+    stream = tone_client.stream()
+    stream.push_text("One. " * 40)  # many units
+    first = await stream.__anext__()
+    assert len(first.pcm) > 0
+    stream.cancel()
+    rest = await collect(stream)
+    assert rest == []
+    assert tone_client.active_streams == 0
+    again = tone_client.stream()
+    again.push_text("After cancel.")
+    again.end_input()
+    pcm = np.concatenate([c.pcm for c in await collect(again)])
+    assert tone.decode(pcm, tone.SAMPLE_RATE) == "After cancel."
+
+
+async def test_slow_consumer_does_not_grow_the_queue(tone_client):
+    stream = tone_client.stream()
+    for i in range(50):
+        stream.push_text(f"Sentence number {i} is here. ")
+    stream.end_input()
+    await asyncio.sleep(1.0)  # the worker could have made all 50 by now
+    assert stream._queue.qsize() <= STREAM_WINDOW
+    chunks = await collect(stream)
+    assert len(chunks) >= 50 - 1  # and everything still arrives once read
+
+
+async def test_unknown_voice_is_a_clear_stream_error(tone_client):
+    stream = tone_client.stream(SynthesisOptions(voice="nobody"))
+    stream.push_text("Hello.")
+    stream.end_input()
+    with pytest.raises(EngineStreamError, match="unknown voice"):
+        await collect(stream)
+
+
+async def test_a_killed_worker_ends_streams_with_an_error_and_restarts(tone_client):
+    stream = tone_client.stream()
+    stream.push_text("Before the crash. " * 30)
+    await stream.__anext__()
+    old_pid = tone_client.worker_pid
+    os.kill(old_pid, signal.SIGKILL)
+    with pytest.raises(EngineCrashed):
+        await asyncio.wait_for(collect(stream), 10)
+    for _ in range(200):
+        if tone_client.ready:
+            break
+        await asyncio.sleep(0.05)
+    assert tone_client.ready and tone_client.worker_pid != old_pid
+    assert tone_client.restarts == 1
+    again = tone_client.stream()
+    again.push_text("Back again.")
+    again.end_input()
+    pcm = np.concatenate([c.pcm for c in await collect(again)])
+    assert tone.decode(pcm, tone.SAMPLE_RATE) == "Back again."
+
+
+async def test_first_unit_goes_out_on_timeout_without_a_boundary():
+    client = EngineClient(EngineConfig(engine="tone", parallel=1, first_unit_timeout=0.1))
+    await client.start()
+    try:
+        stream = client.stream()
+        stream.push_text("so what I was thinking is")  # no punctuation, no end
+        chunk = await asyncio.wait_for(stream.__anext__(), 5)
+        assert tone.decode(chunk.pcm, tone.SAMPLE_RATE) == "so what I was thinking "
+        stream.cancel()
+    finally:
+        await client.close()
+
+
+@pytest.mark.slow
+async def test_piper_worker_streams_the_real_voice_and_a_new_stream_is_not_starved():
+    client = EngineClient(EngineConfig(engine="piper", parallel=1, threads=1))
+    await client.start()
+    try:
+        assert client.info["sample_rate"] == 22050 and "joe" in client.info["voices"]
+        order = []
+        long = client.stream()
+        long.push_text(" ".join(f"This is sentence number {i} of a long answer." for i in range(12)))
+        long.end_input()
+
+        async def read_long():
+            async for chunk in long:
+                order.append(("long", chunk.unit_index))
+                await asyncio.sleep(0)
+
+        reader = asyncio.ensure_future(read_long())
+        while len(order) < 2:
+            await asyncio.sleep(0.01)
+        short = client.stream()
+        short.push_text("Hi!")
+        short.end_input()
+        async for chunk in short:
+            order.append(("short", chunk.unit_index))
+            assert chunk.sample_rate == 22050 and chunk.duration > 0.2
+            assert chunk.words and chunk.words[0].text == "Hi!"
+        await reader
+        # The new stream's first chunk came before the long stream finished.
+        assert order.index(("short", 0)) < len(order) - 1
+        assert [i for kind, i in order if kind == "long"] == list(range(12))
+    finally:
+        await client.close()

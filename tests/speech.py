@@ -1,0 +1,46 @@
+"""Helpers for checking speech: recognition with pocketsphinx, word error rate, synthesis for mic input."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import soxr
+
+
+def recognize(pcm: np.ndarray, sample_rate: int) -> str:
+    from pocketsphinx import Decoder
+
+    audio = soxr.resample(np.asarray(pcm, dtype=np.int16), sample_rate, 16000).astype(np.int16)
+    decoder = Decoder(samprate=16000)
+    decoder.start_utt()
+    decoder.process_raw(audio.tobytes(), full_utt=True)
+    decoder.end_utt()
+    hyp = decoder.hyp()
+    return hyp.hypstr if hyp else ""
+
+
+def words(text: str) -> list[str]:
+    return re.findall(r"[a-z']+", text.lower())
+
+
+def word_error_rate(reference: str, hypothesis: str) -> float:
+    ref, hyp = words(reference), words(hypothesis)
+    d = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, 1):
+        prev, d[0] = d[0], i
+        for j, h in enumerate(hyp, 1):
+            cur = min(d[j] + 1, d[j - 1] + 1, prev + (r != h))
+            prev, d[j] = d[j], cur
+    return d[len(hyp)] / max(1, len(ref))
+
+
+def synthesize_48k(text: str) -> np.ndarray:
+    """Real speech from the embedded voice, at 48 kHz, for a client's microphone."""
+    from voxgate.engine.base import SynthesisOptions
+    from voxgate.engine.piper_engine import PiperEngine
+
+    engine = PiperEngine(threads=1)
+    engine.load()
+    pcm = np.concatenate([c.pcm for c in engine.synthesize(text, SynthesisOptions())])
+    return soxr.resample(pcm, 22050, 48000).astype(np.int16)
