@@ -1,0 +1,76 @@
+"""Bad input gets a clear error and never harms the session, other sessions or the server."""
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from voxgate.rtc_client import RtcClient
+
+BAD_OFFERS = [
+    (b"not json at all", 400, "invalid_json"),
+    (b"\xff\xfe\x00garbage", 400, "invalid_utf8"),
+    (b"[1, 2, 3]", 400, "invalid_json"),
+    (json.dumps({"type": "offer"}).encode(), 400, "invalid_sdp"),
+    (json.dumps({"sdp": 42, "type": "offer"}).encode(), 400, "invalid_sdp"),
+    (json.dumps({"sdp": "v=0\r\nthis is not sdp", "type": "offer"}).encode(), 400, "invalid_sdp"),
+    (json.dumps({"sdp": "v=0\r\nm=audio 9 UDP/TLS/RTP/SAVPF 0\r\n", "type": "offer"}).encode(), 400, "invalid_sdp"),
+    (json.dumps({"sdp": "x", "type": "answer"}).encode(), 400, "invalid_sdp"),
+    (json.dumps({"sdp": "v=0\r\n" + "a=x\r\n" * 100000, "type": "offer"}).encode(), 413, "too_large"),
+]
+
+
+@pytest.mark.parametrize("body,status,code", BAD_OFFERS, ids=[c for _, _, c in BAD_OFFERS])
+async def test_malformed_offers_get_json_errors(tone_server, body, status, code):
+    async with aiohttp.ClientSession() as http:
+        async with http.post(tone_server.url + "/v1/offer", data=body, headers={"Content-Type": "application/json"}) as resp:
+            assert resp.status == status
+            error = (await resp.json())["error"]
+            assert error["code"] == code and error["message"]
+        async with http.get(tone_server.url + "/healthz") as resp:
+            assert resp.status == 200
+
+
+BAD_MESSAGES = [
+    ("not json", "invalid_json"),
+    (b"\xc3\x28 invalid utf-8", "invalid_utf8"),
+    ("[1,2]", "invalid_message"),
+    ('{"no": "type"}', "invalid_message"),
+    ('{"type": "dance"}', "unknown_type"),
+    ('{"type": "speak"}', "invalid_field"),
+    ('{"type": "speak", "text": 12}', "invalid_field"),
+    ('{"type": "speak", "text": "x", "id": 5}', "invalid_field"),
+    ('{"type": "session.update", "rate": "fast"}', "invalid_field"),
+    ('{"type": "session.update", "voice": "nobody"}', "unknown_voice"),
+    ('{"type": "session.update", "vad": {"aggressiveness": 9}}', "invalid_field"),
+    ('{"type": "text.end", "id": "never-started"}', "unknown_utterance"),
+    ('{"type": "speak", "text": "' + "a" * 5000 + '"}', "text_too_long"),
+    ("x" * 70000, "message_too_large"),
+    ('{"type": "speak", "text": "x", "deep": ' + "[" * 50 + "]" * 50 + "}", "invalid_message"),
+]
+
+
+async def test_bad_data_channel_messages_get_error_events_and_the_session_lives_on(tone_server):
+    async with RtcClient(tone_server.url) as client, RtcClient(tone_server.url) as bystander:
+        bystander.send({"type": "speak", "text": "The other session keeps talking through all of this.", "id": "b"})
+        for raw, code in BAD_MESSAGES:
+            client.send(raw)
+            error = await client.wait_for("error", timeout=5)
+            assert error["code"] == code, (raw[:60], error)
+            assert error["message"]
+        client.send({"type": "speak", "text": "Still alive.", "id": "ok"})
+        done = await client.wait_for("utterance.done", id="ok", timeout=20)
+        assert done["audio_ms"] > 0
+        await bystander.wait_for("utterance.done", id="b", timeout=20)
+        assert not [e for _, e in bystander.event_log if e["type"] == "error"]
+
+
+async def test_a_flood_of_messages_is_answered_not_fatal(tone_server):
+    async with RtcClient(tone_server.url) as client:
+        for i in range(300):
+            client.send('{"type": "ping", "t": %d}' % i)
+        for _ in range(300):
+            await client.wait_for("pong", timeout=10)
+        client.send({"type": "speak", "text": "After the flood.", "id": "f"})
+        await client.wait_for("utterance.done", id="f", timeout=20)
