@@ -126,12 +126,17 @@ class Session:
         self.output_codec = codec
         self.encoder = create_encoder(codec, self.options.opus)
         self.playout.silence = self.encoder.silence()
+        # Text queued before anyone could listen: waiting for a listener is not TTFA.
+        now = time.perf_counter()
+        for play in self.playout.queue:
+            play.ready_at = now
         if self._feeder is None:
             self._start_feeder()
 
     @property
     def speaking(self) -> bool:
-        return bool(self.utterances)
+        # Text queued with no output attached does not keep a session alive.
+        return bool(self.utterances) and self.encoder is not None
 
     # Inbound messages
     def handle_message(self, raw: str | bytes, source: str = "peer") -> None:
@@ -196,8 +201,8 @@ class Session:
                 "queue_full", f"{len(self.utterances)} utterances are queued; the limit is "
                 f"{self.options.max_queued_utterances}. Wait for utterance.done or send cancel.", uid
             )
-        if self.encoder is None:
-            raise ProtocolError("not_connected", "no audio output is attached to this session yet", uid)
+        # With no output attached yet (a session made ahead through the session
+        # API), text is accepted and queued; the feeder starts on attach_output.
         if uid is None:
             uid = f"u{next(self._auto_ids)}"
         try:

@@ -23,6 +23,7 @@ from ..gateway.session import Session, SessionOptions
 from ..gateway.vad import VadSettings
 from ..config import Settings
 from .metrics import GatewayMetrics
+from . import sessions_api, telephony
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ async def handle_offer(request: web.Request) -> web.Response:
         voice = body.get("voice")
         if voice is not None and not isinstance(voice, str):
             raise OfferError("invalid_field", "'voice' must be a string")
-        session = gw.create_session(voice=voice)
+        session, created = sessions_api.session_for_offer(request.app, body, voice)
     except OfferError as exc:
         return error_response(exc.status, exc.code, exc.message)
     peer = PeerConnection(session, gw.ice)
@@ -186,11 +187,11 @@ async def handle_offer(request: web.Request) -> web.Response:
     try:
         answer = await peer.answer(sdp)
     except OfferError as exc:
-        await session.close("offer rejected")
+        await sessions_api.abandon_offer(request.app, peer, created, "offer rejected")
         return error_response(exc.status, exc.code, exc.message)
     except Exception as exc:
         log.exception("offer failed")
-        await session.close("offer failed")
+        await sessions_api.abandon_offer(request.app, peer, created, "offer failed")
         return error_response(500, "internal", f"could not answer the offer: {type(exc).__name__}")
     return web.json_response({"sdp": answer, "type": "answer", "session_id": session.id})
 
@@ -269,6 +270,8 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
     app.router.add_get("/healthz", handle_healthz)
     app.router.add_get("/readyz", handle_readyz)
     app.router.add_get("/metrics", handle_metrics)
+    sessions_api.add_routes(app)
+    telephony.add_routes(app)
     if settings.web:
         app.router.add_get("/", handle_index)
         if WEB_DIR.exists():

@@ -1,0 +1,414 @@
+"""The session API for voice-bot backends.
+
+A backend creates a session ahead of time (`POST /v1/sessions`), hands the
+browser a short-lived client token for `/v1/offer` (or puts it in a Twilio
+`<Stream>`), and drives the session over a WebSocket that carries the same
+JSON messages as the data channel. API keys guard everything here; with no key
+configured the endpoints are open (local demo).
+
+Client tokens are `base64url(payload).base64url(hmac_sha256(payload))`, the
+payload holding the session id and an expiry, so the server keeps no token
+state and a restart with the same `--token-secret` still accepts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import itertools
+import json
+import logging
+import secrets
+import time
+
+from aiohttp import WSMsgType, web
+
+from ..gateway.peer import OfferError, PeerConnection
+from ..gateway.protocol import ProtocolError, parse
+from ..gateway.session import Session
+
+log = logging.getLogger(__name__)
+
+# Events a slow backend may leave unread before it is disconnected.
+MAX_PENDING_EVENTS = 10000
+
+
+class TokenError(Exception):
+    def __init__(self, code: str, message: str, status: int) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.status = status
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+class TokenSigner:
+    """Issues and checks client tokens bound to one session."""
+
+    def __init__(self, secret: str | bytes | None, ttl_s: float) -> None:
+        if secret is None:
+            secret = secrets.token_bytes(32)  # tokens then die with the process
+        self._key = secret.encode("utf-8") if isinstance(secret, str) else secret
+        self.ttl_s = ttl_s
+
+    def issue(self, session_id: str, now: float | None = None) -> str:
+        exp = int((now if now is not None else time.time()) + self.ttl_s)
+        payload = json.dumps({"sid": session_id, "exp": exp}, separators=(",", ":")).encode("utf-8")
+        return _b64(payload) + "." + _b64(self._sign(payload))
+
+    def verify(self, token: object, now: float | None = None) -> str:
+        """Returns the session id the token was issued for."""
+        if not isinstance(token, str) or token.count(".") != 1 or len(token) > 1024:
+            raise TokenError("invalid_token", "the token is malformed", 401)
+        body, sig = token.split(".")
+        try:
+            payload = _unb64(body)
+            given = _unb64(sig)
+        except (ValueError, TypeError):
+            raise TokenError("invalid_token", "the token is malformed", 401) from None
+        if not hmac.compare_digest(given, self._sign(payload)):
+            raise TokenError("invalid_token", "the token's signature does not match", 401)
+        try:
+            data = json.loads(payload)
+            sid, exp = str(data["sid"]), float(data["exp"])
+        except (ValueError, KeyError, TypeError):
+            raise TokenError("invalid_token", "the token is malformed", 401) from None
+        if (now if now is not None else time.time()) > exp:
+            raise TokenError("token_expired", "the token has expired; ask the backend for a new one", 403)
+        return sid
+
+    def _sign(self, payload: bytes) -> bytes:
+        return hmac.new(self._key, payload, hashlib.sha256).digest()
+
+
+class SessionRegistry:
+    """What the session API knows beyond the Session: who made it, what is attached."""
+
+    def __init__(self) -> None:
+        self.made_ahead: set[str] = set()
+        self.by_key: dict[str, set[str]] = {}
+        self.backends: dict[str, dict[str, str]] = {}  # session id -> listener name -> role
+        self.calls: dict[str, object] = {}  # session id -> telephony call (signaling.telephony.TwilioCall)
+
+    def forget(self, session_id: str) -> None:
+        self.made_ahead.discard(session_id)
+        self.backends.pop(session_id, None)
+        self.calls.pop(session_id, None)
+        for ids in self.by_key.values():
+            ids.discard(session_id)
+
+
+SIGNER = web.AppKey("token_signer", TokenSigner)
+REGISTRY = web.AppKey("session_registry", SessionRegistry)
+
+
+def error_response(status: int, code: str, message: str) -> web.Response:
+    return web.json_response({"error": {"code": code, "message": message}}, status=status)
+
+
+def api_key_of(request: web.Request) -> str | None:
+    auth = request.headers.get("Authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return request.headers.get("X-API-Key")
+
+
+def check_api_key(request: web.Request) -> str | None:
+    """The caller's key; raises a JSON 401 when keys are configured and this one is not among them."""
+    keys = request.app["gateway"].settings.api_key
+    if not keys:
+        return None
+    given = api_key_of(request)
+    if not given:
+        raise _http_error(web.HTTPUnauthorized, "unauthorized", "an API key is required: Authorization: Bearer <key> or X-API-Key")
+    for key in keys:
+        if hmac.compare_digest(given.encode("utf-8"), key.encode("utf-8")):
+            return key
+    raise _http_error(web.HTTPUnauthorized, "invalid_api_key", "the API key is not valid")
+
+
+def _http_error(cls, code: str, message: str, **kwargs) -> web.HTTPException:
+    return cls(text=json.dumps({"error": {"code": code, "message": message}}), content_type="application/json", **kwargs)
+
+
+def _session_or_404(request: web.Request) -> Session:
+    session = request.app["gateway"].sessions.get(request.match_info["session_id"])
+    if session is None or session.closed:
+        raise _http_error(web.HTTPNotFound, "unknown_session", "no such session")
+    return session
+
+
+def track_session(app: web.Application, session: Session) -> None:
+    registry = app[REGISTRY]
+    session.on_close.append(lambda s: registry.forget(s.id))
+
+
+# Joining from /v1/offer
+def session_for_offer(app: web.Application, body: dict, voice: str | None) -> tuple[Session, bool]:
+    """The session an offer attaches to, and whether it was created for it.
+
+    With `session_id` and/or `token`, the offer joins a session made through
+    the session API; otherwise a new session is made, unless tokens are required.
+    """
+    gw = app["gateway"]
+    sid, token = body.get("session_id"), body.get("token")
+    if sid is None and token is None:
+        if gw.settings.require_token:
+            raise OfferError("token_required", "this server needs a client token from POST /v1/sessions", 401)
+        session = gw.create_session(voice=voice)
+        track_session(app, session)
+        return session, True
+    if sid is not None and not isinstance(sid, str):
+        raise OfferError("invalid_field", "'session_id' must be a string")
+    if token is None:
+        raise OfferError("token_required", "joining a session needs its client 'token'", 401)
+    try:
+        token_sid = app[SIGNER].verify(token)
+    except TokenError as exc:
+        raise OfferError(exc.code, exc.message, exc.status) from None
+    if sid is not None and sid != token_sid:
+        raise OfferError("token_mismatch", "the token was issued for another session", 403)
+    session = gw.sessions.get(token_sid)
+    if session is None or session.closed:
+        raise OfferError("unknown_session", "no such session; it may have ended", 404)
+    if session.encoder is not None or token_sid in gw.peers:
+        raise OfferError("already_connected", "a listener is already attached to this session", 409)
+    return session, False
+
+
+async def abandon_offer(app: web.Application, peer: PeerConnection, created: bool, reason: str) -> None:
+    """Undo a failed offer: a session made for it ends; a session made ahead stays for another try."""
+    gw = app["gateway"]
+    session = peer.session
+    if created:
+        await session.close(reason)
+        return
+    if gw.peers.get(session.id) is peer:
+        del gw.peers[session.id]
+    session.remove_listener("peer")
+    if peer._on_session_close in session.on_close:
+        session.on_close.remove(peer._on_session_close)
+    await peer.pc.close()
+
+
+# HTTP
+def _urls(request: web.Request, session_id: str) -> dict:
+    proto = request.headers.get("X-Forwarded-Proto", request.scheme)
+    host = request.headers.get("X-Forwarded-Host", request.host)
+    http = f"{proto}://{host}"
+    ws = f"{'wss' if proto == 'https' else 'ws'}://{host}"
+    return {
+        "session_url": f"{http}/v1/sessions/{session_id}",
+        "offer_url": f"{http}/v1/offer",
+        "ws_url": f"{ws}/v1/sessions/{session_id}/ws",
+        "telephony_url": f"{ws}/v1/telephony/twilio",
+    }
+
+
+async def handle_create(request: web.Request) -> web.Response:
+    key = check_api_key(request)
+    gw = request.app["gateway"]
+    registry = request.app[REGISTRY]
+    body: dict = {}
+    raw = await request.content.read(8193)
+    if len(raw) > 8192:
+        return error_response(413, "too_large", "the request body is over 8192 bytes")
+    if raw.strip():
+        try:
+            body = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            return error_response(400, "invalid_json", "the body must be a JSON object, or empty")
+        if not isinstance(body, dict):
+            return error_response(400, "invalid_json", "the body must be a JSON object, or empty")
+    voice = body.get("voice")
+    if voice is not None:
+        voices = gw.engine.info.get("voices", [])
+        if not isinstance(voice, str):
+            return error_response(400, "invalid_field", "'voice' must be a string")
+        if voice not in voices and not voice.endswith(".onnx"):
+            return error_response(400, "unknown_voice", f"unknown voice {voice!r}; available: {', '.join(voices)}")
+    if key is not None and len(registry.by_key.get(key, ())) >= gw.settings.max_sessions_per_key:
+        return error_response(
+            429, "key_limit", f"this API key holds its maximum of {gw.settings.max_sessions_per_key} sessions"
+        )
+    session = gw.create_session(voice=voice)
+    track_session(request.app, session)
+    registry.made_ahead.add(session.id)
+    if key is not None:
+        registry.by_key.setdefault(key, set()).add(session.id)
+    signer = request.app[SIGNER]
+    log.info("session %s made ahead through the session API", session.id)
+    return web.json_response(
+        {
+            "session_id": session.id,
+            "client_token": signer.issue(session.id),
+            "token_expires_in_s": signer.ttl_s,
+            **_urls(request, session.id),
+        },
+        status=201,
+    )
+
+
+def describe(app: web.Application, session: Session) -> dict:
+    gw = app["gateway"]
+    registry = app[REGISTRY]
+    now_mono, now_wall = time.monotonic(), time.time()
+    peer = gw.peers.get(session.id)
+    call = registry.calls.get(session.id)
+    backends = registry.backends.get(session.id, {})
+    playing = session.playout.current
+    return {
+        "session_id": session.id,
+        "made_ahead": session.id in registry.made_ahead,
+        "codec": session.output_codec,
+        "connected": {
+            "webrtc": None if peer is None else {"state": peer.pc.connectionState},
+            "telephony": None if call is None else call.describe(),
+        },
+        "utterances": {
+            "queued": len(session.utterances),
+            "playing": playing.id if playing is not None and playing.started else None,
+            "ids": [u.id for u in session.utterances],
+        },
+        "writer": session.writer,
+        "watchers": sorted(name for name, role in backends.items() if role == "watcher"),
+        "backends": len(backends),
+        "options": session.describe_options(),
+        "stats": dict(session.stats),
+        "created_at": round(now_wall - (now_mono - session.created_at), 3),
+        "last_activity": round(now_wall - (now_mono - session.last_activity), 3),
+    }
+
+
+async def handle_get(request: web.Request) -> web.Response:
+    check_api_key(request)
+    return web.json_response(describe(request.app, _session_or_404(request)))
+
+
+async def handle_list(request: web.Request) -> web.Response:
+    """All sessions, or those of one phone call with `?call_sid=`."""
+    check_api_key(request)
+    call_sid = request.query.get("call_sid")
+    out = []
+    for session in list(request.app["gateway"].sessions.values()):
+        state = describe(request.app, session)
+        telephony = state["connected"]["telephony"]
+        if call_sid is not None and (telephony is None or telephony.get("call_sid") != call_sid):
+            continue
+        out.append(state)
+    return web.json_response({"sessions": out})
+
+
+async def handle_delete(request: web.Request) -> web.Response:
+    check_api_key(request)
+    session = _session_or_404(request)
+    await session.close("ended through the session API")
+    return web.json_response({"session_id": session.id, "closed": True})
+
+
+# The backend WebSocket
+_connection_ids = itertools.count(1)
+
+
+async def handle_ws(request: web.Request) -> web.StreamResponse:
+    check_api_key(request)
+    session = _session_or_404(request)
+    role = request.query.get("role", "writer")
+    if role not in ("writer", "watcher"):
+        return error_response(400, "invalid_field", "'role' must be 'writer' or 'watcher'")
+    gw = request.app["gateway"]
+    limit = gw.settings.max_message_bytes
+    # decode_text=False: a text frame with invalid UTF-8 reaches the session
+    # as bytes and earns an error event instead of closing the connection.
+    ws = web.WebSocketResponse(heartbeat=20.0, max_msg_size=max(4 * limit, 1 << 20), decode_text=False)
+    await ws.prepare(request)
+    name = f"ws:{next(_connection_ids)}"
+    if role == "writer" and session.writer is None:
+        session.writer = name
+    else:
+        role = "watcher"
+    backends = request.app[REGISTRY].backends.setdefault(session.id, {})
+    backends[name] = role
+    outbox: asyncio.Queue = asyncio.Queue()
+
+    def on_event(event: dict) -> None:
+        if outbox.qsize() >= MAX_PENDING_EVENTS:
+            log.warning("session %s: backend %s reads too slowly; disconnecting it", session.id, name)
+            outbox.put_nowait(None)
+            return
+        outbox.put_nowait(event)
+
+    async def pump() -> None:
+        while True:
+            event = await outbox.get()
+            if event is None:
+                await ws.close(code=1013, message=b"events not read fast enough")
+                return
+            try:
+                await ws.send_str(json.dumps(event))
+            except (ConnectionError, RuntimeError):
+                return
+            if event.get("type") == "session.closed":
+                await ws.close()
+                return
+
+    session.add_listener(name, on_event)
+    on_event({**session.ready_event(), "role": role, "writer": session.writer})
+    sender = asyncio.ensure_future(pump())
+    log.info("session %s: backend %s attached as %s", session.id, name, role)
+    try:
+        async for msg in ws:
+            if msg.type == WSMsgType.TEXT:
+                _backend_message(session, name, msg.data)
+            elif msg.type == WSMsgType.BINARY:
+                on_event({"type": "error", "code": "binary_frame", "message": "binary frames are not accepted; send JSON text frames"})
+            elif msg.type == WSMsgType.ERROR:
+                break
+    finally:
+        session.remove_listener(name)
+        backends.pop(name, None)
+        if session.writer == name:
+            session.writer = None
+        if not sender.done():
+            if session.closed:
+                await asyncio.wait([sender], timeout=1.0)
+            sender.cancel()
+        log.info("session %s: backend %s detached", session.id, name)
+    return ws
+
+
+def _backend_message(session: Session, name: str, raw: str | bytes) -> None:
+    if session.writer != name:
+        # A watcher may ping; everything else is refused here, even while no
+        # writer holds the session, so a watcher never races the writer.
+        try:
+            msg = parse(raw, session.options.limits)
+        except ProtocolError:
+            msg = None  # let the session report the parse error itself
+        if msg is not None and msg["type"] != "ping":
+            session.emit(
+                ProtocolError("read_only", "this backend watches the session; only its writer may send text, cancel or updates", msg.get("id")).event(),
+                only=name,
+            )
+            return
+    session.handle_message(raw, source=name)
+
+
+def add_routes(app: web.Application) -> None:
+    settings = app["gateway"].settings
+    app[SIGNER] = TokenSigner(settings.token_secret, settings.token_ttl_s)
+    app[REGISTRY] = SessionRegistry()
+    app.router.add_post("/v1/sessions", handle_create)
+    app.router.add_get("/v1/sessions", handle_list)
+    app.router.add_get("/v1/sessions/{session_id}", handle_get)
+    app.router.add_delete("/v1/sessions/{session_id}", handle_delete)
+    app.router.add_get("/v1/sessions/{session_id}/ws", handle_ws)

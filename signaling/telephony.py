@@ -1,0 +1,268 @@
+"""Phone calls through Twilio Media Streams: `wss://host/v1/telephony/twilio`.
+
+The protocol is Twilio's, exactly as the phone side speaks it: JSON text
+frames `connected`, `start`, `media` (base64 μ-law, 8 kHz), `dtmf`, `mark`,
+`stop` in; `media`, `mark`, `clear` out. See docs/telephony.md.
+
+A `start` whose `customParameters` carry `session_id` and its client `token`
+(from `POST /v1/sessions`) joins that session, so the bot backend that made
+it drives the call. Otherwise the call gets a new session, unless the server
+requires API keys or tokens. Caller audio goes through the session's VAD, so
+a caller talking over the bot interrupts it just as a browser microphone does.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import logging
+
+import numpy as np
+from aiohttp import WSMsgType, web
+
+from ..gateway.encoder import ulaw_decode
+from ..gateway.resample import StreamResampler
+from ..gateway.session import Session
+from ..gateway.telephony import TwilioOutput
+from .sessions_api import REGISTRY, SIGNER, TokenError, track_session
+
+log = logging.getLogger(__name__)
+
+MAX_FRAME_BYTES = 64 * 1024
+MULAW = "audio/x-mulaw"
+INBOUND_EVENTS = ("connected", "start", "media", "dtmf", "mark", "stop")
+
+
+class CallError(Exception):
+    def __init__(self, code: str, message: str, fatal: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.fatal = fatal
+
+
+class TwilioCall:
+    """One Media Streams connection bound to one session."""
+
+    def __init__(self, app: web.Application, ws: web.WebSocketResponse) -> None:
+        self.app = app
+        self.ws = ws
+        self.session: Session | None = None
+        self.created = False
+        self.stream_sid: str | None = None
+        self.call_sid: str | None = None
+        self.tracks: list[str] = []
+        self.output: TwilioOutput | None = None
+        self.media_in = 0
+        self.dtmf: list[str] = []
+        self._resampler = StreamResampler(8000, 16000)
+        self._listener = ""
+
+    def describe(self) -> dict:
+        return {
+            "protocol": "twilio",
+            "stream_sid": self.stream_sid,
+            "call_sid": self.call_sid,
+            "tracks": self.tracks,
+            "media_in": self.media_in,
+            "dtmf": "".join(self.dtmf),
+            **(self.output.describe() if self.output is not None else {}),
+        }
+
+    async def send(self, message: dict) -> None:
+        await self.ws.send_str(json.dumps(message))
+
+    async def error(self, code: str, message: str) -> None:
+        # Twilio never triggers these; a misbehaving client or stand-in reads them.
+        log.warning("telephony stream %s: %s: %s", self.stream_sid, code, message)
+        if not self.ws.closed:
+            await self.send({"event": "error", "code": code, "message": message})
+
+    # Inbound
+    async def handle(self, raw: str | bytes) -> None:
+        if isinstance(raw, (bytes, bytearray)):
+            try:
+                raw = bytes(raw).decode("utf-8")
+            except UnicodeDecodeError:
+                raise CallError("invalid_utf8", "the frame is not valid UTF-8 text") from None
+        try:
+            msg = json.loads(raw)
+        except ValueError:
+            raise CallError("invalid_json", "the frame is not JSON") from None
+        if not isinstance(msg, dict) or not isinstance(msg.get("event"), str):
+            raise CallError("invalid_message", "a frame must be a JSON object with a string 'event'")
+        event = msg["event"]
+        if event not in INBOUND_EVENTS:
+            raise CallError("unknown_event", f"unknown event {event[:40]!r}; expected one of {', '.join(INBOUND_EVENTS)}")
+        if event == "connected":
+            return
+        if event == "start":
+            await self._start(msg)
+            return
+        if self.session is None:
+            if event == "stop":
+                return
+            raise CallError("not_started", f"'{event[:40]}' before 'start'")
+        if event == "media":
+            self._media(msg)
+        elif event == "mark":
+            name = (msg.get("mark") or {}).get("name")
+            if not isinstance(name, str):
+                raise CallError("invalid_message", "'mark' needs mark.name")
+            assert self.output is not None
+            self.output.on_mark(name)
+        elif event == "dtmf":
+            digit = (msg.get("dtmf") or {}).get("digit")
+            if not isinstance(digit, str) or len(digit) != 1:
+                raise CallError("invalid_message", "'dtmf' needs a one-character dtmf.digit")
+            self.dtmf.append(digit)
+            self.session.emit({"type": "call.dtmf", "digit": digit, "call_sid": self.call_sid})
+        elif event == "stop":
+            raise CallError("stopped", "the call ended", fatal=True)
+
+    async def _start(self, msg: dict) -> None:
+        if self.session is not None:
+            raise CallError("already_started", "this stream has already started")
+        start = msg.get("start")
+        if not isinstance(start, dict):
+            raise CallError("invalid_message", "'start' needs a 'start' object", fatal=True)
+        stream_sid = start.get("streamSid") or msg.get("streamSid")
+        if not isinstance(stream_sid, str) or not stream_sid:
+            raise CallError("invalid_message", "'start' needs a streamSid", fatal=True)
+        fmt = start.get("mediaFormat") or {}
+        if fmt and (fmt.get("encoding") != MULAW or int(fmt.get("sampleRate", 8000)) != 8000 or int(fmt.get("channels", 1)) != 1):
+            raise CallError("unsupported_format", f"only {MULAW}, 8000 Hz, mono is supported; got {fmt}", fatal=True)
+        params = start.get("customParameters") or {}
+        if not isinstance(params, dict):
+            raise CallError("invalid_message", "customParameters must be an object", fatal=True)
+        self.stream_sid = stream_sid
+        self.call_sid = start.get("callSid") if isinstance(start.get("callSid"), str) else None
+        self.tracks = [t for t in start.get("tracks") or ["inbound"] if isinstance(t, str)]
+        session = self._session_for(params)
+        self.session = session
+        self.app[REGISTRY].calls[session.id] = self
+        session.attach_output("pcmu")
+        self.output = TwilioOutput(session, stream_sid, self.send)
+        self._listener = f"telephony:{stream_sid}"
+        session.add_listener(self._listener, self.output.on_event)
+        session.on_close.append(self._on_session_close)
+        self.output.start()
+        log.info(
+            "call %s (stream %s) on session %s (%s)",
+            self.call_sid, stream_sid, session.id, "new" if self.created else "made ahead",
+        )
+        public = {k: v for k, v in params.items() if k != "token"}
+        session.emit({"type": "call.started", "call_sid": self.call_sid, "stream_sid": stream_sid, "custom_parameters": public})
+
+    def _session_for(self, params: dict) -> Session:
+        gw = self.app["gateway"]
+        sid, token = params.get("session_id"), params.get("token")
+        if sid is None and token is None:
+            if gw.settings.api_key or gw.settings.require_token:
+                raise CallError(
+                    "token_required",
+                    "this server needs customParameters session_id and token from POST /v1/sessions",
+                    fatal=True,
+                )
+            voice = params.get("voice") if isinstance(params.get("voice"), str) else None
+            if voice is not None and voice not in gw.engine.info.get("voices", []) and not voice.endswith(".onnx"):
+                raise CallError("unknown_voice", f"unknown voice {voice!r}", fatal=True)
+            try:
+                session = gw.create_session(voice=voice)
+            except web.HTTPException as exc:
+                raise CallError("unavailable", exc.text or "no capacity for a new session", fatal=True) from None
+            track_session(self.app, session)
+            self.created = True
+            return session
+        if token is None:
+            raise CallError("token_required", "joining a session needs its client token as customParameters.token", fatal=True)
+        try:
+            token_sid = self.app[SIGNER].verify(token)
+        except TokenError as exc:
+            raise CallError(exc.code, exc.message, fatal=True) from None
+        if sid is not None and sid != token_sid:
+            raise CallError("token_mismatch", "the token was issued for another session", fatal=True)
+        session = gw.sessions.get(token_sid)
+        if session is None or session.closed:
+            raise CallError("unknown_session", "no such session; it may have ended", fatal=True)
+        if session.encoder is not None or token_sid in gw.peers:
+            raise CallError("already_connected", "a listener is already attached to this session", fatal=True)
+        return session
+
+    def _media(self, msg: dict) -> None:
+        media = msg.get("media")
+        if not isinstance(media, dict) or not isinstance(media.get("payload"), str):
+            raise CallError("invalid_message", "'media' needs media.payload")
+        if media.get("track", "inbound") not in ("inbound", "inbound_track"):
+            return  # our own audio echoed back on a bidirectional stream
+        try:
+            ulaw = base64.b64decode(media["payload"], validate=True)
+        except (binascii.Error, ValueError):
+            raise CallError("invalid_payload", "media.payload is not base64") from None
+        self.media_in += 1
+        if not ulaw:
+            return
+        pcm16k = self._resampler.process(ulaw_decode(ulaw))
+        assert self.session is not None
+        self.session.on_inbound_audio(np.asarray(pcm16k, dtype=np.int16))
+
+    # Lifecycle
+    async def _on_session_close(self, session: Session) -> None:
+        if self.output is not None:
+            await self.output.stop()
+        if not self.ws.closed:
+            await self.ws.close()
+
+    async def end(self, reason: str) -> None:
+        if self.output is not None:
+            await self.output.stop()
+        session = self.session
+        if session is None:
+            return
+        session.remove_listener(self._listener)
+        if self.app[REGISTRY].calls.get(session.id) is self:
+            del self.app[REGISTRY].calls[session.id]
+        if not session.closed:
+            session.emit({"type": "call.ended", "call_sid": self.call_sid, "reason": reason})
+            # The session's only output was this call; it cannot speak any more.
+            await session.close(f"call ended: {reason}")
+        log.info("call %s (stream %s) ended: %s", self.call_sid, self.stream_sid, reason)
+
+
+async def handle_twilio(request: web.Request) -> web.StreamResponse:
+    ws = web.WebSocketResponse(heartbeat=None, max_msg_size=MAX_FRAME_BYTES, decode_text=False)
+    await ws.prepare(request)
+    call = TwilioCall(request.app, ws)
+    reason = "stream closed"
+    try:
+        async for msg in ws:
+            if msg.type == WSMsgType.BINARY:
+                await call.error("binary_frame", "Media Streams frames are JSON text; a binary frame was ignored")
+                continue
+            if msg.type != WSMsgType.TEXT:
+                if msg.type == WSMsgType.ERROR:
+                    reason = f"stream error: {ws.exception()}"
+                break
+            try:
+                await call.handle(msg.data)
+            except CallError as exc:
+                if exc.code == "stopped":
+                    reason = "stop"
+                    break
+                await call.error(exc.code, exc.message)
+                if exc.fatal:
+                    reason = exc.code
+                    break
+            except Exception as exc:  # a bug costs this frame, not the call
+                log.exception("telephony stream %s: frame failed", call.stream_sid)
+                await call.error("internal", f"internal error: {type(exc).__name__}")
+    finally:
+        await call.end(reason)
+        if not ws.closed:
+            await ws.close()
+    return ws
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/v1/telephony/twilio", handle_twilio)
