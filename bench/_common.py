@@ -1,0 +1,169 @@
+"""Helpers the benchmarks share: percentiles, machine facts, process figures, JSON output.
+
+The benchmark machines are shared and noisy, so every figure a script prints
+sits beside a baseline measured in the same run, and the machine's state (load,
+the busiest other processes) is recorded with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARTIFACTS = os.path.join(ROOT, "artifacts")
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile, q in 0..100; NaN for no samples."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = max(0, min(len(s) - 1, int(math.ceil(q / 100.0 * len(s))) - 1))
+    return s[k]
+
+
+def summary_ms(xs_s: list[float]) -> dict:
+    """p50/p95/max/mean in milliseconds of samples given in seconds."""
+    ms = [x * 1000.0 for x in xs_s]
+    if not ms:
+        return {"n": 0}
+    return {
+        "n": len(ms),
+        "p50": round(percentile(ms, 50), 2),
+        "p95": round(percentile(ms, 95), 2),
+        "max": round(max(ms), 2),
+        "mean": round(sum(ms) / len(ms), 2),
+    }
+
+
+def fmt_ms(s: dict, keys: tuple[str, ...] = ("p50", "p95", "max")) -> str:
+    if not s.get("n"):
+        return "no samples"
+    return "  ".join(f"{k} {s[k]:7.1f}" for k in keys) + f"  (n={s['n']})"
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads) from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    # After the command name: state is field 3, utime 14, stime 15 (1-based).
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def proc_mem_mb(pid: int) -> dict:
+    """VmRSS and VmHWM (peak RSS) of a process, in MiB."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                key, value = line.split(":", 1)
+                out[key] = round(int(value.split()[0]) / 1024.0, 1)
+    return {"rss_mb": out.get("VmRSS"), "peak_rss_mb": out.get("VmHWM")}
+
+
+def busy_processes(window_s: float = 1.0, top: int = 5, exclude: set[int] | None = None) -> list[dict]:
+    """The processes that used the most CPU over a short window (other engineers' work, say)."""
+    exclude = exclude or set()
+
+    def sample() -> dict[int, tuple[float, str]]:
+        out = {}
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or int(name) in exclude:
+                continue
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:120]
+                out[int(name)] = (proc_cpu_s(int(name)), cmd)
+            except (OSError, IndexError, ValueError):
+                continue
+        return out
+
+    before = sample()
+    time.sleep(window_s)
+    after = sample()
+    rows = []
+    for pid, (cpu, cmd) in after.items():
+        if pid in before and cmd:
+            used = (cpu - before[pid][0]) / window_s
+            if used > 0.02:
+                rows.append({"pid": pid, "cpu_pct": round(used * 100.0, 1), "cmd": cmd})
+    rows.sort(key=lambda r: -r["cpu_pct"])
+    return rows[:top]
+
+
+def machine(exclude: set[int] | None = None) -> dict:
+    """Facts to publish with the figures: when, where, and how busy the machine was."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu_model(),
+        "cores": cores,
+        "python": sys.version.split()[0],
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+        "busy_processes": busy_processes(exclude=(exclude or set()) | {os.getpid()}),
+    }
+
+
+def print_machine(info: dict, label: str) -> None:
+    print(f"{label}: {info['date']}, {info['cpu']}, {info['cores']} cores, load {info['loadavg']}")
+    for p in info["busy_processes"]:
+        print(f"    busy: {p['cpu_pct']:5.1f}% pid {p['pid']} {p['cmd']}")
+
+
+def write_json(name: str, data: dict) -> str:
+    os.makedirs(ARTIFACTS, exist_ok=True)
+    path = os.path.join(ARTIFACTS, f"bench-{name}.json")
+    with open(path, "w") as f:
+        json.dump(_clean(data), f, indent=2)
+    return path
+
+
+def _clean(x):
+    # Strict JSON: NaN (a figure with no samples) becomes null; numpy scalars become floats.
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if isinstance(x, bool) or x is None or isinstance(x, (int, str)):
+        return x
+    try:
+        f = float(x)
+    except (TypeError, ValueError):
+        return str(x)
+    return None if math.isnan(f) or math.isinf(f) else f
+
+
+def arg_parser(doc: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions and shorter windows (under ~2 minutes)")
+    return parser
+
+
+def section(title: str) -> None:
+    print(f"\n== {title} ==", flush=True)
