@@ -179,6 +179,17 @@ class RtcClient:
             if event.get("type") == kind and (id is None or event.get("id") == id):
                 return event
 
+    async def wait_for_any(self, kinds: tuple[str, ...], timeout: float = 20.0) -> dict:
+        """Next event whose type is one of `kinds`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise asyncio.TimeoutError(f"none of {kinds} within {timeout} s")
+            event = await asyncio.wait_for(self.events.get(), remaining)
+            if event.get("type") in kinds:
+                return event
+
     async def close(self) -> None:
         if self._audio_task:
             self._audio_task.cancel()
