@@ -77,6 +77,7 @@ class PeerConnection:
             # our speech out and the peer's microphone in.
             self.track = SpeechTrack(self.session.playout)
             self.track.on_departure = self.session.on_departure
+            self.track.pacer.on_frame = self.session.on_frame_paced
             self.pc.addTrack(self.track)
         try:
             answer = await self.pc.createAnswer()

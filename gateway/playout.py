@@ -71,11 +71,13 @@ class Playout:
         on_done: Callable[[UtterancePlay], None] | None = None,
         initial_preroll_ms: int = 0,
         max_preroll_ms: int = 200,
+        on_underrun: Callable[[], None] | None = None,
     ) -> None:
         self.silence = silence
         self.queue: deque[UtterancePlay] = deque()
         self.on_audio_started = on_audio_started
         self.on_done = on_done
+        self.on_underrun = on_underrun
         self.preroll_ms = initial_preroll_ms
         self.max_preroll_ms = max_preroll_ms
         self.stats = PlayoutStats()
@@ -129,6 +131,8 @@ class Playout:
                 self.stats.underruns += 1
                 self.preroll_ms = min(self.max_preroll_ms, self.preroll_ms + 3 * FRAME_MS)
                 self._rebuffering = True
+                if self.on_underrun is not None:
+                    self.on_underrun()
             return self.silence
         return self.silence
 

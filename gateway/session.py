@@ -70,6 +70,9 @@ class SessionMetrics:
     def aggregation_wait(self, seconds: float) -> None: ...
     def cancel_to_silence(self, seconds: float) -> None: ...
     def utterance(self, outcome: str) -> None: ...
+    def frame_sent(self, interval: float, lateness: float) -> None: ...
+    def underrun(self) -> None: ...
+    def engine_chunk(self, synth_s: float, audio_s: float) -> None: ...
 
 
 class Session:
@@ -96,7 +99,9 @@ class Session:
         self._auto_ids = itertools.count(1)
         self.encoder: FrameEncoder | None = None
         self.output_codec: str | None = None
-        self.playout = Playout(b"", on_audio_started=self._on_audio_started, on_done=self._on_done)
+        self.playout = Playout(
+            b"", on_audio_started=self._on_audio_started, on_done=self._on_done, on_underrun=self.metrics.underrun
+        )
         self._wake = asyncio.Event()
         self._feeder: asyncio.Task | None = None
         self._closed = False
@@ -301,6 +306,10 @@ class Session:
                 }
             )
 
+    def on_frame_paced(self, interval: float, lateness: float) -> None:
+        """The output's pacer reports each frame's spacing and lateness."""
+        self.metrics.frame_sent(interval, lateness)
+
     def on_departure(self, now: float) -> None:
         """Called by the output after each frame; measures cancel-to-silence."""
         if self._pending_cancel_at is not None:
@@ -373,6 +382,8 @@ class Session:
                                 (word.text, (position_s + word.start) * 1000.0, (position_s + word.end) * 1000.0)
                             )
                         position_s += chunk.duration
+                        if chunk.duration > 0:
+                            self.metrics.engine_chunk(chunk.synth_s, chunk.duration)
                         self.playout.push(utt.play, frames)
                 except (EngineCrashed, EngineStreamError, EngineUnavailable) as exc:
                     code = "engine_crashed" if isinstance(exc, EngineCrashed) else "engine_error"

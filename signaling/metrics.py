@@ -56,3 +56,14 @@ class _SessionMetrics(SessionMetrics):
 
     def utterance(self, outcome: str) -> None:
         self.m.utterances.labels(outcome).inc()
+
+    def frame_sent(self, interval: float, lateness: float) -> None:
+        self.m.jitter.observe(abs(interval - 0.020))
+        if lateness > 0.005:
+            self.m.late_frames.inc()
+
+    def underrun(self) -> None:
+        self.m.underruns.inc()
+
+    def engine_chunk(self, synth_s: float, audio_s: float) -> None:
+        self.m.engine_rtf.observe(synth_s / audio_s)
