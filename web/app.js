@@ -1,0 +1,409 @@
+// The Voxgate page: connect, speak, stream, stop, barge in, and watch the figures.
+//
+// Automation reads `window.voxgate`: `state` (connection and session),
+// `metrics.utterances` (per utterance, see metrics.js), `metrics.audibleTotalMs`,
+// `stats` (getStats figures) and `events` ({t, dir, msg}; t is performance.now()
+// ms, dir 'in', 'out' or 'page').
+
+import { GatewayConnection, PageError } from './connection.js';
+import { AudioMeter, Scope } from './meter.js';
+import { AUDIBLE_RMS, UtteranceMetrics } from './metrics.js';
+import { StatsReader } from './stats.js';
+
+const $ = (id) => document.getElementById(id);
+const LOG_LIMIT = 400;
+const STATS_MS = 500;
+
+const state = {
+  ice: 'new', connection: 'new', channel: 'closed', session: 'none',
+  session_id: null, codec: null, voice: null, voices: [], rate: 1, vad_enabled: true,
+  mic: false, speech: false, streams: 0,
+};
+const metrics = new UtteranceMetrics();
+const events = [];
+const stats = {};
+window.voxgate = { state, metrics, events, stats, AUDIBLE_RMS };
+
+let conn = null;
+let audioContext = null;
+let meter = null;
+let statsTimer = null;
+let nextId = 1;
+let chosenVoice = null;
+const streams = new Set(); // running word-by-word feeders; Stop aborts them
+const scope = new Scope($('scope'), AUDIBLE_RMS);
+
+// Connection
+
+async function connect() {
+  hideError();
+  // Audio must start inside the click, or the browser keeps it suspended.
+  if (!audioContext) {
+    audioContext = new AudioContext();
+    meter = new AudioMeter(audioContext);
+    meter.start(onLevel);
+  }
+  audioContext.resume();
+  $('player').play().catch(() => {});
+
+  metrics.clear();
+  renderQueue();
+  state.mic = $('mic').checked;
+  setState('session', 'connecting');
+  const c = new GatewayConnection({ onEvent, onState: setState, onTrack, onClosed });
+  conn = c;
+  updateControls();
+  try {
+    await c.connect({ mic: state.mic, voice: chosenVoice });
+  } catch (err) {
+    if (conn !== c) return; // disconnected meanwhile
+    c.close();
+    conn = null;
+    setState('session', 'failed');
+    showError(err);
+    updateControls();
+    return;
+  }
+  const reader = new StatsReader(c.pc);
+  statsTimer = setInterval(() => readStats(c, reader), STATS_MS);
+}
+
+function disconnect() {
+  stopStreams();
+  if (conn) conn.close();
+  conn = null;
+  afterClose();
+  setState('session', 'closed');
+  note('disconnected');
+}
+
+function afterClose() {
+  clearInterval(statsTimer);
+  statsTimer = null;
+  if (meter) meter.detach();
+  $('player').srcObject = null;
+  setSpeech(false);
+  updateControls();
+}
+
+function onClosed(message, reason) {
+  conn = null;
+  stopStreams();
+  afterClose();
+  setState('session', 'closed');
+  note(reason);
+  if (message) showError(message);
+}
+
+function onTrack(stream) {
+  const player = $('player');
+  player.srcObject = stream;
+  player.play().catch(() => {});
+  meter.attach(stream);
+}
+
+function setState(name, value) {
+  state[name] = value;
+  const el = $(`state-${name}`);
+  if (el) {
+    el.textContent = value;
+    el.dataset.state = value;
+  }
+}
+
+// Server events
+
+function onEvent(msg) {
+  const now = performance.now();
+  record('in', msg, now);
+  metrics.event(msg, now);
+  switch (msg.type) {
+    case 'session.ready':
+      state.session_id = msg.session_id;
+      state.codec = msg.codec;
+      state.voices = msg.voices || [];
+      setState('session', 'ready');
+      fillVoices(state.voices, msg.voice);
+      $('fig-codec').textContent = describeCodec(msg.codec, msg.sample_rate);
+      // A choice made before connecting applies to this session too.
+      send({ type: 'session.update', rate: Number($('rate').value), vad: { enabled: $('vad').checked } });
+      updateControls();
+      break;
+    case 'session.updated':
+      state.voice = msg.voice;
+      state.rate = msg.rate;
+      state.vad_enabled = msg.vad ? msg.vad.enabled : state.vad_enabled;
+      if (msg.voice) $('voice').value = msg.voice;
+      $('vad').checked = state.vad_enabled;
+      break;
+    case 'speech.started':
+      setSpeech(true);
+      break;
+    case 'speech.stopped':
+      setSpeech(false);
+      break;
+    case 'error':
+      showError(`The gateway refused a message: ${msg.message} (${msg.code})`);
+      break;
+    default:
+      break;
+  }
+}
+
+function setSpeech(active) {
+  state.speech = active;
+  const el = $('vad-indicator');
+  el.dataset.active = String(active);
+  el.textContent = active ? 'speech' : 'silent';
+}
+
+function fillVoices(voices, current) {
+  const select = $('voice');
+  select.replaceChildren(...voices.map((v) => new Option(v, v)));
+  select.value = current;
+  state.voice = current;
+}
+
+function describeCodec(codec, rate) {
+  if (!codec) return 'none (no audio)';
+  return `${codec === 'opus' ? 'Opus' : codec.toUpperCase()} ${rate / 1000} kHz`;
+}
+
+// Sending
+
+function send(msg) {
+  if (!conn) throw new PageError('Not connected: press Connect first.');
+  conn.send(msg);
+  record('out', msg, performance.now());
+}
+
+function speak() {
+  hideError();
+  const text = $('text').value.trim();
+  if (!text) {
+    showError('Type some text first.');
+    return;
+  }
+  const id = `p${nextId++}`;
+  try {
+    if ($('mode-stream').checked) {
+      streamText(id, text, Number($('token-rate').value) || 8);
+    } else {
+      const now = performance.now();
+      metrics.sent(id, text, 'speak', now);
+      send({ type: 'speak', id, text });
+      metrics.get(id).ended_at = now;
+    }
+  } catch (err) {
+    showError(err);
+  }
+  renderQueue();
+}
+
+// Feeds the text word by word at `rate` tokens/s, the way an LLM streams.
+function streamText(id, text, rate) {
+  const words = text.match(/\S+\s*/g) || [];
+  const feeder = { aborted: false };
+  streams.add(feeder);
+  state.streams = streams.size;
+  const interval = 1000 / Math.max(0.5, Math.min(rate, 100));
+  const start = performance.now();
+  let i = 0;
+  const step = () => {
+    if (feeder.aborted || !conn) {
+      finish();
+      return;
+    }
+    try {
+      const now = performance.now();
+      if (i < words.length) {
+        if (i === 0) metrics.sent(id, text, 'stream', now);
+        send({ type: 'text.delta', id, text: words[i] });
+        metrics.get(id).last_delta_at = performance.now();
+        i += 1;
+        // Timed from the start, so slow ticks do not slow the whole stream.
+        setTimeout(step, Math.max(0, start + i * interval - performance.now()));
+        return;
+      }
+      send({ type: 'text.end', id });
+      metrics.get(id).ended_at = performance.now();
+    } catch (err) {
+      showError(err);
+    }
+    finish();
+  };
+  const finish = () => {
+    streams.delete(feeder);
+    state.streams = streams.size;
+  };
+  step();
+}
+
+function stopStreams() {
+  for (const feeder of streams) feeder.aborted = true;
+  streams.clear();
+  state.streams = 0;
+}
+
+function stop() {
+  stopStreams();
+  try {
+    send({ type: 'cancel' });
+  } catch (err) {
+    showError(err);
+  }
+}
+
+function update(fields) {
+  try {
+    send({ type: 'session.update', ...fields });
+  } catch (err) {
+    showError(err);
+  }
+}
+
+// Audio level and stats
+
+function onLevel(rms, now, dt) {
+  metrics.level(rms, now, dt);
+  scope.push(rms);
+}
+
+async function readStats(c, reader) {
+  if (c !== conn) return;
+  let figures;
+  try {
+    figures = await reader.read();
+  } catch {
+    return; // the connection closed under us
+  }
+  Object.assign(stats, figures);
+  if (figures.jitter_buffer_ms > 0) metrics.playoutDelayMs = figures.jitter_buffer_ms;
+  if (figures.codec) $('fig-codec').textContent = describeCodec(figures.codec.toLowerCase(), figures.clock_rate);
+  $('fig-jitter-buffer').textContent = ms(figures.jitter_buffer_ms);
+  $('fig-jitter').textContent = ms(figures.jitter_ms);
+  $('fig-lost').textContent = figures.packets_lost === null ? '–'
+    : `${figures.packets_lost} of ${figures.packets_received + figures.packets_lost}`;
+  $('fig-rtt').textContent = ms(figures.rtt_ms);
+}
+
+function ms(value) {
+  return value === null || value === undefined ? '–' : `${value.toFixed(value < 10 ? 1 : 0)} ms`;
+}
+
+// The queue table
+
+const rows = new Map();
+
+function renderQueue() {
+  const body = $('queue').tBodies[0];
+  const all = Object.values(metrics.utterances);
+  if (all.length === 0) {
+    body.replaceChildren();
+    rows.clear();
+  }
+  let latest = null;
+  for (const u of all) {
+    let row = rows.get(u.id);
+    if (!row) {
+      row = body.insertRow(0);
+      row.id = `utt-${u.id}`;
+      for (let i = 0; i < 6; i++) row.insertCell();
+      row.cells[0].textContent = u.id;
+      row.cells[5].textContent = u.text;
+      row.cells[5].title = u.text;
+      rows.set(u.id, row);
+    }
+    row.dataset.state = u.state;
+    row.cells[1].textContent = u.state + (u.reason ? ` (${u.reason})` : '');
+    row.cells[2].textContent = ms(u.server_ttfa_ms);
+    row.cells[3].textContent = ms(u.page_ttfa_ms);
+    // Audible time as the page heard it, against the audio the server sent.
+    row.cells[4].textContent = u.audio_ms === null ? ms(u.audible_ms)
+      : `${u.audible_ms.toFixed(0)} / ${ms(u.audio_ms)}`;
+    if (u.server_ttfa_ms !== null) latest = u;
+  }
+  if (latest) {
+    $('fig-server-ttfa').textContent = `${ms(latest.server_ttfa_ms)} (${latest.id})`;
+    $('fig-page-ttfa').textContent = latest.page_ttfa_ms === null ? 'listening…'
+      : `${ms(latest.page_ttfa_ms)} (${latest.id})`;
+  }
+}
+
+metrics.onChange = () => renderQueue();
+setInterval(() => {
+  if (metrics.playing !== null) renderQueue();
+}, 250);
+
+// The log and errors
+
+function record(dir, msg, t) {
+  events.push({ t, dir, msg });
+  if (events.length > 5000) events.splice(0, events.length - 5000);
+  const li = document.createElement('li');
+  li.className = dir;
+  const time = document.createElement('time');
+  time.textContent = (t / 1000).toFixed(3);
+  const arrow = { in: '←', out: '→', page: '•' }[dir];
+  li.append(time, ` ${arrow} `);
+  const type = document.createElement('b');
+  type.textContent = msg.type;
+  const { type: _, ...rest } = msg;
+  const detail = Object.keys(rest).length ? ` ${JSON.stringify(rest)}` : '';
+  li.append(type, detail);
+  const log = $('log');
+  const atBottom = log.scrollTop + log.clientHeight >= log.scrollHeight - 4;
+  log.append(li);
+  while (log.childElementCount > LOG_LIMIT) log.firstElementChild.remove();
+  if (atBottom) log.scrollTop = log.scrollHeight;
+}
+
+function note(text) {
+  record('page', { type: text }, performance.now());
+}
+
+function showError(err) {
+  let text;
+  if (typeof err === 'string') text = err;
+  else if (err instanceof PageError) text = err.message;
+  else text = `Something went wrong: ${err && err.message ? err.message : err}`;
+  $('error-text').textContent = text;
+  $('error').hidden = false;
+  note(`error: ${text}`);
+}
+
+function hideError() {
+  $('error').hidden = true;
+}
+
+// Controls
+
+function updateControls() {
+  const connected = conn !== null;
+  const ready = connected && state.session === 'ready';
+  $('connect').disabled = connected;
+  $('disconnect').disabled = !connected;
+  $('mic').disabled = connected;
+  for (const id of ['speak', 'stop', 'voice', 'rate', 'vad']) $(id).disabled = !ready;
+}
+
+$('connect').addEventListener('click', connect);
+$('disconnect').addEventListener('click', disconnect);
+$('speak').addEventListener('click', speak);
+$('stop').addEventListener('click', stop);
+$('text').addEventListener('keydown', (e) => {
+  // Ctrl+Enter speaks, so the keyboard alone is enough.
+  if (e.key === 'Enter' && (e.ctrlKey || e.metaKey) && !$('speak').disabled) speak();
+});
+$('voice').addEventListener('change', () => {
+  chosenVoice = $('voice').value;
+  update({ voice: chosenVoice });
+});
+$('rate').addEventListener('input', () => {
+  $('rate-value').textContent = `${Number($('rate').value).toFixed(2)}×`;
+});
+$('rate').addEventListener('change', () => update({ rate: Number($('rate').value) }));
+$('vad').addEventListener('change', () => update({ vad: { enabled: $('vad').checked } }));
+$('error-close').addEventListener('click', hideError);
+$('log-clear').addEventListener('click', () => $('log').replaceChildren());
+updateControls();
