@@ -8,6 +8,7 @@ back to the sender as an `error` event; the session carries on.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 
 CLIENT_TYPES = ("speak", "text.delta", "text.end", "cancel", "session.update", "ping")
@@ -32,6 +33,25 @@ class ProtocolError(Exception):
 class Limits:
     max_message_bytes: int = 65536
     max_text_chars: int = 4000
+    max_messages_per_s: float = 200.0
+
+
+class RateLimiter:
+    """A token bucket: bursts of up to one second's allowance, then the steady rate."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.tokens = rate
+        self.updated = time.monotonic()
+
+    def allow(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.rate, self.tokens + (now - self.updated) * self.rate)
+        self.updated = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
 
 
 def _depth(value, level: int = 0) -> int:

@@ -28,7 +28,7 @@ from ..engine.base import SynthesisOptions
 from ..engine.client import EngineClient, EngineCrashed, EngineStreamError, EngineUnavailable, TTSStream
 from .encoder import FrameEncoder, OpusSettings, create_encoder
 from .playout import Playout, UtterancePlay
-from .protocol import Limits, ProtocolError, parse
+from .protocol import Limits, ProtocolError, RateLimiter, parse
 from .resample import StreamResampler
 from .vad import VadSettings, VoiceActivityDetector
 
@@ -110,6 +110,7 @@ class Session:
         self.on_close: list[Callable[["Session"], Awaitable[None] | None]] = []
         self.stats = {"utterances": 0, "interrupted": 0, "errors": 0}
         self._pending_cancel_at: float | None = None
+        self._limiters: dict[str, RateLimiter] = {}
 
     # Listeners and output
     def add_listener(self, name: str, listener: Listener) -> None:
@@ -147,6 +148,14 @@ class Session:
     def handle_message(self, raw: str | bytes, source: str = "peer") -> None:
         self.last_activity = time.monotonic()
         try:
+            limiter = self._limiters.get(source)
+            if limiter is None:
+                limiter = self._limiters[source] = RateLimiter(self.options.limits.max_messages_per_s)
+            if not limiter.allow():
+                raise ProtocolError(
+                    "rate_limited",
+                    f"more than {self.options.limits.max_messages_per_s:g} messages per second; this one was refused",
+                )
             msg = parse(raw, self.options.limits)
             self._dispatch(msg, source)
         except ProtocolError as exc:

@@ -11,6 +11,7 @@ import logging
 import signal
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -23,7 +24,7 @@ from ..gateway.session import Session, SessionOptions
 from ..gateway.vad import VadSettings
 from ..config import Settings
 from .metrics import GatewayMetrics
-from . import sessions_api, telephony
+from . import sessions_api, telephony, tts_http
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,14 @@ class Gateway:
         self._tasks.append(asyncio.ensure_future(self._reap_idle()))
         log.info("engine %s ready: %s", self.settings.engine, self.engine.info)
 
+    async def drain(self, timeout: float) -> None:
+        """Stop taking sessions, let current utterances finish, then close every session."""
+        self.accepting = False
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(s.speaking for s in self.sessions.values()):
+            await asyncio.sleep(0.1)
+        await asyncio.gather(*(s.close("server shutting down") for s in list(self.sessions.values())), return_exceptions=True)
+
     async def stop(self) -> None:
         self.accepting = False
         for task in self._tasks:
@@ -118,7 +127,7 @@ class Gateway:
             voice=voice or s.voice,
             vad=VadSettings(enabled=s.vad, aggressiveness=s.vad_aggressiveness, min_speech_ms=s.vad_min_speech_ms),
             opus=OpusSettings(bitrate=s.opus_bitrate, fec=s.opus_fec, dtx=s.opus_dtx, complexity=s.opus_complexity),
-            limits=Limits(max_message_bytes=s.max_message_bytes, max_text_chars=s.max_text_chars),
+            limits=Limits(max_message_bytes=s.max_message_bytes, max_text_chars=s.max_text_chars, max_messages_per_s=s.max_messages_per_s),
             max_utterance_chars=s.max_utterance_chars,
             max_queued_utterances=s.max_queued_utterances,
         )
@@ -260,8 +269,40 @@ async def json_errors(request: web.Request, handler):
         return error_response(exc.status, exc.reason.lower().replace(" ", "_"), exc.reason)
 
 
+def _origin_allowed(request: web.Request, allowed: list[str]) -> bool:
+    origin = request.headers.get("Origin")
+    if origin is None:
+        return True  # not a browser: servers, curl, telephony providers
+    if "*" in allowed or origin in allowed:
+        return True
+    # Same origin: the bundled page. Compare host:port only, since a TLS proxy in
+    # front changes the scheme the gateway sees.
+    return urlsplit(origin).netloc == request.host
+
+
+@web.middleware
+async def origin_check(request: web.Request, handler):
+    """Browsers may call the API from the gateway's own page, or from configured origins."""
+    allowed = request.app["gateway"].settings.cors_origin
+    if not _origin_allowed(request, allowed):
+        if request.method in ("GET", "HEAD") and not request.headers.get("Upgrade"):
+            return await handler(request)  # reads without CORS headers stay unreadable to the page
+        return error_response(403, "origin_not_allowed", "this Origin may not use the API; add it with --cors-origin")
+    origin = request.headers.get("Origin")
+    if request.method == "OPTIONS" and origin and request.headers.get("Access-Control-Request-Method"):
+        response = web.Response(status=204)
+    else:
+        response = await handler(request)
+    if origin and (origin in allowed or "*" in allowed) and not response.prepared:
+        response.headers["Access-Control-Allow-Origin"] = origin
+        response.headers["Vary"] = "Origin"
+        response.headers["Access-Control-Allow-Headers"] = "Content-Type, Authorization, X-API-Key"
+        response.headers["Access-Control-Allow-Methods"] = "GET, POST, PATCH, DELETE, OPTIONS"
+    return response
+
+
 def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Application:
-    app = web.Application(middlewares=[json_errors], client_max_size=MAX_OFFER_BYTES)
+    app = web.Application(middlewares=[origin_check, json_errors], client_max_size=MAX_OFFER_BYTES)
     gw = Gateway(settings, engine)
     app["gateway"] = gw
     app.router.add_post("/v1/offer", handle_offer)
@@ -272,6 +313,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
     app.router.add_get("/metrics", handle_metrics)
     sessions_api.add_routes(app)
     telephony.add_routes(app)
+    tts_http.add_routes(app)
     if settings.web:
         app.router.add_get("/", handle_index)
         if WEB_DIR.exists():
@@ -288,6 +330,26 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
     return app
 
 
-def run(settings: Settings) -> None:
+async def serve(settings: Settings) -> None:
+    """Run until SIGTERM or SIGINT, then drain: readiness goes false, new sessions are
+    refused, current utterances get up to --drain-timeout-s to finish, then peers close."""
     app = create_app(settings)
-    web.run_app(app, host=settings.host, port=settings.port, print=lambda msg: log.info(msg), handle_signals=True)
+    gw: Gateway = app["gateway"]
+    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port)
+    await site.start()
+    log.info("voxgate listening on http://%s:%d (engine %s)", settings.host, settings.port, settings.engine)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: draining for up to %.0f s", settings.drain_timeout_s)
+    await gw.drain(settings.drain_timeout_s)
+    await runner.cleanup()
+    log.info("stopped")
+
+
+def run(settings: Settings) -> None:
+    asyncio.run(serve(settings))
