@@ -63,10 +63,26 @@ class IcePolicy:
     # when allow_public is set; private ranges are refused unless listed.
     allowed_networks: list[ipaddress._BaseNetwork] = field(default_factory=list)
     allow_public: bool = True
+    # coturn REST-auth shared secret: TURN servers without static credentials
+    # get short-lived ones, minted per peer.
+    turn_secret: str | None = None
+    turn_ttl_s: int = 3600
 
-    def rtc_configuration(self) -> RTCConfiguration:
-        # An explicit empty list: aiortc would otherwise use a public STUN server.
-        return RTCConfiguration(iceServers=list(self.servers))
+    def servers_for(self, user: str) -> list[RTCIceServer]:
+        from ..signaling.turn import turn_credentials
+
+        out = []
+        for server in self.servers:
+            url = server.urls if isinstance(server.urls, str) else server.urls[0]
+            if self.turn_secret and url.startswith("turn") and not server.username:
+                creds = turn_credentials(self.turn_secret, self.turn_ttl_s, user, url)
+                server = RTCIceServer(urls=url, username=creds["username"], credential=creds["credential"])
+            out.append(server)
+        return out
+
+    def rtc_configuration(self, user: str = "voxgate") -> RTCConfiguration:
+        # An explicit list, even empty: aiortc would otherwise use a public STUN server.
+        return RTCConfiguration(iceServers=self.servers_for(user))
 
     def allows(self, address: str) -> bool:
         try:

@@ -53,7 +53,7 @@ class PeerConnection:
     def __init__(self, session: Session, ice: IcePolicy) -> None:
         self.session = session
         self.ice = ice
-        self.pc = RTCPeerConnection(configuration=ice.rtc_configuration())
+        self.pc = RTCPeerConnection(configuration=ice.rtc_configuration(session.id))
         self.track: SpeechTrack | None = None
         self.channel = None
         self._mic_task: asyncio.Task | None = None

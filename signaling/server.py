@@ -56,6 +56,8 @@ class Gateway:
             servers=[parse_ice_server(u) for u in settings.ice_server],
             allowed_networks=self._allowed_networks(),
             allow_public="public" in settings.ice_allow or not settings.ice_allow,
+            turn_secret=settings.turn_secret,
+            turn_ttl_s=settings.turn_ttl_s,
         )
         self.sessions: dict[str, Session] = {}
         self.peers: dict[str, PeerConnection] = {}
@@ -225,12 +227,17 @@ async def handle_candidate(request: web.Request) -> web.Response:
 async def handle_ice_servers(request: web.Request) -> web.Response:
     gw: Gateway = request.app["gateway"]
     servers = []
-    for server in gw.ice.servers:
+    user = request.query.get("session_id", "browser")
+    if not user.replace("-", "").replace("_", "").isalnum() or len(user) > 64:
+        return error_response(400, "invalid_field", "'session_id' must be a session id")
+    for server in gw.ice.servers_for(user):
         entry = {"urls": [server.urls] if isinstance(server.urls, str) else server.urls}
         if server.username:
             entry["username"] = server.username
             entry["credential"] = server.credential
         servers.append(entry)
+    if gw.ice.turn_secret:
+        return web.json_response({"ice_servers": servers, "ttl": gw.ice.turn_ttl_s})
     return web.json_response({"ice_servers": servers})
 
 

@@ -61,3 +61,21 @@ async def test_past_capacity_new_sessions_are_refused_cleanly(server_factory):
             client.send({"type": "speak", "text": "The first two keep working.", "id": uid})
         await a.wait_for("utterance.done", id="a")
         await b.wait_for("utterance.done", id="b")
+
+
+async def test_ice_servers_default_empty_and_turn_credentials_are_short_lived(server_factory, tone_server):
+    async with aiohttp.ClientSession() as http:
+        async with http.get(tone_server.url + "/v1/ice-servers") as resp:
+            assert (await resp.json()) == {"ice_servers": []}
+    server = server_factory("tone", ["--ice-server", "turn:turn.example.com:3478", "--turn-secret", "s3cret", "--turn-ttl-s", "600"])
+    async with aiohttp.ClientSession() as http:
+        async with http.get(server.url + "/v1/ice-servers?session_id=abc123") as resp:
+            body = await resp.json()
+    [entry] = body["ice_servers"]
+    expiry, user = entry["username"].split(":")
+    assert user == "abc123" and entry["urls"] == ["turn:turn.example.com:3478"] and body["ttl"] == 600
+    import base64, hashlib, hmac, time
+
+    assert 0 < int(expiry) - time.time() <= 600
+    expected = base64.b64encode(hmac.new(b"s3cret", entry["username"].encode(), hashlib.sha1).digest()).decode()
+    assert entry["credential"] == expected
