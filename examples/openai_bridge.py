@@ -1,0 +1,96 @@
+"""Speak an OpenAI-compatible LLM's streamed replies in a Voxgate session.
+
+Works with any server that streams chat completions as server-sent events
+(OpenAI, vLLM, llama.cpp, Ollama's /v1, LM Studio): lines of
+`data: {"choices": [{"delta": {"content": "..."}}]}` ending with `data: [DONE]`.
+
+    # A session made here; open the printed offer URL's page with the token:
+    python examples/openai_bridge.py --gateway http://127.0.0.1:8080 \\
+        --llm-url http://127.0.0.1:11434/v1 --model llama3.2 "Tell me a joke."
+
+    # Or drive a session a browser or a phone call already has:
+    python examples/openai_bridge.py --session-id 3f2a... "Hello!"
+
+With no prompt arguments, prompts are read from stdin, one per line. When the
+listener interrupts, the assistant's turn in the history keeps only what was
+heard, so the model knows where it was cut off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from typing import AsyncIterator
+
+import aiohttp
+
+from voxgate.client import Outcome, VoxgateSession
+
+
+async def chat_tokens(
+    http: aiohttp.ClientSession, base_url: str, model: str, messages: list[dict], api_key: str | None = None
+) -> AsyncIterator[str]:
+    """The content deltas of one streamed chat completion."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    body = {"model": model, "messages": messages, "stream": True}
+    async with http.post(base_url.rstrip("/") + "/chat/completions", json=body, headers=headers) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"LLM request failed ({resp.status}): {(await resp.text())[:300]}")
+        async for raw in resp.content:  # one line at a time
+            line = raw.decode("utf-8").strip()
+            if not line.startswith("data:"):
+                continue  # blank separators, ": keep-alive" comments, "event:" lines
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return
+            try:
+                chunk = json.loads(data)
+            except ValueError:
+                continue
+            for choice in chunk.get("choices") or []:
+                if choice.get("index", 0) == 0:
+                    content = (choice.get("delta") or {}).get("content")
+                    if content:
+                        yield content
+
+
+async def answer(session: VoxgateSession, http: aiohttp.ClientSession, args: argparse.Namespace, history: list[dict]) -> Outcome:
+    outcome = await session.say_stream(chat_tokens(http, args.llm_url, args.model, history, args.llm_key))
+    assert isinstance(outcome, Outcome)
+    # Keep only what was heard, so the next turn starts from there.
+    history.append({"role": "assistant", "content": outcome.played_text if outcome.interrupted else outcome.text})
+    return outcome
+
+
+async def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("prompt", nargs="*", help="user turns; read from stdin when none are given")
+    parser.add_argument("--gateway", default=os.environ.get("VOXGATE_URL", "http://127.0.0.1:8080"))
+    parser.add_argument("--api-key", default=os.environ.get("VOXGATE_API_KEY"))
+    parser.add_argument("--session-id", help="attach to this session instead of making one")
+    parser.add_argument("--llm-url", default=os.environ.get("OPENAI_BASE_URL", "https://api.openai.com/v1"))
+    parser.add_argument("--llm-key", default=os.environ.get("OPENAI_API_KEY"))
+    parser.add_argument("--model", default=os.environ.get("OPENAI_MODEL", "gpt-4o-mini"))
+    parser.add_argument("--system", default="You are a helpful voice assistant. Answer briefly, in plain spoken sentences.")
+    args = parser.parse_args(argv)
+
+    history = [{"role": "system", "content": args.system}]
+    async with VoxgateSession(args.gateway, api_key=args.api_key, session_id=args.session_id) as session, aiohttp.ClientSession() as http:
+        if session.client_token:
+            print(f"session {session.session_id}: connect a browser with token {session.client_token}", flush=True)
+        prompts = args.prompt or (line.strip() for line in sys.stdin)
+        for prompt in prompts:
+            if not prompt:
+                continue
+            history.append({"role": "user", "content": prompt})
+            outcome = await answer(session, http, args, history)
+            status = f"interrupted ({outcome.reason}) after {outcome.played_ms} ms" if outcome.interrupted else "done"
+            print(json.dumps({"id": outcome.id, "status": status, "heard": outcome.played_text}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

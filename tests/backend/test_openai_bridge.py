@@ -1,0 +1,78 @@
+"""examples/openai_bridge.py against a stand-in OpenAI-compatible server.
+
+No LLM API is reachable here, so a small aiohttp server on loopback plays
+one: it checks the request and streams chat-completion chunks as
+server-sent events, the way OpenAI and vLLM do. The bridge runs as the
+example's own process; a WebRTC listener on the tone engine checks that the
+exact reply text was spoken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+
+from aiohttp import web
+
+from voxgate.engine import tone
+from voxgate.rtc_client import RtcClient
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOKENS = ["Sure", "!", " The", " store", " opens", " at", " nine", ",", " and", " closes", " at", " six", "."]
+
+
+async def start_llm(requests: list) -> tuple[web.AppRunner, str]:
+    async def completions(request: web.Request) -> web.StreamResponse:
+        requests.append({"body": await request.json(), "auth": request.headers.get("Authorization")})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b": keep-alive\n\n")
+        role = {"id": "c1", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+        await resp.write(f"data: {json.dumps(role)}\n\n".encode())
+        for token in TOKENS:
+            chunk = {"id": "c1", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": token}, "finish_reason": None}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await asyncio.sleep(0.03)
+        end = {"id": "c1", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+        await resp.write(f"data: {json.dumps(end)}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}/v1"
+
+
+async def test_bridge_speaks_the_streamed_reply(tone_server):
+    requests: list = []
+    runner, llm_url = await start_llm(requests)
+    try:
+        async with RtcClient(tone_server.url) as listener:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, os.path.join(ROOT, "examples", "openai_bridge.py"),
+                "--gateway", tone_server.url, "--session-id", listener.session_id,
+                "--llm-url", llm_url, "--llm-key", "sk-test", "--model", "stand-in-model",
+                "When does the store open?",
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            )
+            out, err = await asyncio.wait_for(proc.communicate(), 60)
+            assert proc.returncode == 0, err.decode()[-2000:]
+            result = json.loads(out.decode().strip().splitlines()[-1])
+            assert result["status"] == "done"
+            await asyncio.sleep(0.3)
+            spoken = tone.decode(listener.audio.pcm(), listener.audio.sample_rate)
+        reply = "".join(TOKENS)
+        assert spoken == reply
+        assert result["heard"] == reply
+        [req] = requests
+        assert req["auth"] == "Bearer sk-test"
+        assert req["body"]["model"] == "stand-in-model" and req["body"]["stream"] is True
+        assert req["body"]["messages"][-1] == {"role": "user", "content": "When does the store open?"}
+    finally:
+        await runner.cleanup()
