@@ -37,13 +37,16 @@ except ImportError as exc:  # the registry imports this module only when asked f
         "the torch engine needs PyTorch: pip install 'voxgate[gpu]' (or pip install torch)"
     ) from exc
 
-from .torch_vits import Aligned, Vits
+from .torch_vits import Aligned, Vits, _bucket
 
 log = logging.getLogger(__name__)
 
 FIRST_WINDOW_FRAMES = 16  # ~190 ms at 22050 Hz / hop 256: small, so the first audio is early
 MAX_WINDOW_FRAMES = 64  # later windows double up to this; bigger amortises context
 FLOW_SEGMENT_FRAMES = 128  # the flow runs ahead of the vocoder in segments at least this long
+# Jobs per forward pass. A GPU wants wide batches; on a CPU the convolutions
+# already use every core, and a wide batch only adds padding and cache misses.
+MAX_BATCH = {"cpu": 4, "cuda": 64}
 
 
 def choose_device(device: str) -> "torch.device":
@@ -168,6 +171,7 @@ class TorchEngine(Engine):
         threads: int | None = None,
         first_window: int = FIRST_WINDOW_FRAMES,
         max_window: int = MAX_WINDOW_FRAMES,
+        max_batch: int | None = None,
         **_: object,
     ) -> None:
         self.default_voice = voice or DEFAULT_VOICE
@@ -175,6 +179,7 @@ class TorchEngine(Engine):
         self.threads = threads or int(os.environ.get("VOXGATE_ENGINE_THREADS", "0")) or (os.cpu_count() or 1)
         self.first_window = max(1, int(first_window))
         self.max_window = max(self.first_window, int(max_window))
+        self.max_batch = max_batch
         self.device: torch.device | None = None
         self._voices: dict[str, _TorchVoice] = {}
         self._load_lock = threading.Lock()
@@ -217,6 +222,7 @@ class TorchEngine(Engine):
         info["device"] = str(self.device)
         info["first_window_frames"] = self.first_window
         info["max_window_frames"] = self.max_window
+        info["max_batch"] = self.max_batch or MAX_BATCH.get(self.device.type if self.device else "cpu", 4)
         return info
 
     # Batched API
@@ -255,11 +261,13 @@ class TorchEngine(Engine):
         by_voice: dict[int, list[int]] = {}
         for i, job in enumerate(jobs):
             by_voice.setdefault(id(job.voice), []).append(i)
+        limit = self.max_batch or MAX_BATCH.get(self.device.type if self.device else "cpu", 4)
         with torch.inference_mode():
             for indices in by_voice.values():
-                group = [jobs[i] for i in indices]
-                for i, chunk in zip(indices, self._step_voice(group)):
-                    results[i] = chunk
+                for k in range(0, len(indices), limit):
+                    part = indices[k : k + limit]
+                    for i, chunk in zip(part, self._step_voice([jobs[i] for i in part])):
+                        results[i] = chunk
         return results
 
     def synthesize_batch(
@@ -366,7 +374,14 @@ class TorchEngine(Engine):
         if s.frames - end < self.first_window // 2:
             end = s.frames  # fold a sliver of a tail into this window
         ctx = job.voice.dec_context
-        return _Window(job, s, s.decoded, end, max(0, s.decoded - ctx), min(s.frames, end + ctx))
+        src_start, src_end = max(0, s.decoded - ctx), min(s.frames, end + ctx)
+        # Round the input up to the model's length bucket with real frames where the
+        # sentence has them: extra context costs the same as padding and never hurts.
+        short = _bucket(src_end - src_start) - (src_end - src_start)
+        grow = min(short, s.frames - src_end)
+        src_end += grow
+        src_start = max(0, src_start - (short - grow))
+        return _Window(job, s, s.decoded, end, src_start, src_end)
 
     def _emit(self, w: _Window, wave: "torch.Tensor") -> AudioChunk:
         s, job, voice = w.sentence, w.job, w.job.voice

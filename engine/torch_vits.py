@@ -36,6 +36,10 @@ SPLINE_MIN_BIN = 1e-3
 SPLINE_MIN_DERIVATIVE = 1e-3
 RESBLOCK1_DILATIONS = (1, 3, 5)
 RESBLOCK2_DILATIONS = (1, 3)
+# Inputs are zero-padded (and masked) up to a multiple of this many steps:
+# oneDNN builds a kernel per input shape, tens of ms each on CPU, so a few
+# recurring shapes beat a new shape for every clause and window.
+LENGTH_BUCKET = 16
 
 
 # ---------------------------------------------------------------------------
@@ -422,18 +426,21 @@ class WaveNet(nn.Module):
             self.res_skip_layers.append(nn.Conv1d(hidden, 2 * hidden if i < layers - 1 else hidden, 1))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # Same 4-d channels-last layout as the vocoder; see conv_rows.
+        x = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+        mask = mask.unsqueeze(2)
         out = torch.zeros_like(x)
         last = len(self.in_layers) - 1
         for i, (inp, rs) in enumerate(zip(self.in_layers, self.res_skip_layers)):
-            a = inp(x)
+            a = conv_rows(inp, x)
             acts = torch.tanh(a[:, : self.hidden]) * torch.sigmoid(a[:, self.hidden :])
-            r = rs(acts)
+            r = conv_rows(rs, acts)
             if i < last:
                 x = (x + r[:, : self.hidden]) * mask
                 out = out + r[:, self.hidden :]
             else:
                 out = out + r
-        return out * mask
+        return (out * mask).squeeze(2)
 
 
 class MeanCoupling(nn.Module):
@@ -715,7 +722,7 @@ class Vits(nn.Module):
         b = len(ids)
         gens = generators or [None] * b
         lengths = torch.tensor([len(x) for x in ids], device=device)
-        t = int(lengths.max())
+        t = _bucket(int(lengths.max()))
         padded = torch.zeros(b, t, dtype=torch.long, device=device)
         noise = torch.zeros(b, 2, t, device=device)
         for i, x in enumerate(ids):
@@ -761,8 +768,6 @@ class Vits(nn.Module):
 
     def decode(self, windows: list[torch.Tensor]) -> list[torch.Tensor]:
         """Latent windows [channels, frames] -> float waveforms, in one padded pass."""
-        if len(windows) == 1:
-            return [self.dec(windows[0].unsqueeze(0))[0, 0]]
         batch, lengths = _pad(windows)
         audio = self.dec(batch, lengths)[:, 0]
         return [audio[i, : int(lengths[i]) * self.hop] for i in range(len(windows))]
@@ -775,9 +780,13 @@ class Vits(nn.Module):
         return self.decode([z])[0]
 
 
+def _bucket(n: int) -> int:
+    return -(-n // LENGTH_BUCKET) * LENGTH_BUCKET
+
+
 def _pad(windows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     lengths = torch.tensor([w.shape[1] for w in windows], device=windows[0].device)
-    batch = torch.zeros(len(windows), windows[0].shape[0], int(lengths.max()),
+    batch = torch.zeros(len(windows), windows[0].shape[0], _bucket(int(lengths.max())),
                         dtype=windows[0].dtype, device=windows[0].device)
     for i, w in enumerate(windows):
         batch[i, :, : w.shape[1]] = w
