@@ -30,7 +30,7 @@ let meter = null;
 let statsTimer = null;
 let nextId = 1;
 let chosenVoice = null;
-const streams = new Set(); // running word-by-word feeders; Stop aborts them
+const streams = new Map(); // id -> running word-by-word feeder; Stop and barge-in abort them
 const scope = new Scope($('scope'), AUDIBLE_RMS);
 
 // Connection
@@ -136,6 +136,14 @@ function onEvent(msg) {
       if (msg.voice) $('voice').value = msg.voice;
       $('vad').checked = state.vad_enabled;
       break;
+    case 'utterance.interrupted':
+      // The server refuses more text for an interrupted utterance; stop feeding it.
+      if (streams.has(msg.id)) {
+        streams.get(msg.id).aborted = true;
+        streams.delete(msg.id);
+        state.streams = streams.size;
+      }
+      break;
     case 'speech.started':
       setSpeech(true);
       break;
@@ -204,7 +212,7 @@ function speak() {
 function streamText(id, text, rate) {
   const words = text.match(/\S+\s*/g) || [];
   const feeder = { aborted: false };
-  streams.add(feeder);
+  streams.set(id, feeder);
   state.streams = streams.size;
   const interval = 1000 / Math.max(0.5, Math.min(rate, 100));
   const start = performance.now();
@@ -233,14 +241,14 @@ function streamText(id, text, rate) {
     finish();
   };
   const finish = () => {
-    streams.delete(feeder);
+    if (streams.get(id) === feeder) streams.delete(id);
     state.streams = streams.size;
   };
   step();
 }
 
 function stopStreams() {
-  for (const feeder of streams) feeder.aborted = true;
+  for (const feeder of streams.values()) feeder.aborted = true;
   streams.clear();
   state.streams = 0;
 }
