@@ -28,6 +28,7 @@ import numpy as np
 from . import wire
 from .base import SynthesisOptions, WordTiming
 from .segmenter import Segmenter, SegmenterConfig, Unit
+from .tags import Speech, TagState, to_wire
 from .worker import run_worker
 
 log = logging.getLogger(__name__)
@@ -268,6 +269,8 @@ class TTSStream:
         self.first_text_at: float | None = None
         self.first_unit_sent_at: float | None = None
         self.units_sent: list[Unit] = []
+        # Inline speech tags; open ones carry over between units.
+        self.tags = TagState(engine_tags=frozenset(client.info.get("supported_tags", ())))
 
     # Text in
     def push_text(self, text: str) -> None:
@@ -315,7 +318,8 @@ class TTSStream:
     def _send_units(self, units: list[Unit], now: float) -> None:
         for unit in units:
             self.units_sent.append(unit)
-            if not unit.speak:
+            pieces = self.tags.pieces(unit.raw)
+            if not pieces:
                 continue
             index = self._unit_index
             self._unit_index += 1
@@ -323,7 +327,11 @@ class TTSStream:
             if self.first_unit_sent_at is None:
                 self.first_unit_sent_at = sent
             self._units[index] = (now, sent)
-            self.client._send(("text", self.sid, index, unit.speak))
+            if len(pieces) == 1 and isinstance(pieces[0], Speech) and pieces[0].rate == 1.0:
+                payload: str | list = pieces[0].text  # plain text, as before tags existed
+            else:
+                payload = to_wire(pieces)
+            self.client._send(("text", self.sid, index, payload))
 
     # Audio out
     def _on_chunk(self, meta: dict, pcm) -> None:

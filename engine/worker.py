@@ -24,6 +24,7 @@ from typing import Iterator
 from . import wire
 from .base import AudioChunk, Engine, EngineError, SynthesisOptions
 from .registry import create_engine
+from .tags import from_wire, render
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,10 @@ class Scheduler:
             if stream.current is None:
                 index, text = stream.units.popleft()
                 stream.current_index = index
-                stream.current = iter(self.engine.synthesize(text, stream.options))
+                if isinstance(text, list):  # speech-tag pieces: pauses, rate spans
+                    stream.current = iter(render(self.engine, from_wire(text), stream.options))
+                else:
+                    stream.current = iter(self.engine.synthesize(text, stream.options))
             stream.busy = True
             stream.credit -= 1
             self.in_flight += 1

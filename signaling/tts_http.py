@@ -1,0 +1,310 @@
+"""Plain HTTP text-to-speech: `POST /v1/tts`, audio streamed back as it is made.
+
+    curl -X POST http://127.0.0.1:8080/v1/tts -H 'Content-Type: application/json' \
+         -d '{"text": "Hello there.", "format": "wav"}' --output hello.wav
+
+The response is chunked and its first bytes leave once the first unit of text
+is synthesized, not when the whole text is. The same text limits, engine and
+speech tags apply as on the data channel; with API keys configured, one is
+required here too. See docs/http-tts.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import struct
+from concurrent.futures import ThreadPoolExecutor
+
+import av
+import numpy as np
+from aiohttp import web
+
+from ..engine.base import SynthesisOptions
+from ..engine.client import EngineCrashed, EngineStreamError, EngineUnavailable, StreamChunk, TTSStream
+from ..gateway.encoder import ulaw_encode
+from ..gateway.resample import StreamResampler
+from .sessions_api import check_api_key
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("wav", "pcm", "mulaw", "opus")
+UNKNOWN_SIZE = 0xFFFFFFFF
+
+# Resampling and Opus run here, never on the event loop; one request's calls
+# are awaited in order, so each formatter is only ever used by one thread at a time.
+_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tts-http")
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+def _error(status: int, code: str, message: str) -> web.Response:
+    return web.json_response({"error": {"code": code, "message": message}}, status=status)
+
+
+# Output formats: engine PCM in, response bytes out.
+class Formatter:
+    content_type = "application/octet-stream"
+
+    def __init__(self, engine_rate: int) -> None:
+        self.engine_rate = engine_rate
+
+    @property
+    def sample_rate(self) -> int:
+        return self.engine_rate
+
+    def start(self) -> bytes:
+        return b""
+
+    def feed(self, pcm: np.ndarray) -> bytes:
+        return np.asarray(pcm, dtype="<i2").tobytes()
+
+    def finish(self) -> bytes:
+        return b""
+
+
+class WavFormatter(Formatter):
+    content_type = "audio/wav"
+
+    def start(self) -> bytes:
+        # RIFF and data sizes unknown while streaming: 0xFFFFFFFF, which players
+        # read as "until the end of the stream".
+        rate = self.engine_rate
+        fmt = struct.pack("<HHIIHH", 1, 1, rate, rate * 2, 2, 16)
+        return b"RIFF" + struct.pack("<I", UNKNOWN_SIZE) + b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", UNKNOWN_SIZE)
+
+
+class PcmFormatter(Formatter):
+    @property
+    def content_type(self) -> str:  # type: ignore[override]
+        return f"audio/L16; rate={self.engine_rate}; channels=1"
+
+
+class MulawFormatter(Formatter):
+    content_type = "audio/basic"
+
+    def __init__(self, engine_rate: int) -> None:
+        super().__init__(engine_rate)
+        self.resampler = StreamResampler(engine_rate, 8000)
+
+    @property
+    def sample_rate(self) -> int:
+        return 8000
+
+    def feed(self, pcm: np.ndarray) -> bytes:
+        return ulaw_encode(self.resampler.process(pcm))
+
+    def finish(self) -> bytes:
+        return ulaw_encode(self.resampler.process(np.zeros(0, dtype=np.int16), last=True))
+
+
+class _Sink:
+    """Where the Ogg muxer writes; taken out after every call."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def write(self, data) -> int:
+        self.data += bytes(data)
+        return len(data)
+
+    def take(self) -> bytes:
+        out, self.data = bytes(self.data), bytearray()
+        return out
+
+
+class OpusFormatter(Formatter):
+    content_type = "audio/ogg; codecs=opus"
+    FRAME = 960  # 20 ms at 48 kHz
+
+    def __init__(self, engine_rate: int) -> None:
+        super().__init__(engine_rate)
+        self.resampler = StreamResampler(engine_rate, 48000)
+        self.sink = _Sink()
+        # Short Ogg pages, so audio leaves as it is encoded rather than once a second.
+        self.container = av.open(self.sink, "w", format="ogg", options={"page_duration": "100000"})
+        self.stream = self.container.add_stream("libopus", rate=48000)
+        self.stream.layout = "mono"
+        self.pending = np.zeros(0, dtype=np.int16)
+        self.pts = 0
+
+    @property
+    def sample_rate(self) -> int:
+        return 48000
+
+    def _encode(self, pcm: np.ndarray) -> None:
+        frame = av.AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate = 48000
+        frame.pts = self.pts
+        self.pts += len(pcm)
+        for packet in self.stream.encode(frame):
+            self.container.mux(packet)
+
+    def feed(self, pcm: np.ndarray) -> bytes:
+        samples = np.concatenate([self.pending, self.resampler.process(pcm)])
+        whole = len(samples) // self.FRAME * self.FRAME
+        for i in range(0, whole, self.FRAME):
+            self._encode(samples[i : i + self.FRAME])
+        self.pending = samples[whole:]
+        return self.sink.take()
+
+    def finish(self) -> bytes:
+        rest = np.concatenate([self.pending, self.resampler.process(np.zeros(0, dtype=np.int16), last=True)])
+        if len(rest):
+            padded = np.zeros(-(-len(rest) // self.FRAME) * self.FRAME, dtype=np.int16)
+            padded[: len(rest)] = rest
+            for i in range(0, len(padded), self.FRAME):
+                self._encode(padded[i : i + self.FRAME])
+        for packet in self.stream.encode(None):
+            self.container.mux(packet)
+        self.container.close()
+        return self.sink.take()
+
+    def close(self) -> None:
+        try:
+            self.container.close()
+        except Exception:
+            pass
+
+
+FORMATTERS: dict[str, type[Formatter]] = {
+    "wav": WavFormatter,
+    "pcm": PcmFormatter,
+    "mulaw": MulawFormatter,
+    "opus": OpusFormatter,
+}
+
+
+# The request
+def _body_limit(settings) -> int:
+    # A whole utterance fits, at up to 4 UTF-8 bytes a character, plus the JSON around it.
+    return max(settings.max_message_bytes, settings.max_utterance_chars * 4 + 4096)
+
+
+async def _read_body(request: web.Request, limit: int) -> dict:
+    if request.content_length is not None and request.content_length > limit:
+        raise HttpError(413, "too_large", f"request body is over {limit} bytes")
+    raw = await request.content.read(limit + 1)
+    if len(raw) > limit:
+        raise HttpError(413, "too_large", f"request body is over {limit} bytes")
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise HttpError(400, "invalid_utf8", "request body is not valid UTF-8") from None
+    except (ValueError, RecursionError):
+        raise HttpError(400, "invalid_json", 'request body is not JSON; send {"text": "...", "format": "wav"}') from None
+    if not isinstance(body, dict):
+        raise HttpError(400, "invalid_json", "request body must be a JSON object")
+    return body
+
+
+def _options(request: web.Request, body: dict) -> tuple[str, str, SynthesisOptions]:
+    gw = request.app["gateway"]
+    settings = gw.settings
+    text = body.get("text")
+    if not isinstance(text, str) or not text.strip():
+        raise HttpError(400, "invalid_field", "'text' must be a non-empty string")
+    limit = settings.max_utterance_chars
+    if len(text) > limit:
+        raise HttpError(400, "text_too_long", f"text has {len(text)} characters; the limit is {limit}")
+    if any(0xD800 <= ord(c) <= 0xDFFF for c in text):
+        raise HttpError(400, "invalid_utf8", "text holds unpaired surrogates")
+    fmt = body.get("format", "wav")
+    if fmt not in FORMATS:
+        raise HttpError(400, "invalid_field", f"'format' must be one of {', '.join(FORMATS)}")
+    voice = body.get("voice")
+    if voice is not None:
+        if not isinstance(voice, str):
+            raise HttpError(400, "invalid_field", "'voice' must be a string")
+        voices = gw.engine.info.get("voices", [])
+        if voice not in voices and not voice.endswith(".onnx"):
+            raise HttpError(400, "unknown_voice", f"unknown voice {voice!r}; available: {', '.join(voices)}")
+    rate = body.get("rate", 1.0)
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.25 <= rate <= 4.0:
+        raise HttpError(400, "invalid_field", "'rate' must be a number from 0.25 to 4.0")
+    return text, fmt, SynthesisOptions(voice=voice or settings.voice, rate=float(rate))
+
+
+async def _first_chunk(stream: TTSStream) -> StreamChunk | None:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return None
+    except EngineStreamError as exc:
+        raise HttpError(400, "engine_error", str(exc)) from None
+    except (EngineCrashed, EngineUnavailable) as exc:
+        raise HttpError(503, "engine_unavailable", str(exc)) from None
+
+
+async def handle_tts(request: web.Request) -> web.StreamResponse:
+    check_api_key(request)  # raises a JSON 401
+    gw = request.app["gateway"]
+    try:
+        body = await _read_body(request, _body_limit(gw.settings))
+        text, fmt, options = _options(request, body)
+        try:
+            stream = gw.engine.stream(options)
+        except EngineUnavailable as exc:
+            raise HttpError(503, "engine_unavailable", str(exc)) from None
+    except HttpError as exc:
+        return _error(exc.status, exc.code, exc.message)
+
+    loop = asyncio.get_running_loop()
+    formatter: Formatter | None = None
+    try:
+        try:
+            stream.push_text(text)
+            stream.end_input()
+            # Headers wait for the first chunk: an engine error can still be a JSON error,
+            # and the WAV header needs the engine's rate.
+            first = await _first_chunk(stream)
+        except HttpError as exc:
+            return _error(exc.status, exc.code, exc.message)
+        rate = first.sample_rate if first is not None else int(gw.engine.info.get("sample_rate") or 16000)
+        formatter = await loop.run_in_executor(_pool, FORMATTERS[fmt], rate)
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": formatter.content_type,
+                "X-Sample-Rate": str(formatter.sample_rate),
+                "X-Audio-Format": fmt,
+                "Cache-Control": "no-store",
+            }
+        )
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        head = await loop.run_in_executor(_pool, formatter.start)
+        if first is not None:
+            head += await loop.run_in_executor(_pool, formatter.feed, first.pcm)
+        await response.write(head)
+        try:
+            async for chunk in stream:
+                data = await loop.run_in_executor(_pool, formatter.feed, chunk.pcm)
+                if data:
+                    await response.write(data)
+        except (EngineStreamError, EngineCrashed, EngineUnavailable) as exc:
+            # Headers are gone: cut the body short so the client sees it incomplete.
+            log.warning("tts: engine failed mid-response: %s", exc)
+            request.transport and request.transport.close()
+            return response
+        tail = await loop.run_in_executor(_pool, formatter.finish)
+        if tail:
+            await response.write(tail)
+        await response.write_eof()
+        return response
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise  # the client went away; the finally cancels synthesis
+    finally:
+        stream.cancel()
+        if isinstance(formatter, OpusFormatter):
+            formatter.close()
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/tts", handle_tts)
