@@ -1,4 +1,4 @@
-"""The `voxgate` command: serve, say."""
+"""The `voxgate` command: serve, say, probe."""
 
 from __future__ import annotations
 
@@ -99,6 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     say.add_argument("--stream", action="store_true", help="feed the text word by word, like LLM tokens")
     say.add_argument("--tokens-per-s", type=float, default=30.0)
     say.set_defaults(func=lambda a: asyncio.run(_say_async(a)))
+
+    from . import probe as _probe  # light to import: aiortc loads only when a probe runs
+
+    probe = sub.add_parser("probe", help="barge-in and load tester: N WebRTC sessions against a server, with reports")
+    _probe.add_arguments(probe)
+    probe.set_defaults(func=_probe.main)
 
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
