@@ -64,6 +64,11 @@ def _depth(value, level: int = 0) -> int:
     return level
 
 
+def _reject_constant(name: str) -> None:
+    # Python's json accepts NaN and Infinity; JSON does not, and they break arithmetic downstream.
+    raise ValueError(f"{name} is not JSON")
+
+
 def parse(raw: str | bytes, limits: Limits) -> dict:
     """Decode and validate one client message."""
     size = len(raw.encode("utf-8", "surrogatepass")) if isinstance(raw, str) else len(raw)
@@ -77,7 +82,7 @@ def parse(raw: str | bytes, limits: Limits) -> dict:
         except UnicodeDecodeError:
             raise ProtocolError("invalid_utf8", "message is not valid UTF-8 text; send JSON text") from None
     try:
-        msg = json.loads(raw)
+        msg = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, RecursionError):
         raise ProtocolError("invalid_json", "message is not JSON; send one JSON object with a 'type'") from None
     if not isinstance(msg, dict):

@@ -29,23 +29,23 @@ class VadSettings:
     floor_margin_db: float = 9.0
 
     def update(self, data: dict) -> None:
+        """Apply a client's `vad` object; raises ValueError with a message for the client."""
         if "enabled" in data:
-            self.enabled = bool(data["enabled"])
+            if not isinstance(data["enabled"], bool):
+                raise ValueError("vad 'enabled' must be true or false")
+            self.enabled = data["enabled"]
         if "aggressiveness" in data:
-            value = int(data["aggressiveness"])
-            if not 0 <= value <= 3:
-                raise ValueError("vad aggressiveness must be 0, 1, 2 or 3")
-            self.aggressiveness = value
+            self.aggressiveness = _int_in(data["aggressiveness"], "aggressiveness", 0, 3)
         if "min_speech_ms" in data:
-            value = int(data["min_speech_ms"])
-            if not 20 <= value <= 5000:
-                raise ValueError("min_speech_ms must be between 20 and 5000")
-            self.min_speech_ms = value
+            self.min_speech_ms = _int_in(data["min_speech_ms"], "min_speech_ms", 20, 5000)
         if "hangover_ms" in data:
-            value = int(data["hangover_ms"])
-            if not 100 <= value <= 10000:
-                raise ValueError("hangover_ms must be between 100 and 10000")
-            self.hangover_ms = value
+            self.hangover_ms = _int_in(data["hangover_ms"], "hangover_ms", 100, 10000)
+
+
+def _int_in(value: object, name: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or not low <= value <= high:
+        raise ValueError(f"vad '{name}' must be a number from {low} to {high}")
+    return int(value)
 
 
 class VoiceActivityDetector:
