@@ -74,7 +74,7 @@ raw_inputs = st.one_of(
 )
 
 
-@settings(max_examples=int(600 * SCALE), deadline=None)
+@settings(max_examples=int(400 * SCALE), deadline=None)
 @given(raw=raw_inputs)
 def test_parse_returns_a_valid_message_or_a_protocol_error(raw):
     try:
@@ -200,7 +200,7 @@ async def _drive(engine: EngineClient, script: list[tuple[str, object]]) -> tupl
     return session, rec
 
 
-@settings(max_examples=int(50 * SCALE), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=int(40 * SCALE), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(script=st.lists(steps, max_size=25))
 def test_session_survives_any_message_sequence_and_ends_each_utterance_once(engine_loop, script):
     loop, engine = engine_loop
