@@ -243,18 +243,22 @@ class VoxgateSession:
         if future.done():
             self._outcomes.pop(event["id"], None)
 
-    async def events(self) -> AsyncIterator[dict]:
-        """Every event from now on, until the session closes."""
+    def events(self) -> AsyncIterator[dict]:
+        """Every event from this call on, until the session closes."""
         queue: asyncio.Queue = asyncio.Queue()
-        self._subscribers.append(queue)
-        try:
-            while True:
-                event = await queue.get()
-                yield event
-                if event.get("type") == "session.closed":
-                    return
-        finally:
-            self._subscribers.remove(queue)
+        self._subscribers.append(queue)  # now, not at the first iteration
+
+        async def iterate() -> AsyncIterator[dict]:
+            try:
+                while True:
+                    event = await queue.get()
+                    yield event
+                    if event.get("type") == "session.closed":
+                        return
+            finally:
+                self._subscribers.remove(queue)
+
+        return iterate()
 
     async def wait_for(self, kind: str, *, id: str | None = None, timeout: float = 30.0) -> dict:
         """The next event of this type (and id); events of other types are skipped."""

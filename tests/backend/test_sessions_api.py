@@ -119,14 +119,16 @@ async def test_text_before_the_listener_attaches_is_queued(tone_server):
         assert queued["position"] == 0
         state = await backend.state()
         assert state["utterances"]["ids"] == [uid] and state["codec"] is None
-        await asyncio.sleep(0.3)
+        waited_ms = 2500
+        await asyncio.sleep(waited_ms / 1000)
         async with JoiningRtcClient(tone_server.url, backend.session_id, backend.client_token) as listener:
             started = await backend.wait_for("audio.started", id=uid)
             done = await backend.wait_for("utterance.done", id=uid)
             await asyncio.sleep(0.3)
             assert tone.decode(listener.audio.pcm(), listener.audio.sample_rate) == "said early"
         print(f"\nqueued-before-attach TTFA (from attach): {started['ttfa_ms']} ms")
-        assert started["ttfa_ms"] < 2000  # counts from the attach, not from the text (sanity bound)
+        # TTFA counts from the attach, not from the text: the wait for a listener is not synthesis latency.
+        assert started["ttfa_ms"] < waited_ms
         assert done["text"] == "said early"
 
 

@@ -1,0 +1,77 @@
+"""voxgate.client: text pacing, streamed speech, interruption, events."""
+
+from __future__ import annotations
+
+import asyncio
+
+from voxgate.client import VoxgateSession, coalesce
+from voxgate.engine import tone
+
+from backend_helpers import JoiningRtcClient
+
+
+async def _tokens(pieces, gap_s):
+    for piece in pieces:
+        yield piece
+        await asyncio.sleep(gap_s)
+
+
+async def test_first_clause_goes_at_once_then_batches():
+    first = ["Hello", " there", ","]
+    rest = [f" word{i}" for i in range(30)]
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    pieces = []
+    async for piece in coalesce(_tokens(first + rest, 0.01), batch_s=0.1):
+        pieces.append((loop.time() - start, piece))
+    assert pieces[0][1] == "Hello there,"  # the first clause, not waiting for a batch
+    assert "".join(p for _, p in pieces) == "".join(first + rest)
+    assert len(pieces) < len(rest) / 2  # later tokens were coalesced
+    print(f"\ncoalesce: {len(first + rest)} tokens -> {len(pieces)} messages; first after {pieces[0][0] * 1000:.0f} ms")
+
+
+async def test_pending_text_is_sent_when_tokens_stall():
+    async def stalled():
+        yield "No clause boundary yet"
+        await asyncio.sleep(0.5)
+        yield " then more."
+
+    got = []
+    async for piece in coalesce(stalled(), batch_s=0.05):
+        got.append(piece)
+    # The first words did not wait for the stalled tokens.
+    assert got == ["No clause boundary yet", " then more."]
+
+
+async def test_say_stream_and_interruption(tone_server):
+    async with JoiningRtcClient(tone_server.url, None, None) as listener:
+        async with VoxgateSession(tone_server.url, session_id=listener.session_id) as session:
+            events = session.events()
+            outcome = await session.say_stream(["One, ", "two, ", "three."])
+            assert not outcome.interrupted and outcome.text == "One, two, three."
+            await asyncio.sleep(0.3)
+            assert tone.decode(listener.audio.pcm(), listener.audio.sample_rate) == "One, two, three."
+            seen = []
+            async for event in events:
+                seen.append(event["type"])
+                if event["type"] == "utterance.done":
+                    break
+            assert seen[:2] == ["utterance.queued", "utterance.started"] and "audio.started" in seen
+
+            consumed = []
+
+            async def endless():
+                for i in range(1000):
+                    consumed.append(i)
+                    yield f"token{i} "
+                    await asyncio.sleep(0.02)
+
+            speaking = asyncio.ensure_future(session.say_stream(endless(), id="long"))
+            await listener.wait_for("audio.started", id="long")
+            await asyncio.sleep(0.3)
+            listener.send({"type": "cancel"})
+            outcome = await asyncio.wait_for(speaking, 10)
+            assert outcome.interrupted and outcome.reason == "cancel" and outcome.id == "long"
+            assert outcome.played_ms > 0
+            assert outcome.text.startswith(outcome.played_text.strip())
+            assert len(consumed) < 1000  # it stopped reading the LLM
