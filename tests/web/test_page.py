@@ -43,15 +43,15 @@ def speech_wav(tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("mic")
     raw = str(folder / "question.wav")
     subprocess.run(
-        [sys.executable, "-m", "voxgate.cli", "say", "Wait, stop, I have a question about that.", "-o", raw],
+        [sys.executable, "-m", "voxgate.cli", "say", "Wait, I have a question.", "-o", raw],
         check=True, capture_output=True, timeout=60,
     )
     with wave.open(raw) as w:
         rate = w.getframerate()
         pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16)
     speech = soxr.resample(pcm.astype(np.float32), rate, 48000).clip(-32768, 32767).astype(np.int16)
-    silence = np.zeros(48000, dtype=np.int16)
-    # Chromium loops the file: one second of quiet, the question, one second of quiet.
+    silence = np.zeros(48000 * 8 // 10, dtype=np.int16)
+    # Chromium loops the file: the question comes back every three seconds or so.
     out = str(folder / "question48k.wav")
     with wave.open(out, "wb") as w:
         w.setnchannels(1)
@@ -89,7 +89,7 @@ def browser(speech_wav):
 @pytest.fixture
 def page(browser):
     # A fresh context per test: its own profile state, nothing shared.
-    context = browser.new_context(viewport={"width": 1280, "height": 860})
+    context = browser.new_context(viewport={"width": 1280, "height": 720})
     page = context.new_page()
     page.errors = []
     page.on("pageerror", lambda exc: page.errors.append(str(exc)))
@@ -158,7 +158,7 @@ def test_speak_queue_and_rate(page, piper_server, artifacts_dir):
         # first to the last audible moment is close to it.
         assert 0.4 * done["audio_ms"] <= u["audible_ms"] <= 1.1 * done["audio_ms"] + 100, (u, done)
         span = u["last_audible_at"] - u["first_audible_at"]
-        assert 0.6 * done["audio_ms"] <= span <= 1.2 * done["audio_ms"] + 200, (u, done)
+        assert 0.6 * done["audio_ms"] <= span <= 1.5 * done["audio_ms"] + 300, (u, done)
         assert u["server_ttfa_ms"] is not None and u["page_ttfa_ms"] is not None and u["page_ttfa_ms"] >= 0
         cells = page.eval_on_selector_all(f"#utt-{u['id']} td", "(tds) => tds.map((td) => td.textContent)")
         assert cells[1] == "done" and cells[2].endswith(" ms") and cells[3].endswith(" ms"), cells
@@ -225,6 +225,7 @@ def test_stream_mode_speaks_before_the_last_word(page, piper_server):
     assert u["audio_started_at"] < u["last_delta_at"], u
     assert u["first_audible_at"] < u["last_delta_at"], u
     assert done["audio_ms"] > 1500 and u["audible_ms"] > 0.4 * done["audio_ms"]
+    assert page.errors == []
 
 
 def test_microphone_barge_in_and_vad_toggle(page, piper_server):
@@ -250,20 +251,35 @@ def test_microphone_barge_in_and_vad_toggle(page, piper_server):
     assert utterance(page, "p2")["state"] == "playing"
     page.click("#stop")
     assert wait_event(page, "utterance.interrupted", "p2")["msg"]["reason"] == "cancel"
+    assert page.errors == []
 
 
 def test_errors_in_plain_words(browser, server_factory):
-    # A gateway that holds one session: a second connection is refused, with
-    # the server's own message shown.
+    # A gateway that holds one session, so a second connection is refused.
     server = server_factory("tone", ["--max-sessions", "1"])
     first, second = browser.new_page(), browser.new_page()
     try:
-        open_page(first, server)
+        # No permission prompt can be refused here (chromium runs with a fake,
+        # always-granting prompt), so this page's getUserMedia refuses the way
+        # a browser does when the person clicks Block.
+        second.add_init_script(
+            "navigator.mediaDevices.getUserMedia = () => "
+            "Promise.reject(new DOMException('Permission denied', 'NotAllowedError'));"
+        )
         second.goto(server.url + "/")
+        second.check("#mic")
         second.click("#connect")
         second.wait_for_selector("#error:not([hidden])")
+        assert "Microphone permission was denied" in second.text_content("#error-text")
+        assert not second.is_disabled("#connect")
+
+        open_page(first, server)
+        second.uncheck("#mic")
+        second.click("#connect")
+        # The server's own message, with its code.
+        second.wait_for_function("document.querySelector('#error-text').textContent.includes('refused')")
         message = second.text_content("#error-text")
-        assert "refused" in message and "maximum of 1 sessions" in message and "at_capacity" in message
+        assert "maximum of 1 sessions" in message and "at_capacity" in message, message
         assert second.text_content("#state-session") == "failed"
         assert not second.is_disabled("#connect")
 
