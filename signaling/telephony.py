@@ -17,6 +17,7 @@ import base64
 import binascii
 import json
 import logging
+import time
 
 import numpy as np
 from aiohttp import WSMsgType, web
@@ -201,10 +202,12 @@ class TwilioCall:
         except (binascii.Error, ValueError):
             raise CallError("invalid_payload", "media.payload is not base64") from None
         self.media_in += 1
+        assert self.session is not None
+        # Media flows all through a live call, quiet or not: it is not idle.
+        self.session.last_activity = time.monotonic()
         if not ulaw:
             return
         pcm16k = self._resampler.process(ulaw_decode(ulaw))
-        assert self.session is not None
         self.session.on_inbound_audio(np.asarray(pcm16k, dtype=np.int16))
 
     # Lifecycle
