@@ -5,6 +5,12 @@ STUN server. Voxgate offers only the configured host addresses (loopback in
 tests), uses only configured STUN/TURN servers (none by default), and drops
 remote candidates outside an allow-list of networks, so a peer cannot make
 the gateway probe internal networks.
+
+The allow-list governs where the gateway *sends* connectivity checks. A peer
+that itself sends checks from another address still connects (aioice learns
+it as a peer-reflexive candidate and answers on the path the peer opened);
+that reaches no host the peer could not already reach, and it is how browsers
+that hide their addresses behind mDNS names connect at all.
 """
 
 from __future__ import annotations
