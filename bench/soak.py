@@ -132,28 +132,29 @@ async def run(args) -> dict:
         print(f"at start {before_warmup}\nbaseline {baseline}  (after {args.warmup} warm-up sessions)")
 
         section(f"{args.sessions} sessions, {args.concurrency} at a time")
-        sem = asyncio.Semaphore(args.concurrency)
         done = 0
         every = max(1, args.sessions // 10)
         peak = dict(baseline)
+        numbers = iter(range(args.sessions))
 
-        async def guarded(i: int) -> None:
+        # A fixed pool of workers, so the task count reflects sessions, not a queue of waiting coroutines.
+        async def worker() -> None:
             nonlocal done
-            async with sem:
+            for i in numbers:
                 await one_session(url, i, results)
-            done += 1
-            snap = snapshot(gw)
-            for k, v in snap.items():
-                peak[k] = max(peak[k], v)
-            if done % every == 0:
-                snap["sessions_done"] = done
-                snap["elapsed_s"] = round(time.monotonic() - t0, 1)
-                samples.append(snap)
-                print(f"{done:6d} done  rss {snap['rss_mb']:7.1f} MiB  fds {snap['fds']:4d}  threads {snap['threads']:3d}  "
-                      f"tasks {snap['tasks']:4d}  server sessions {snap['server_sessions']:3d}  "
-                      f"ok {results['ok']}  wrong {results['wrong_audio']}  failed {results['failed']}", flush=True)
+                done += 1
+                snap = snapshot(gw)
+                for k, v in snap.items():
+                    peak[k] = max(peak[k], v)
+                if done % every == 0:
+                    snap["sessions_done"] = done
+                    snap["elapsed_s"] = round(time.monotonic() - t0, 1)
+                    samples.append(snap)
+                    print(f"{done:6d} done  rss {snap['rss_mb']:7.1f} MiB  fds {snap['fds']:4d}  threads {snap['threads']:3d}  "
+                          f"tasks {snap['tasks']:4d}  server sessions {snap['server_sessions']:3d}  "
+                          f"ok {results['ok']}  wrong {results['wrong_audio']}  failed {results['failed']}", flush=True)
 
-        await asyncio.gather(*(guarded(i) for i in range(args.sessions)))
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         elapsed = time.monotonic() - t0
         idle = await wait_idle(gw)
         after = await settle(gw)
