@@ -286,6 +286,7 @@ class Session:
             "engine_sample_rate": self.engine.info.get("sample_rate"),
             "codec": self.output_codec,
             "engine": self.engine.info.get("engine"),
+            "supported_tags": self.engine.info.get("supported_tags", []),
         }
 
     # Barge-in and cancel

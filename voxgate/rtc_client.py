@@ -21,6 +21,16 @@ from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from .gateway.ice import restrict_host_addresses
 
 
+class OfferRefused(RuntimeError):
+    """The gateway answered the offer with an HTTP error."""
+
+    def __init__(self, status: int, body: dict) -> None:
+        super().__init__(f"offer refused ({status}): {body}")
+        self.status = status
+        self.body = body
+        self.code = (body.get("error") or {}).get("code") if isinstance(body, dict) else None
+
+
 class MicTrack(MediaStreamTrack):
     """A microphone that plays queued 48 kHz mono PCM in real time, silence otherwise."""
 
@@ -94,7 +104,10 @@ class RtcClient:
         codecs: list[str] | None = None,
         ice_hosts: list[str] | None = ("127.0.0.1",),
         voice: str | None = None,
+        session_id: str | None = None,
+        token: str | None = None,
     ) -> None:
+        self.join = {"session_id": session_id, "token": token}
         self.base_url = base_url.rstrip("/")
         if ice_hosts:
             restrict_host_addresses(list(ice_hosts))
@@ -140,11 +153,12 @@ class RtcClient:
         body = {"sdp": pc.localDescription.sdp, "type": "offer"}
         if self.voice:
             body["voice"] = self.voice
+        body.update({k: v for k, v in self.join.items() if v})
         async with aiohttp.ClientSession() as http:
             async with http.post(self.base_url + "/v1/offer", json=body) as resp:
                 answer = await resp.json()
                 if resp.status != 200:
-                    raise RuntimeError(f"offer refused ({resp.status}): {answer}")
+                    raise OfferRefused(resp.status, answer)
         self.session_id = answer["session_id"]
         await pc.setRemoteDescription(RTCSessionDescription(sdp=answer["sdp"], type="answer"))
         self.ready = await self.wait_for("session.ready", timeout=timeout)

@@ -78,6 +78,12 @@ export class GatewayConnection {
     await waitForGathering(pc);
     const body = { sdp: pc.localDescription.sdp, type: 'offer' };
     if (voice) body.voice = voice;
+    // A backend can hand a session it made ahead to this page: /?session_id=...&token=...
+    const params = new URLSearchParams(location.search);
+    if (params.get('session_id')) {
+      body.session_id = params.get('session_id');
+      if (params.get('token')) body.token = params.get('token');
+    }
     const answer = await this.postOffer(body);
     this.sessionId = answer.session_id;
     await pc.setRemoteDescription({ type: 'answer', sdp: answer.sdp });
