@@ -188,8 +188,15 @@ ids = st.one_of(st.text(alphabet="0123456789abcdef", min_size=1, max_size=20), s
 def test_fuzz_session_api(server):
     @FUZZ
     @given(
-        op=st.sampled_from(["create", "get", "delete", "list", "ws", "ice", "metrics", "unknown"]),
-        sid=ids, body=st.one_of(st.binary(max_size=200), json_values.map(lambda v: json.dumps(v).encode())),
+        op=st.sampled_from(["create", "get", "delete", "list", "ws", "ice", "metrics", "tts", "unknown"]),
+        sid=ids,
+        body=st.one_of(
+            st.binary(max_size=200),
+            json_values.map(lambda v: json.dumps(v).encode()),
+            st.fixed_dictionaries({"text": st.one_of(st.text(max_size=20), json_values)},
+                                  optional={"format": st.one_of(st.sampled_from(["wav", "pcm", "mulaw", "opus", "mp3"]), json_values),
+                                            "voice": json_values, "rate": json_values}).map(lambda d: json.dumps(d).encode()),
+        ),
         hdrs=headers, query=st.dictionaries(st.sampled_from(["call_sid", "role", "x"]), st.text(max_size=10), max_size=2),
     )
     def run(op, sid, body, hdrs, query):
@@ -203,11 +210,15 @@ def test_fuzz_session_api(server):
             "ws": ("GET", f"/v1/sessions/{quoted}/ws" + qs, None),  # not an upgrade: must still answer JSON
             "ice": ("GET", "/v1/ice-servers", None),
             "metrics": ("GET", "/metrics", None),
+            "tts": ("POST", "/v1/tts", body),
             "unknown": (random.choice(["GET", "POST", "PUT", "PATCH"]), f"/v1/{quoted}", body),
         }[op]
         status, ctype, data = request(server.url, method, path, send, hdrs)
         if op == "metrics":
             assert status == 200 and b"voxgate_" in data
+            return
+        if op == "tts" and status == 200:
+            assert not ctype.startswith("application/json"), ctype  # audio streams back
             return
         result = check(status, ctype, data, path)
         if op == "create" and status == 201:
