@@ -101,7 +101,7 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--streams", type=int, nargs="*", default=[1, 4, 16, 64], help="stream counts for throughput; none to skip it")
     parser.add_argument("--max-batch", type=int, default=None, help="jobs per forward pass (default: 4 on CPU, 64 on CUDA)")
     args = parser.parse_args()
 

@@ -335,7 +335,10 @@ class TorchEngine(Engine):
             windows.append(window)
             need = min(s.frames, window.end + voice.dec_context)
             if s.flowed < need:
-                end = min(s.frames, max(need, s.flowed + FLOW_SEGMENT_FRAMES))
+                # The first segment is only what the first window needs: it is on the
+                # path to the first audio. Later ones run further ahead.
+                ahead = 0 if s.flowed == 0 else FLOW_SEGMENT_FRAMES
+                end = min(s.frames, max(need, s.flowed + ahead))
                 src_start = max(0, s.flowed - voice.flow_context)
                 src_end = min(s.frames, end + voice.flow_context)
                 flows.append(_FlowTask(s, src_start, src_end, s.flowed - src_start, end - src_start))
