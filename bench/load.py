@@ -24,8 +24,8 @@ clients' decoding: it is a lower bound for the server alone.
    gaps of decoded frames (p99, max, count over 60 ms), and CPU seconds of
    this process plus the engine worker per session per second of speech.
    The 1-session step is the baseline for the late-frame and gap figures.
-   The ramp stops after the first step a listener would hear (a stall, a
-   gap over 60 ms, audio that does not decode exactly), or when
+   The ramp stops after the first step a listener would hear (a pacer
+   stall, audio that does not decode exactly), or when
    --time-budget runs out.
 2. Past capacity. A second gateway with --max-sessions C: C sessions connect
    and speak; while they speak, C more offers arrive. They must get
@@ -53,15 +53,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _common import arg_parser, machine, percentile, print_machine, proc_cpu_s, ratio, section, write_json  # noqa: E402
 
 # A step is degraded when a listener could hear it: a pacer stall (the loop fell
-# more than 3 frames behind), a gap over 60 ms between decoded frames at a
-# client, or audio that does not decode exactly. Frames a few ms late (the
+# more than 3 frames behind, so the receiver's jitter buffer runs dry), or
+# audio that does not decode exactly. Frames a few ms late (the
 # pacer's `late_frames`, > 5 ms) are reported against the 1-session baseline of
 # the same run: on a shared machine some are late even with one session.
 GAP_LIMIT_MS = 60.0
 
 
 def degraded(row: dict) -> bool:
-    return bool(row["stalls"] or row["gaps_over_60ms"] or row["wrong"] or row["timeouts"] or row["connect_failed"])
+    # Client gaps are reported but do not stop the ramp: the clients share this
+    # process and its cores, so their own decoding delays show up there too.
+    return bool(row["stalls"] or row["wrong"] or row["timeouts"] or row["connect_failed"])
 
 
 def free_port() -> int:
@@ -217,7 +219,7 @@ async def ramp(args) -> list[dict]:
             for e in row["connect_errors"]:
                 print(f"      connect failed: {e}")
             if degraded(row):
-                print(f"audible degradation at {n} sessions (stalls, gaps over {GAP_LIMIT_MS:.0f} ms or wrong audio); the ramp stops here")
+                print(f"audible degradation at {n} sessions (pacer stalls or wrong audio); the ramp stops here")
                 break
     finally:
         await runner.cleanup()
