@@ -88,7 +88,12 @@ class IcePolicy:
 
     def rtc_configuration(self, user: str = "voxgate") -> RTCConfiguration:
         # An explicit list, even empty: aiortc would otherwise use a public STUN server.
-        return RTCConfiguration(iceServers=self.servers_for(user))
+        # A TURN server we hold no credentials for is for clients only.
+        servers = [
+            s for s in self.servers_for(user)
+            if s.username or not (s.urls if isinstance(s.urls, str) else s.urls[0]).startswith("turn")
+        ]
+        return RTCConfiguration(iceServers=servers)
 
     def allows(self, address: str) -> bool:
         try:

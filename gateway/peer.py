@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 
 import av
 from aiortc import RTCPeerConnection, RTCSessionDescription
@@ -33,9 +32,13 @@ def validate_offer_sdp(sdp: str) -> None:
     if "m=audio" not in sdp and "m=application" not in sdp:
         raise OfferError("invalid_sdp", "the offer has no audio or data-channel media section")
     try:
-        SessionDescription.parse(sdp)
+        parsed = SessionDescription.parse(sdp)
     except Exception as exc:
         raise OfferError("invalid_sdp", f"the offer SDP could not be parsed: {type(exc).__name__}") from None
+    # Bundled WebRTC needs a mid per section; aiortc half-builds a peer without one.
+    for media in parsed.media:
+        if not media.rtp.muxId:
+            raise OfferError("invalid_sdp", f"the offer's {media.kind} section has no a=mid line")
 
 
 def negotiated_codec(answer_sdp: str) -> str | None:
@@ -167,4 +170,12 @@ class PeerConnection:
             self._mic_task.cancel()
         if self.track is not None:
             self.track.stop()
-        await self.pc.close()
+        await self.close_pc()
+
+    async def close_pc(self) -> None:
+        try:
+            await self.pc.close()
+        except Exception:
+            # A peer refused half-way through negotiation can trip aiortc's close;
+            # what it opened is released with it either way.
+            log.warning("session %s: peer connection close failed", self.session.id, exc_info=True)

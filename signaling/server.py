@@ -23,6 +23,7 @@ from ..gateway.protocol import Limits
 from ..gateway.session import Session, SessionOptions
 from ..gateway.vad import VadSettings
 from ..config import Settings
+from .errors import ApiError, error_response, read_json_object
 from .metrics import GatewayMetrics
 from . import sessions_api, telephony, tts_http
 
@@ -30,10 +31,6 @@ log = logging.getLogger(__name__)
 
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 MAX_OFFER_BYTES = 256 * 1024
-
-
-def error_response(status: int, code: str, message: str) -> web.Response:
-    return web.json_response({"error": {"code": code, "message": message}}, status=status)
 
 
 class Gateway:
@@ -159,29 +156,10 @@ class Gateway:
         return session
 
 
-async def _json_body(request: web.Request, limit: int) -> dict:
-    if request.content_length is not None and request.content_length > limit:
-        raise OfferError("too_large", f"request body is over {limit} bytes", 413)
-    raw = await request.content.read(limit + 1)
-    if len(raw) > limit:
-        raise OfferError("too_large", f"request body is over {limit} bytes", 413)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise OfferError("invalid_utf8", "request body is not valid UTF-8") from None
-    try:
-        body = json.loads(text)
-    except ValueError:
-        raise OfferError("invalid_json", "request body is not JSON") from None
-    if not isinstance(body, dict):
-        raise OfferError("invalid_json", "request body must be a JSON object")
-    return body
-
-
 async def handle_offer(request: web.Request) -> web.Response:
     gw: Gateway = request.app["gateway"]
     try:
-        body = await _json_body(request, MAX_OFFER_BYTES)
+        body = await read_json_object(request, MAX_OFFER_BYTES)
         sdp, kind = body.get("sdp"), body.get("type", "offer")
         if not isinstance(sdp, str) or not sdp.strip():
             raise OfferError("invalid_sdp", "'sdp' must be the offer's SDP text")
@@ -191,7 +169,7 @@ async def handle_offer(request: web.Request) -> web.Response:
         if voice is not None and not isinstance(voice, str):
             raise OfferError("invalid_field", "'voice' must be a string")
         session, created = sessions_api.session_for_offer(request.app, body, voice)
-    except OfferError as exc:
+    except (OfferError, ApiError) as exc:
         return error_response(exc.status, exc.code, exc.message)
     peer = PeerConnection(session, gw.ice)
     gw.peers[session.id] = peer
@@ -213,9 +191,9 @@ async def handle_candidate(request: web.Request) -> web.Response:
     if peer is None:
         return error_response(404, "unknown_session", "no such session")
     try:
-        body = await _json_body(request, 8192)
+        body = await read_json_object(request, 8192)
         accepted = await peer.add_candidate(body.get("candidate") and body)
-    except OfferError as exc:
+    except (OfferError, ApiError) as exc:
         return error_response(exc.status, exc.code, exc.message)
     except Exception as exc:
         return error_response(400, "invalid_candidate", f"the candidate could not be parsed: {type(exc).__name__}")

@@ -28,19 +28,12 @@ from aiohttp import WSMsgType, web
 from ..gateway.peer import OfferError, PeerConnection
 from ..gateway.protocol import ProtocolError, parse
 from ..gateway.session import Session
+from .errors import ApiError, error_response
 
 log = logging.getLogger(__name__)
 
 # Events a slow backend may leave unread before it is disconnected.
 MAX_PENDING_EVENTS = 10000
-
-
-class TokenError(Exception):
-    def __init__(self, code: str, message: str, status: int) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.status = status
 
 
 def _b64(data: bytes) -> str:
@@ -68,22 +61,22 @@ class TokenSigner:
     def verify(self, token: object, now: float | None = None) -> str:
         """Returns the session id the token was issued for."""
         if not isinstance(token, str) or token.count(".") != 1 or len(token) > 1024:
-            raise TokenError("invalid_token", "the token is malformed", 401)
+            raise ApiError(401, "invalid_token", "the token is malformed")
         body, sig = token.split(".")
         try:
             payload = _unb64(body)
             given = _unb64(sig)
         except (ValueError, TypeError):
-            raise TokenError("invalid_token", "the token is malformed", 401) from None
+            raise ApiError(401, "invalid_token", "the token is malformed") from None
         if not hmac.compare_digest(given, self._sign(payload)):
-            raise TokenError("invalid_token", "the token's signature does not match", 401)
+            raise ApiError(401, "invalid_token", "the token's signature does not match")
         try:
             data = json.loads(payload)
             sid, exp = str(data["sid"]), float(data["exp"])
         except (ValueError, KeyError, TypeError):
-            raise TokenError("invalid_token", "the token is malformed", 401) from None
+            raise ApiError(401, "invalid_token", "the token is malformed") from None
         if (now if now is not None else time.time()) > exp:
-            raise TokenError("token_expired", "the token has expired; ask the backend for a new one", 403)
+            raise ApiError(403, "token_expired", "the token has expired; ask the backend for a new one")
         return sid
 
     def _sign(self, payload: bytes) -> bytes:
@@ -109,10 +102,6 @@ class SessionRegistry:
 
 SIGNER = web.AppKey("token_signer", TokenSigner)
 REGISTRY = web.AppKey("session_registry", SessionRegistry)
-
-
-def error_response(status: int, code: str, message: str) -> web.Response:
-    return web.json_response({"error": {"code": code, "message": message}}, status=status)
 
 
 def api_key_of(request: web.Request) -> str | None:
@@ -173,7 +162,7 @@ def session_for_offer(app: web.Application, body: dict, voice: str | None) -> tu
         raise OfferError("token_required", "joining a session needs its client 'token'", 401)
     try:
         token_sid = app[SIGNER].verify(token)
-    except TokenError as exc:
+    except ApiError as exc:
         raise OfferError(exc.code, exc.message, exc.status) from None
     if sid is not None and sid != token_sid:
         raise OfferError("token_mismatch", "the token was issued for another session", 403)
@@ -197,7 +186,7 @@ async def abandon_offer(app: web.Application, peer: PeerConnection, created: boo
     session.remove_listener("peer")
     if peer._on_session_close in session.on_close:
         session.on_close.remove(peer._on_session_close)
-    await peer.pc.close()
+    await peer.close_pc()
 
 
 # HTTP

@@ -26,7 +26,8 @@ from ..gateway.encoder import ulaw_decode
 from ..gateway.resample import StreamResampler
 from ..gateway.session import Session
 from ..gateway.telephony import TwilioOutput
-from .sessions_api import REGISTRY, SIGNER, TokenError, track_session
+from .errors import ApiError
+from .sessions_api import REGISTRY, SIGNER, track_session
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +181,7 @@ class TwilioCall:
             raise CallError("token_required", "joining a session needs its client token as customParameters.token", fatal=True)
         try:
             token_sid = self.app[SIGNER].verify(token)
-        except TokenError as exc:
+        except ApiError as exc:
             raise CallError(exc.code, exc.message, fatal=True) from None
         if sid is not None and sid != token_sid:
             raise CallError("token_mismatch", "the token was issued for another session", fatal=True)

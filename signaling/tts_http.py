@@ -12,7 +12,6 @@ required here too. See docs/http-tts.md.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +24,7 @@ from ..engine.base import SynthesisOptions
 from ..engine.client import EngineCrashed, EngineStreamError, EngineUnavailable, StreamChunk, TTSStream
 from ..gateway.encoder import ulaw_encode
 from ..gateway.resample import StreamResampler
+from .errors import ApiError, read_json_object
 from .sessions_api import check_api_key
 
 log = logging.getLogger(__name__)
@@ -35,18 +35,6 @@ UNKNOWN_SIZE = 0xFFFFFFFF
 # Resampling and Opus run here, never on the event loop; one request's calls
 # are awaited in order, so each formatter is only ever used by one thread at a time.
 _pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tts-http")
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-
-
-def _error(status: int, code: str, message: str) -> web.Response:
-    return web.json_response({"error": {"code": code, "message": message}}, status=status)
 
 
 # Output formats: engine PCM in, response bytes out.
@@ -188,47 +176,30 @@ def _body_limit(settings) -> int:
     return max(settings.max_message_bytes, settings.max_utterance_chars * 4 + 4096)
 
 
-async def _read_body(request: web.Request, limit: int) -> dict:
-    if request.content_length is not None and request.content_length > limit:
-        raise HttpError(413, "too_large", f"request body is over {limit} bytes")
-    raw = await request.content.read(limit + 1)
-    if len(raw) > limit:
-        raise HttpError(413, "too_large", f"request body is over {limit} bytes")
-    try:
-        body = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise HttpError(400, "invalid_utf8", "request body is not valid UTF-8") from None
-    except (ValueError, RecursionError):
-        raise HttpError(400, "invalid_json", 'request body is not JSON; send {"text": "...", "format": "wav"}') from None
-    if not isinstance(body, dict):
-        raise HttpError(400, "invalid_json", "request body must be a JSON object")
-    return body
-
-
 def _options(request: web.Request, body: dict) -> tuple[str, str, SynthesisOptions]:
     gw = request.app["gateway"]
     settings = gw.settings
     text = body.get("text")
     if not isinstance(text, str) or not text.strip():
-        raise HttpError(400, "invalid_field", "'text' must be a non-empty string")
+        raise ApiError(400, "invalid_field", "'text' must be a non-empty string")
     limit = settings.max_utterance_chars
     if len(text) > limit:
-        raise HttpError(400, "text_too_long", f"text has {len(text)} characters; the limit is {limit}")
+        raise ApiError(400, "text_too_long", f"text has {len(text)} characters; the limit is {limit}")
     if any(0xD800 <= ord(c) <= 0xDFFF for c in text):
-        raise HttpError(400, "invalid_utf8", "text holds unpaired surrogates")
+        raise ApiError(400, "invalid_utf8", "text holds unpaired surrogates")
     fmt = body.get("format", "wav")
     if fmt not in FORMATS:
-        raise HttpError(400, "invalid_field", f"'format' must be one of {', '.join(FORMATS)}")
+        raise ApiError(400, "invalid_field", f"'format' must be one of {', '.join(FORMATS)}")
     voice = body.get("voice")
     if voice is not None:
         if not isinstance(voice, str):
-            raise HttpError(400, "invalid_field", "'voice' must be a string")
+            raise ApiError(400, "invalid_field", "'voice' must be a string")
         voices = gw.engine.info.get("voices", [])
         if voice not in voices and not voice.endswith(".onnx"):
-            raise HttpError(400, "unknown_voice", f"unknown voice {voice!r}; available: {', '.join(voices)}")
+            raise ApiError(400, "unknown_voice", f"unknown voice {voice!r}; available: {', '.join(voices)}")
     rate = body.get("rate", 1.0)
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.25 <= rate <= 4.0:
-        raise HttpError(400, "invalid_field", "'rate' must be a number from 0.25 to 4.0")
+        raise ApiError(400, "invalid_field", "'rate' must be a number from 0.25 to 4.0")
     return text, fmt, SynthesisOptions(voice=voice or settings.voice, rate=float(rate))
 
 
@@ -238,23 +209,23 @@ async def _first_chunk(stream: TTSStream) -> StreamChunk | None:
     except StopAsyncIteration:
         return None
     except EngineStreamError as exc:
-        raise HttpError(400, "engine_error", str(exc)) from None
+        raise ApiError(400, "engine_error", str(exc)) from None
     except (EngineCrashed, EngineUnavailable) as exc:
-        raise HttpError(503, "engine_unavailable", str(exc)) from None
+        raise ApiError(503, "engine_unavailable", str(exc)) from None
 
 
 async def handle_tts(request: web.Request) -> web.StreamResponse:
     check_api_key(request)  # raises a JSON 401
     gw = request.app["gateway"]
     try:
-        body = await _read_body(request, _body_limit(gw.settings))
+        body = await read_json_object(request, _body_limit(gw.settings), 'send {"text": "...", "format": "wav"}')
         text, fmt, options = _options(request, body)
         try:
             stream = gw.engine.stream(options)
         except EngineUnavailable as exc:
-            raise HttpError(503, "engine_unavailable", str(exc)) from None
-    except HttpError as exc:
-        return _error(exc.status, exc.code, exc.message)
+            raise ApiError(503, "engine_unavailable", str(exc)) from None
+    except ApiError as exc:
+        return exc.response()
 
     loop = asyncio.get_running_loop()
     formatter: Formatter | None = None
@@ -265,8 +236,8 @@ async def handle_tts(request: web.Request) -> web.StreamResponse:
             # Headers wait for the first chunk: an engine error can still be a JSON error,
             # and the WAV header needs the engine's rate.
             first = await _first_chunk(stream)
-        except HttpError as exc:
-            return _error(exc.status, exc.code, exc.message)
+        except ApiError as exc:
+            return exc.response()
         rate = first.sample_rate if first is not None else int(gw.engine.info.get("sample_rate") or 16000)
         formatter = await loop.run_in_executor(_pool, FORMATTERS[fmt], rate)
         response = web.StreamResponse(

@@ -261,10 +261,6 @@ def test_fuzz_trickle_candidates(server, offer_sdp):
         _close_session(server.url, answer)
 
 
-@pytest.mark.xfail(strict=True, reason="product bug: an offer whose audio section lacks a=mid gets 400 "
-                   "negotiation_failed (right), but the RTCPeerConnection then fails to close: aiortc's close() raises "
-                   "AttributeError (receiver.transport is None) inside PeerConnection._on_session_close "
-                   "(gateway/peer.py), logged as 'close callback failed'; its transports may stay open")
 def test_an_offer_without_mid_is_refused_and_cleaned_up(server, offer_sdp):
     broken = "\r\n".join(l for l in offer_sdp.split("\r\n") if l != "a=mid:0")
     assert broken != offer_sdp

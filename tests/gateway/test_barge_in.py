@@ -23,7 +23,7 @@ async def test_speech_on_the_mic_interrupts_with_reason_barge_in(piper_server, u
         await client.wait_for("audio.started", id="talk", timeout=20)
         await asyncio.sleep(1.0)
         client.mic.play(user_speech)
-        started = await client.wait_for("speech.started", timeout=10)
+        await client.wait_for("speech.started", timeout=10)
         interrupted = await client.wait_for("utterance.interrupted", id="talk", timeout=5)
         assert interrupted["reason"] == "barge_in"
         assert interrupted["played_ms"] > 500

@@ -1,7 +1,6 @@
 """Server lifecycle and access: graceful drain on SIGTERM, Origin checks, capacity."""
 
 import asyncio
-import json
 import signal
 
 import aiohttp

@@ -110,3 +110,12 @@ def test_ice_server_urls():
         parse_ice_server("http://nope")
     with pytest.raises(ValueError, match="CIDR"):
         parse_networks(["not a net"])
+
+
+def test_gateway_uses_only_turn_servers_it_has_credentials_for():
+    bare = IcePolicy(servers=[parse_ice_server("stun:stun.example.com:3478"), parse_ice_server("turn:turn.example.com:3478")])
+    assert [s.urls for s in bare.rtc_configuration().iceServers] == ["stun:stun.example.com:3478"]
+    minted = IcePolicy(servers=[parse_ice_server("turn:turn.example.com:3478")], turn_secret="s3cret", turn_ttl_s=60)
+    [server] = minted.rtc_configuration("sess1").iceServers
+    assert server.username.endswith(":sess1") and server.credential
+    assert IcePolicy().rtc_configuration().iceServers == []  # never aiortc's public default

@@ -4,9 +4,7 @@ import asyncio
 import os
 import signal
 
-import pytest
 
-from voxgate.engine import tone
 from voxgate.rtc_client import RtcClient
 
 

@@ -1,10 +1,8 @@
 """Speech over real WebRTC: aiortc clients on loopback against `voxgate serve`."""
 
 import asyncio
-import time
 
 import numpy as np
-import pytest
 
 from voxgate.engine import tone
 from voxgate.rtc_client import RtcClient

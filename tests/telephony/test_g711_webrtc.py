@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import wave
 
 import numpy as np
@@ -19,6 +18,7 @@ import soxr
 
 from voxgate.engine import tone
 from voxgate.rtc_client import RtcClient
+from tests.speech import word_error_rate
 
 TEXT = "Press one for sales, two for support."
 
@@ -39,20 +39,6 @@ async def test_g711_only_peer_gets_exact_audio(tone_server, codec):
 async def test_opus_stays_the_default(tone_server):
     async with RtcClient(tone_server.url) as client:
         assert client.ready["codec"] == "opus"
-
-
-def _words(text: str) -> list[str]:
-    return re.findall(r"[a-z']+", text.lower())
-
-
-def word_error_rate(reference: str, hypothesis: str) -> float:
-    ref, hyp = _words(reference), _words(hypothesis)
-    d = list(range(len(hyp) + 1))
-    for i, r in enumerate(ref, 1):
-        prev, d[0] = d[0], i
-        for j, h in enumerate(hyp, 1):
-            prev, d[j] = d[j], min(d[j] + 1, d[j - 1] + 1, prev + (r != h))
-    return d[len(hyp)] / max(1, len(ref))
 
 
 def recognize(pcm: np.ndarray, rate: int) -> str:
