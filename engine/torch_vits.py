@@ -182,9 +182,9 @@ class RelativeAttention(nn.Module):
         b, c, t = x.shape
         h, w = self.heads, self.window
         k = c // h
-        q = self.conv_q(x).view(b, h, k, t).transpose(2, 3) / math.sqrt(k)
-        key = self.conv_k(x).view(b, h, k, t).transpose(2, 3)
-        value = self.conv_v(x).view(b, h, k, t).transpose(2, 3)
+        q = run_conv(self.conv_q, x).view(b, h, k, t).transpose(2, 3) / math.sqrt(k)
+        key = run_conv(self.conv_k, x).view(b, h, k, t).transpose(2, 3)
+        value = run_conv(self.conv_v, x).view(b, h, k, t).transpose(2, 3)
 
         # band[i, o] is column i + o - w of row i; computing only the band keeps
         # the relative terms O(t * window) instead of O(t^2).
@@ -203,7 +203,7 @@ class RelativeAttention(nn.Module):
         p_rel = F.pad(p, (w, w)).gather(-1, band)  # [b, h, t, 2w+1]
         out = out + p_rel @ self.emb_rel_v.unsqueeze(0)
         out = out.transpose(2, 3).reshape(b, c, t)
-        return self.conv_o(out)
+        return run_conv(self.conv_o, out)
 
 
 class FeedForward(nn.Module):
@@ -213,8 +213,8 @@ class FeedForward(nn.Module):
         self.conv_2 = nn.Conv1d(filters, channels, kernel, padding=kernel // 2)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = torch.relu(self.conv_1(x * mask))
-        return self.conv_2(x * mask) * mask
+        x = torch.relu(run_conv(self.conv_1, x * mask))
+        return run_conv(self.conv_2, x * mask) * mask
 
 
 class AttentionStack(nn.Module):
@@ -247,7 +247,7 @@ class TextEncoder(nn.Module):
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = (self.emb(ids) * math.sqrt(self.hidden)).transpose(1, 2)
         x = self.encoder(x * mask, mask)
-        stats = self.proj(x) * mask
+        stats = run_conv(self.proj, x) * mask
         m, logs = stats.split(self.out_channels, dim=1)
         return x, m, logs
 
@@ -276,7 +276,7 @@ class DilatedSeparableConvs(nn.Module):
             x = x + g
         for sep, pw, n1, n2 in zip(self.convs_sep, self.convs_1x1, self.norms_1, self.norms_2):
             y = F.gelu(n1(sep(x * mask)))
-            y = F.gelu(n2(pw(y)))
+            y = F.gelu(n2(run_conv(pw, y)))
             x = x + y
         return x * mask
 
@@ -354,8 +354,8 @@ class SplineCoupling(nn.Module):
 
     def reverse(self, x: torch.Tensor, mask: torch.Tensor, g: torch.Tensor | None = None) -> torch.Tensor:
         x0, x1 = x[:, : self.half], x[:, self.half :]
-        h = self.convs(self.pre(x0), mask, g)
-        h = self.proj(h) * mask
+        h = self.convs(run_conv(self.pre, x0), mask, g)
+        h = run_conv(self.proj, h) * mask
         b, c, t = x0.shape
         h = h.reshape(b, c, -1, t).permute(0, 1, 3, 2)  # [b, c, t, 3K-1]
         k = self.bins
@@ -386,9 +386,9 @@ class StochasticDurationPredictor(nn.Module):
         self.reverse_order = [i for i in range(top, -1, -1) if i != skipped]
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-        x = self.pre(x)
+        x = run_conv(self.pre, x)
         x = self.convs(x, mask)
-        x = self.proj(x) * mask
+        x = run_conv(self.proj, x) * mask
         z = noise
         for i in self.reverse_order:
             z = self.flows[i].reverse(z, mask, g=x)
@@ -455,8 +455,8 @@ class MeanCoupling(nn.Module):
 
     def reverse(self, x: torch.Tensor, mask: torch.Tensor, g: torch.Tensor | None = None) -> torch.Tensor:
         x0, x1 = x[:, : self.half], x[:, self.half :]
-        h = self.enc(self.pre(x0) * mask, mask)
-        m = self.post(h) * mask
+        h = self.enc(run_conv(self.pre, x0) * mask, mask)
+        m = run_conv(self.post, h) * mask
         return torch.cat([x0, (x1 - m) * mask], dim=1)
 
 
@@ -517,6 +517,19 @@ class ResBlock(nn.Module):
 
 def _masked(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return x if mask is None else x * mask
+
+
+def run_conv(layer: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+    """A Conv1d on [batch, channels, time], by the fastest route for its shape.
+
+    Pointwise convs are a matmul (oneDNN's conv setup costs more than the
+    work at clause lengths); wider ones go through conv_rows.
+    """
+    if layer.kernel_size[0] == 1 and layer.groups == 1:
+        return F.linear(x.transpose(1, 2), layer.weight.squeeze(-1), layer.bias).transpose(1, 2)
+    if layer.groups != 1:
+        return layer(x)
+    return conv_rows(layer, x.unsqueeze(2).contiguous(memory_format=torch.channels_last)).squeeze(2)
 
 
 def conv_rows(conv: nn.Conv1d | nn.ConvTranspose1d, x: torch.Tensor) -> torch.Tensor:
