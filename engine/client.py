@@ -96,6 +96,7 @@ class EngineClient:
         self._generation = 0
         self._send_lock = threading.Lock()
         self.listeners: list = []  # callables(event: str, data: dict) for metrics
+        self._pongs: dict[int, asyncio.Future] = {}
 
     # Lifecycle
     async def start(self) -> None:
@@ -156,6 +157,18 @@ class EngineClient:
     def active_streams(self) -> int:
         return len(self._streams)
 
+    async def worker_stats(self, timeout: float = 5.0) -> dict:
+        """Scheduler counters from the worker: steps, batched passes, largest batch, open streams."""
+        assert self._loop is not None
+        token = next(self._ids)
+        future = self._loop.create_future()
+        self._pongs[token] = future
+        self._send(("ping", token))
+        try:
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._pongs.pop(token, None)
+
     def stream(self, options: SynthesisOptions | None = None, segmenter: SegmenterConfig | None = None) -> "TTSStream":
         if not self.ready:
             raise EngineUnavailable("the engine worker is restarting; try again in a moment")
@@ -194,6 +207,11 @@ class EngineClient:
         if kind == "ready":
             if self._ready and not self._ready.done():
                 self._ready.set_result(header[1])
+            return
+        if kind == "pong":
+            future = self._pongs.get(header[1])
+            if future is not None and not future.done():
+                future.set_result(header[2])
             return
         if kind == "fatal":
             if self._ready and not self._ready.done():

@@ -55,6 +55,10 @@ class Scheduler:
         self.inbox: "queue.Queue[tuple]" = queue.Queue()
         self.pool = ThreadPoolExecutor(self.parallel, thread_name_prefix="synth")
         self.in_flight = 0
+        # Engines with start()/step() (the torch engine) advance many streams in one pass.
+        self.batching = hasattr(engine, "step") and hasattr(engine, "start")
+        self.max_batch = int(engine.info().get("max_batch", 8)) if self.batching else 1
+        self.counters = {"steps": 0, "batches": 0, "batched_streams": 0, "largest_batch": 0}
 
     # Messages from the gateway
     def handle(self, msg: tuple) -> bool:
@@ -81,11 +85,16 @@ class Scheduler:
             if stream is not None:
                 self._close_generator(stream)
         elif kind == "ping":
-            self.send(("pong", msg[1]))
+            self.send(("pong", msg[1], dict(self.counters, streams=len(self.streams), in_flight=self.in_flight)))
         elif kind == "shutdown":
             return False
         elif kind == "_step":
+            self.in_flight -= 1
             self._step_done(*msg[1:])
+        elif kind == "_batch":
+            self.in_flight -= 1
+            for member in msg[1]:
+                self._step_done(*member)
         return True
 
     def _maybe_finish(self, stream: _Stream) -> None:
@@ -96,35 +105,55 @@ class Scheduler:
     def _close_generator(self, stream: _Stream) -> None:
         gen, stream.current = stream.current, None
         if gen is not None and not stream.busy:
-            try:
-                gen.close()
-            except Exception:
-                pass
+            _close(gen)
 
-    def _pick(self) -> _Stream | None:
+    def _ready(self) -> list[_Stream]:
+        # Streams with no audio out yet go first (they have nothing buffered;
+        # the others do); then the longest-waiting.
         ready = [s for s in self.streams.values() if s.runnable()]
-        if not ready:
-            return None
-        # Streams with no audio out yet go first; then the longest-waiting.
-        return min(ready, key=lambda s: (s.chunks_sent > 0, s.last_served))
+        ready.sort(key=lambda s: (s.chunks_sent > 0, s.last_served))
+        return ready
+
+    def _begin_unit(self, stream: _Stream) -> None:
+        index, text = stream.units.popleft()
+        stream.current_index = index
+        if isinstance(text, list):  # speech-tag pieces: pauses, rate spans
+            stream.current = iter(render(self.engine, from_wire(text), stream.options))
+        elif self.batching:
+            stream.current = self.engine.start(text, stream.options)
+        else:
+            stream.current = iter(self.engine.synthesize(text, stream.options))
 
     def dispatch(self) -> None:
         while self.in_flight < self.parallel:
-            stream = self._pick()
-            if stream is None:
+            ready = self._ready()
+            if not ready:
                 return
-            if stream.current is None:
-                index, text = stream.units.popleft()
-                stream.current_index = index
-                if isinstance(text, list):  # speech-tag pieces: pauses, rate spans
-                    stream.current = iter(render(self.engine, from_wire(text), stream.options))
-                else:
-                    stream.current = iter(self.engine.synthesize(text, stream.options))
-            stream.busy = True
-            stream.credit -= 1
+            for stream in ready:
+                if stream.current is None:
+                    self._begin_unit(stream)
+            stream = ready[0]
+            if not _is_job(stream.current):
+                group = [stream]
+                self.pool.submit(self._run_step, stream.sid, stream.current)
+            else:
+                # One batched pass for several streams' next windows. Streams still
+                # waiting for their first audio are batched only with each other,
+                # so a new stream's first window never waits behind a full batch.
+                fresh = stream.chunks_sent == 0
+                group = [
+                    s for s in ready
+                    if _is_job(s.current) and (s.chunks_sent == 0) == fresh
+                ][: self.max_batch]
+                self.pool.submit(self._run_batch, [(s.sid, s.current) for s in group])
+                self.counters["batches"] += 1
+                self.counters["batched_streams"] += len(group)
+                self.counters["largest_batch"] = max(self.counters["largest_batch"], len(group))
+            self.counters["steps"] += 1
+            for member in group:
+                member.busy = True
+                member.credit -= 1
             self.in_flight += 1
-            gen = stream.current
-            self.pool.submit(self._run_step, stream.sid, gen)
 
     def _run_step(self, sid: int, gen: Iterator[AudioChunk]) -> None:
         t0 = time.perf_counter()
@@ -138,15 +167,23 @@ class Scheduler:
             result = RuntimeError(f"{type(exc).__name__}: {exc}")
         self.inbox.put(("_step", sid, gen, result, time.perf_counter() - t0))
 
+    def _run_batch(self, members: list[tuple[int, object]]) -> None:
+        t0 = time.perf_counter()
+        try:
+            results: list[object] = list(self.engine.step([job for _, job in members]))
+        except EngineError as exc:
+            results = [exc] * len(members)
+        except Exception as exc:
+            log.error("batched synthesis failed: %s", traceback.format_exc())
+            results = [RuntimeError(f"{type(exc).__name__}: {exc}")] * len(members)
+        seconds = time.perf_counter() - t0
+        self.inbox.put(("_batch", [(sid, job, result, seconds) for (sid, job), result in zip(members, results)]))
+
     def _step_done(self, sid: int, gen, result, seconds: float) -> None:
-        self.in_flight -= 1
         stream = self.streams.get(sid)
         if stream is None or stream.current is not gen:
             # Cancelled while the step ran: discard its audio.
-            try:
-                gen.close()
-            except Exception:
-                pass
+            _close(gen)
             return
         stream.busy = False
         stream.last_served = time.monotonic()
@@ -170,6 +207,22 @@ class Scheduler:
             "synth_s": seconds,
         }
         self.send(("chunk", sid, meta), chunk.pcm)
+        if _is_job(stream.current) and stream.current.done:
+            stream.current = None
+            self._maybe_finish(stream)
+
+
+def _is_job(current: object) -> bool:
+    return current is not None and not hasattr(current, "__next__")
+
+
+def _close(current: object) -> None:
+    close = getattr(current, "close", None)
+    if close is not None:
+        try:
+            close()
+        except Exception:
+            pass
 
 
 def run_worker(conn, engine_name: str, engine_options: dict, parallel: int) -> None:

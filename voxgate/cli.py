@@ -15,10 +15,15 @@ def _serve(args: argparse.Namespace) -> int:
     from .logs import setup_logging
     from .signaling.server import run
 
+    from .engine.client import EngineUnavailable
+
     settings = settings_from(args)
     setup_logging(settings.log_level, settings.log_json)
     try:
         run(settings)
+    except EngineUnavailable as exc:
+        print(f"voxgate: the {settings.engine} engine could not start: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         print(f"voxgate: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}. "
               "Choose another --port or stop what is using it.", file=sys.stderr)
@@ -30,11 +35,15 @@ async def _say_async(args: argparse.Namespace) -> int:
     import numpy as np
 
     from .engine.base import SynthesisOptions
-    from .engine.client import EngineClient, EngineConfig
+    from .engine.client import EngineClient, EngineConfig, EngineUnavailable
 
     client = EngineClient(EngineConfig(engine=args.engine, voice=args.voice, device=args.device))
     t_start = time.perf_counter()
-    await client.start()
+    try:
+        await client.start()
+    except EngineUnavailable as exc:
+        print(f"voxgate: the {args.engine} engine could not start: {exc}", file=sys.stderr)
+        return 2
     load_s = time.perf_counter() - t_start
     stream = client.stream(SynthesisOptions(voice=args.voice, rate=args.rate))
     chunks = []
