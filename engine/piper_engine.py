@@ -94,7 +94,8 @@ class PiperEngine(Engine):
         self._voices: dict[str, _LoadedVoice] = {}
         self._providers: list[str] = []
 
-    def _resolve(self, voice: str | None) -> tuple[str, Path]:
+    def resolve_voice(self, voice: str | None) -> tuple[str, Path]:
+        """(name, model path) for a voice name: the embedded voice, or a Piper .onnx path."""
         name = voice or self.default_voice
         if name in (DEFAULT_VOICE, "en_US-joe-medium"):
             return DEFAULT_VOICE, embedded_voice_path()
@@ -106,7 +107,7 @@ class PiperEngine(Engine):
         )
 
     def _voice(self, voice: str | None) -> _LoadedVoice:
-        name, path = self._resolve(voice)
+        name, path = self.resolve_voice(voice)
         loaded = self._voices.get(name)
         if loaded is None:
             loaded = _LoadedVoice(path, self._providers, self.threads)
@@ -140,7 +141,7 @@ class PiperEngine(Engine):
         sentences = [p for p in piper.phonemize(text) if p]
         # espeak may split a unit into several sentences; all but the last are
         # yielded with unit_end False so the stream knows more is coming.
-        pieces = _split_words_over(text, sentences)
+        pieces = split_words_over(text, sentences)
         for i, (phonemes, piece_text) in enumerate(zip(sentences, pieces)):
             ids = piper.phonemes_to_ids(phonemes)
             result = piper.phoneme_ids_to_audio(ids, config, include_alignments=True)
@@ -151,7 +152,7 @@ class PiperEngine(Engine):
             audio = np.asarray(audio, dtype=np.float32).reshape(-1)
             pcm = (np.clip(audio, -1.0, 1.0) * 32767.0).astype(np.int16)
             duration = len(pcm) / loaded.sample_rate
-            words = _word_timings(piece_text, phonemes, ids, id_samples, loaded, duration)
+            words = word_timings(piece_text, phonemes, ids, id_samples, loaded, duration)
             yield AudioChunk(
                 pcm=pcm,
                 sample_rate=loaded.sample_rate,
@@ -161,7 +162,7 @@ class PiperEngine(Engine):
             )
 
 
-def _split_words_over(text: str, sentences: list[list[str]]) -> list[str]:
+def split_words_over(text: str, sentences: list[list[str]]) -> list[str]:
     """Share a unit's written text among espeak's sentences, by phoneme count."""
     if len(sentences) <= 1:
         return [text]
@@ -177,7 +178,7 @@ def _split_words_over(text: str, sentences: list[list[str]]) -> list[str]:
     return out
 
 
-def _word_timings(text, phonemes, ids, id_samples, loaded, duration) -> list[WordTiming]:
+def word_timings(text, phonemes, ids, id_samples, loaded, duration) -> list[WordTiming]:
     """Word timings from Piper's phoneme alignment.
 
     espeak marks word gaps with a space phoneme. When its word count matches the

@@ -28,7 +28,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .base import AudioChunk, Engine, EngineError, SynthesisOptions, WordTiming
-from .piper_engine import DEFAULT_VOICE, PiperEngine, _split_words_over, _word_timings
+from .piper_engine import DEFAULT_VOICE, PiperEngine, split_words_over, word_timings
 
 try:
     import torch
@@ -92,7 +92,7 @@ class _TorchVoice:
             model.half_decoder()
         self.model = model
         # No onnxruntime session: only phonemize() and phonemes_to_ids() are used.
-        # The attribute names match piper_engine._LoadedVoice so its word-timing helper applies.
+        # The attribute names match piper_engine._LoadedVoice so its word_timings() applies.
         self.voice = PiperVoice(session=None, config=config)  # type: ignore[arg-type]
         self.sample_rate = config.sample_rate
         self.hop = model.hop
@@ -233,7 +233,7 @@ class TorchEngine(Engine):
         config = loaded.voice.config
         with loaded.phonemize_lock:
             sentences = [p for p in loaded.voice.phonemize(text) if p]
-        pieces = _split_words_over(text, sentences)
+        pieces = split_words_over(text, sentences)
         pending = [
             _Sentence(text=piece, phonemes=ph, ids=loaded.voice.phonemes_to_ids(ph), last_of_unit=i == len(sentences) - 1)
             for i, (ph, piece) in enumerate(zip(sentences, pieces))
@@ -290,7 +290,7 @@ class TorchEngine(Engine):
     # Internals
 
     def _voice(self, voice: str | None) -> _TorchVoice:
-        name, path = self._names._resolve(voice)
+        name, path = self._names.resolve_voice(voice)
         loaded = self._voices.get(name)
         if loaded is None:
             with self._load_lock:
@@ -369,7 +369,7 @@ class TorchEngine(Engine):
         id_samples = (aligned.durations.cpu().numpy() * voice.hop).astype(np.int64)
         duration = aligned.frames * voice.hop / voice.sample_rate
         # Same mapping from phoneme spans to written words as the ONNX engine.
-        s.words = _word_timings(s.text, s.phonemes, s.ids, id_samples, voice, duration)
+        s.words = word_timings(s.text, s.phonemes, s.ids, id_samples, voice, duration)
 
     def _plan_window(self, job: SynthesisJob, s: _Sentence) -> _Window:
         size = min(self.max_window, self.first_window << min(s.windows, 16))
