@@ -33,9 +33,12 @@ machine's cores).
    wire intervals over 25 ms, and CPU per session (server process + engine
    worker CPU time / window / sessions). The baseline is a server whose
    track returns 48 kHz PCM `av.AudioFrame`s so that aiortc encodes them
-   itself (`PcmTrack` below; the rest of the server unchanged), ramped the
-   same way in the same run. Capacity = the largest step with every frame on
-   time; CPU-bound capacity = 1 / CPU per session. Target: 3x the baseline's
+   itself (`PcmTrack` below; the rest of the server unchanged). Both servers
+   run side by side; at each step the product's window and the baseline's
+   alternate, the other server paused, so both see the same background load.
+   Capacity = the largest step with every frame on time; CPU-bound capacity =
+   1 / CPU per real-time session (CPU time per frame sent x 50), taken at the
+   largest step where late frames stayed under 20%. Target: 3x the baseline's
    sessions per core. The capacity clients skip Opus decoding (their decoder
    is replaced by one that drops the packets) so that 2 cores are left for
    the server; everything on the server side is real.
@@ -126,7 +129,6 @@ class WireClock:
 
 def run_server(mode: str, engine: str, port: int) -> None:
     import av
-    import numpy as np
     from aiohttp import web
     from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
     from aiortc.rtcdtlstransport import RTCDtlsTransport
