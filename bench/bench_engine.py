@@ -66,6 +66,8 @@ TEXTS = {
 TOKEN_TEXTS = [
     "Of course, I can help you with that. Let me pull up your order right now.",
     "Sure thing. Your order shipped yesterday and it will arrive on Friday.",
+    # "Sure," is shorter than the segmenter's first_min_chars (8): no cut at its comma.
+    "Sure, I can help you with that. Let me pull up your order right now.",
 ]
 TOKENS_PER_S = 30.0
 REPLY = (
