@@ -1,5 +1,6 @@
 """/metrics, /healthz and /readyz as an operator sees them."""
 
+import asyncio
 import re
 
 import aiohttp
@@ -27,8 +28,13 @@ async def test_metrics_reflect_speech_and_cancel(server_factory):
             await client.wait_for("audio.started", id="m2")
             client.send({"type": "cancel"})
             await client.wait_for("utterance.interrupted", id="m2")
-            async with http.get(server.url + "/metrics") as resp:
-                text = await resp.text()
+            # cancel-to-silence is observed when the next (silent) frame leaves.
+            for _ in range(50):
+                async with http.get(server.url + "/metrics") as resp:
+                    text = await resp.text()
+                if sample(text, "voxgate_cancel_to_silence_seconds_count") > 0:
+                    break
+                await asyncio.sleep(0.05)
             assert sample(text, "voxgate_active_sessions") >= 0
         assert sample(text, "voxgate_ttfa_seconds_count") >= 2
         assert sample(text, 'voxgate_engine_first_chunk_seconds_count{engine="tone"}') >= 2
