@@ -34,8 +34,9 @@ class Unit:
 
 @dataclass
 class SegmenterConfig:
-    # The first unit may end at a comma once it has this many characters.
-    first_min_chars: int = 8
+    # The first unit may end at a comma once it has this many characters
+    # ("Sure," and "Well," count: the first audio matters most).
+    first_min_chars: int = 5
     # Later units end at a sentence, or at ; and : once this long.
     min_chars: int = 16
     # Later units end at a comma only once this long.

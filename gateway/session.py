@@ -36,8 +36,14 @@ log = logging.getLogger(__name__)
 
 Listener = Callable[[dict], None]
 
-# Encoding runs here, never on the event loop. libopus releases the GIL.
-_encode_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="encode")
+# Encoding runs here, never on the event loop. One thread: with two, bursts of
+# encoding took both cores from the event loop and made the pacer late.
+_encode_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode")
+# An utterance's first audio is encoded and queued on its own, so the first
+# frame does not wait for the whole first chunk; the rest goes in slices short
+# enough that other sessions' encoding interleaves.
+FIRST_SLICE_S = 0.06
+SLICE_S = 0.5
 
 
 @dataclass
@@ -384,17 +390,19 @@ class Session:
                                 self.metrics.first_chunk(time.perf_counter() - chunk.unit_sent_at)
                         if resampler is None:
                             resampler = StreamResampler(chunk.sample_rate, encoder.sample_rate)
-                        frames, leftover = await loop.run_in_executor(
-                            _encode_pool, _encode_chunk, encoder, resampler, leftover, chunk.pcm, False
-                        )
+                        # Words first, so a cancel while the chunk is being encoded still knows them.
                         for word in chunk.words:
                             utt.play.words.append(
                                 (word.text, (position_s + word.start) * 1000.0, (position_s + word.end) * 1000.0)
                             )
+                        for piece in _slices(chunk.pcm, chunk.sample_rate, first=position_s == 0.0):
+                            frames, leftover = await loop.run_in_executor(
+                                _encode_pool, _encode_chunk, encoder, resampler, leftover, piece, False
+                            )
+                            self.playout.push(utt.play, frames)
                         position_s += chunk.duration
                         if chunk.duration > 0:
                             self.metrics.engine_chunk(chunk.synth_s, chunk.duration)
-                        self.playout.push(utt.play, frames)
                 except (EngineCrashed, EngineStreamError, EngineUnavailable) as exc:
                     code = "engine_crashed" if isinstance(exc, EngineCrashed) else "engine_error"
                     self.emit({"type": "error", "code": code, "message": str(exc), "id": utt.id})
@@ -441,6 +449,13 @@ class Session:
     @property
     def closed(self) -> bool:
         return self._closed
+
+
+def _slices(pcm: np.ndarray, rate: int, first: bool) -> list[np.ndarray]:
+    step = int(rate * SLICE_S)
+    head = int(rate * FIRST_SLICE_S) if first else 0
+    cuts = ([head] if 0 < head < len(pcm) else []) + list(range(head + step, len(pcm), step))
+    return np.split(pcm, cuts) if len(pcm) else [pcm]
 
 
 def _encode_chunk(
