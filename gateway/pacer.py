@@ -4,6 +4,11 @@ Each frame is due exactly one frame after the previous one's deadline, so
 sleeping never accumulates drift. If the event loop stalls past a few frames,
 the schedule is re-anchored at the present instead of firing a catch-up
 burst, which a receiver's jitter buffer would have to absorb.
+
+Between utterances the frames are silence, so their timing is free: when a
+new utterance's first audio is ready, `wake()` sends it at once and the
+schedule continues from there, instead of the audio waiting up to a frame
+for the next tick. One frame leaves early; nothing is sent twice or bunched.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ class PacerStats:
     frames: int = 0
     late_frames: int = 0  # sent more than `late_s` after their deadline
     stalls: int = 0  # re-anchored after the loop fell behind
+    wakes: int = 0  # re-anchored early for an utterance's first frame
     # Recent inter-departure intervals in seconds, for jitter figures.
     intervals: deque = field(default_factory=lambda: deque(maxlen=3000))
 
@@ -50,7 +56,15 @@ class Pacer:
         self.stats = PacerStats()
         self._deadline: float | None = None
         self._last_departure: float | None = None
+        self._sleeper: asyncio.Future | None = None
+        self._woken = False
         self.on_frame = None  # optional callable(interval_s, late_s) for metrics
+
+    def wake(self) -> None:
+        """Send the next frame now rather than at its tick (only while idle between utterances)."""
+        self._woken = True
+        if self._sleeper is not None and not self._sleeper.done():
+            self._sleeper.set_result(None)
 
     async def wait(self) -> float:
         """Sleep until the next frame is due; returns the departure time."""
@@ -58,9 +72,23 @@ class Pacer:
         if self._deadline is None:
             self._deadline = now
         delay = self._deadline - now
-        if delay > 0:
-            await asyncio.sleep(delay)
+        woken = False
+        if delay > 0 and not self._woken:
+            loop = asyncio.get_running_loop()
+            self._sleeper = loop.create_future()
+            timer = loop.call_later(delay, _resolve, self._sleeper)
+            try:
+                await self._sleeper
+            finally:
+                timer.cancel()
+                self._sleeper = None
             now = time.monotonic()
+        if self._woken:
+            self._woken = False
+            if delay > 0:
+                woken = True
+                self._deadline = now
+                self.stats.wakes += 1
         lateness = now - self._deadline
         if lateness > self.stall_s:
             self.stats.stalls += 1
@@ -69,7 +97,7 @@ class Pacer:
         elif lateness > self.late_s:
             self.stats.late_frames += 1
         self.stats.frames += 1
-        if self._last_departure is not None:
+        if self._last_departure is not None and not woken:
             interval = now - self._last_departure
             self.stats.intervals.append(interval)
             if self.on_frame is not None:
@@ -77,3 +105,8 @@ class Pacer:
         self._last_departure = now
         self._deadline += self.frame_s
         return now
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)

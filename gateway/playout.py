@@ -72,12 +72,16 @@ class Playout:
         initial_preroll_ms: int = 0,
         max_preroll_ms: int = 200,
         on_underrun: Callable[[], None] | None = None,
+        on_ready: Callable[[], None] | None = None,
     ) -> None:
         self.silence = silence
         self.queue: deque[UtterancePlay] = deque()
         self.on_audio_started = on_audio_started
         self.on_done = on_done
         self.on_underrun = on_underrun
+        # Called when the next utterance has enough audio to start while the
+        # output is idle, so the output can send it without waiting for a tick.
+        self.on_ready = on_ready
         self.preroll_ms = initial_preroll_ms
         self.max_preroll_ms = max_preroll_ms
         self.stats = PlayoutStats()
@@ -90,6 +94,14 @@ class Playout:
     def push(self, utt: UtterancePlay, frames: list[bytes]) -> None:
         utt.frames.extend(frames)
         utt.queued_ms += len(frames) * FRAME_MS
+        if (
+            self.on_ready is not None
+            and not utt.started
+            and self.queue
+            and self.queue[0] is utt
+            and utt.buffered_ms >= max(self.preroll_ms, FRAME_MS)
+        ):
+            self.on_ready()
 
     def finish(self, utt: UtterancePlay) -> None:
         utt.input_done = True

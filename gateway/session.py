@@ -390,19 +390,20 @@ class Session:
                                 self.metrics.first_chunk(time.perf_counter() - chunk.unit_sent_at)
                         if resampler is None:
                             resampler = StreamResampler(chunk.sample_rate, encoder.sample_rate)
+                        if chunk.duration > 0:
+                            self.metrics.engine_chunk(chunk.synth_s, chunk.duration)
                         # Words first, so a cancel while the chunk is being encoded still knows them.
                         for word in chunk.words:
                             utt.play.words.append(
                                 (word.text, (position_s + word.start) * 1000.0, (position_s + word.end) * 1000.0)
                             )
-                        for piece in _slices(chunk.pcm, chunk.sample_rate, first=position_s == 0.0):
+                        first_audio = position_s == 0.0
+                        position_s += chunk.duration
+                        for piece in _slices(chunk.pcm, chunk.sample_rate, first=first_audio):
                             frames, leftover = await loop.run_in_executor(
                                 _encode_pool, _encode_chunk, encoder, resampler, leftover, piece, False
                             )
                             self.playout.push(utt.play, frames)
-                        position_s += chunk.duration
-                        if chunk.duration > 0:
-                            self.metrics.engine_chunk(chunk.synth_s, chunk.duration)
                 except (EngineCrashed, EngineStreamError, EngineUnavailable) as exc:
                     code = "engine_crashed" if isinstance(exc, EngineCrashed) else "engine_error"
                     self.emit({"type": "error", "code": code, "message": str(exc), "id": utt.id})

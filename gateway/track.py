@@ -30,6 +30,7 @@ class SpeechTrack(MediaStreamTrack):
         self._samples_per_frame = clock_rate // 50
         self._pts = 0
         self.on_departure = None  # callable(departure_time) after each frame
+        playout.on_ready = self.pacer.wake
 
     def set_clock_rate(self, clock_rate: int) -> None:
         """Set once the codec is negotiated: 48000 for Opus, 8000 for G.711."""

@@ -119,3 +119,16 @@ def test_gateway_uses_only_turn_servers_it_has_credentials_for():
     [server] = minted.rtc_configuration("sess1").iceServers
     assert server.username.endswith(":sess1") and server.credential
     assert IcePolicy().rtc_configuration().iceServers == []  # never aiortc's public default
+
+
+async def test_pacer_wake_sends_the_next_frame_at_once_and_keeps_the_schedule():
+    pacer = Pacer(frame_s=0.2)  # long ticks make an early wake easy to see
+    first = await pacer.wait()
+    asyncio.get_running_loop().call_later(0.03, pacer.wake)
+    woken = await pacer.wait()
+    assert woken - first < 0.15 and pacer.stats.wakes == 1
+    after = await pacer.wait()
+    assert 0.17 < after - woken < 0.3  # a full tick from the woken frame: no burst
+    assert len(pacer.stats.intervals) == 1  # the early frame is not counted as jitter
+    pacer.wake()  # a wake while not sleeping applies to the next wait
+    assert await pacer.wait() - after < 0.15 and pacer.stats.wakes == 2

@@ -74,3 +74,18 @@ def test_next_utterance_ttfa_counts_from_the_end_of_the_previous():
     playout.next_frame(2.0)
     playout.next_frame(5.0)  # a ends here, b becomes current
     assert b.ready_at == 5.0
+
+
+def test_ready_fires_only_for_an_idle_start():
+    calls = []
+    playout = Playout(SILENCE, on_ready=lambda: calls.append(1))
+    a, b = UtterancePlay("a"), UtterancePlay("b")
+    playout.add(a)
+    playout.add(b)
+    playout.push(b, frames(3))  # not at the head: nothing to start yet
+    assert calls == []
+    playout.push(a, frames(3))
+    assert calls == [1]
+    playout.next_frame()  # a is playing now
+    playout.push(a, frames(3))
+    assert calls == [1]

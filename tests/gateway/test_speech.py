@@ -79,18 +79,18 @@ async def test_cancel_silences_the_wire_and_reports_what_was_heard(tone_server):
         interrupted = await client.wait_for("utterance.interrupted", id="long")
         dropped = await client.wait_for("utterance.interrupted", id="next")
         assert interrupted["reason"] == "cancel"
-        assert 800 <= interrupted["played_ms"] <= 2000
+        assert 800 <= interrupted["played_ms"] <= 3000, interrupted
         assert dropped["played_ms"] == 0 and dropped["played_text"] == ""
         await asyncio.sleep(0.6)
         rate = client.audio.sample_rate
         # Nothing audible arrives once the jitter buffer has drained (~80 ms plus transit).
         late = [p for t, p in client.audio.frames if t > cancel_at + 0.25 and np.abs(p).max() > 300]
-        assert late == []
+        assert late == [], f"{len(late)} audible frames arrived after the cancel"
         heard = tone.decode(client.audio.pcm(sent), rate)
         assert text.startswith(heard)
         # played_text is what went out on the wire: at most one symbol apart from what was decoded.
         assert text.startswith(interrupted["played_text"])
-        assert abs(len(interrupted["played_text"]) - len(heard)) <= 1
+        assert abs(len(interrupted["played_text"]) - len(heard)) <= 1, (interrupted, heard)
         # The session goes on.
         client.send({"type": "speak", "text": "Still here.", "id": "after"})
         await client.wait_for("utterance.done", id="after")
