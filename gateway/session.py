@@ -40,10 +40,13 @@ Listener = Callable[[dict], None]
 # encoding took both cores from the event loop and made the pacer late.
 _encode_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode")
 # An utterance's first audio is encoded and queued on its own, so the first
-# frame does not wait for the whole first chunk; the rest goes in slices short
-# enough that other sessions' encoding interleaves.
+# frame does not wait for the whole first chunk; the rest goes in short slices,
+# and only so far ahead of playout, so encoding is spread out in time like the
+# audio itself instead of arriving in bursts that hold the GIL while other
+# sessions' frames are due.
 FIRST_SLICE_S = 0.06
-SLICE_S = 0.5
+SLICE_S = 0.1
+ENCODE_AHEAD_MS = 1000
 
 
 @dataclass
@@ -400,6 +403,8 @@ class Session:
                         first_audio = position_s == 0.0
                         position_s += chunk.duration
                         for piece in _slices(chunk.pcm, chunk.sample_rate, first=first_audio):
+                            while utt.play.started and utt.play.buffered_ms > ENCODE_AHEAD_MS:
+                                await asyncio.sleep(0.1)
                             frames, leftover = await loop.run_in_executor(
                                 _encode_pool, _encode_chunk, encoder, resampler, leftover, piece, False
                             )
