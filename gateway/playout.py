@@ -26,6 +26,8 @@ class UtterancePlay:
     ready_at: float | None = None
     frames: deque = field(default_factory=deque)
     words: list = field(default_factory=list)  # (text, start_ms, end_ms) in utterance time
+    # Frame counts at which an engine chunk's audio ends (telephony marks them).
+    chunk_ends: set = field(default_factory=set)
     queued_ms: int = 0
     sent_frames: int = 0
     input_done: bool = False

@@ -409,6 +409,7 @@ class Session:
                                 _encode_pool, _encode_chunk, encoder, resampler, leftover, piece, False
                             )
                             self.playout.push(utt.play, frames)
+                        utt.play.chunk_ends.add(utt.play.queued_ms // 20)
                 except (EngineCrashed, EngineStreamError, EngineUnavailable) as exc:
                     code = "engine_crashed" if isinstance(exc, EngineCrashed) else "engine_error"
                     self.emit({"type": "error", "code": code, "message": str(exc), "id": utt.id})

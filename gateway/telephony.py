@@ -7,8 +7,9 @@ nothing stale queued at the phone side but the frame in flight. Silence
 between utterances is not sent at all (the phone side plays nothing, which is
 silence); the schedule keeps ticking so timing stays honest.
 
-Marks tell which audio was actually played: one every `mark_every` frames and
-one at the end of each utterance, named `<utterance id>:<ms sent>` (the end
+Marks tell which audio was actually played: one at each engine chunk
+boundary, one every `mark_every` frames in between, and one at the end of
+each utterance, named `<utterance id>:<ms sent>` (the end
 mark with a `:end` suffix). The phone side echoes a mark when the audio
 before it has played; after a `clear` it echoes the pending ones at once,
 and those count as cleared, not played.
@@ -132,7 +133,9 @@ class TwilioOutput:
                         {"event": "media", "streamSid": self.stream_sid, "media": {"payload": base64.b64encode(frame).decode("ascii")}}
                     )
                     self.frames_sent += 1
-                    if current is not None and current.sent_frames % self.mark_every == 0:
+                    if current is not None and (
+                        current.sent_frames % self.mark_every == 0 or current.sent_frames in current.chunk_ends
+                    ):
                         await self._mark(f"{current.id}:{current.played_ms}")
                 self.session.on_departure(now)
         except asyncio.CancelledError:

@@ -67,6 +67,10 @@ async def test_media_marks_and_pacing(tone_server):
             assert mark.frames_before * 20 == int(ms), mark
         assert r.marks[-1].name == end_mark
         assert all(m.echoed == "played" for m in r.marks)
+        # Engine chunk boundaries are marked too, between the every-200 ms marks: the
+        # tone engine's first unit ("Thanks for calling. ") ends at 40 ms per byte.
+        first_unit_ms = len(BOT_TEXT[: BOT_TEXT.index(". ") + 2].encode()) * 40
+        assert any(abs(int(m.name.split(":")[1]) - first_unit_ms) <= 20 for m in r.marks), (first_unit_ms, [m.name for m in r.marks])
 
         # The server knows what was played from the echoed marks.
         state = await backend.state()
