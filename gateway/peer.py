@@ -156,11 +156,11 @@ class PeerConnection:
                 for out in resampler.resample(frame):
                     self.session.on_inbound_audio(out.to_ndarray().reshape(-1))
             except Exception:
-                log.exception("session %s: inbound audio failed", self.session.id)
+                log.exception("session %s: inbound audio failed", self.session.id, extra={"session_id": self.session.id})
 
     async def _on_state(self) -> None:
         state = self.pc.connectionState
-        log.info("session %s: connection %s", self.session.id, state)
+        log.info("session %s: connection %s", self.session.id, state, extra={"session_id": self.session.id})
         self.session.emit({"type": "connection.state", "state": state})
         if state in ("failed", "closed"):
             await self.session.close(f"connection {state}")
@@ -178,4 +178,4 @@ class PeerConnection:
         except Exception:
             # A peer refused half-way through negotiation can trip aiortc's close;
             # what it opened is released with it either way.
-            log.warning("session %s: peer connection close failed", self.session.id, exc_info=True)
+            log.warning("session %s: peer connection close failed", self.session.id, exc_info=True, extra={"session_id": self.session.id})

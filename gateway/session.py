@@ -134,7 +134,7 @@ class Session:
             try:
                 listener(event)
             except Exception:
-                log.exception("session %s: listener failed", self.id)
+                log.exception("session %s: listener failed", self.id, extra={"session_id": self.id})
 
     def attach_output(self, codec: str) -> None:
         """Choose the wire codec ('opus', 'pcmu', 'pcma') once the output is known."""
@@ -171,7 +171,7 @@ class Session:
             self.stats["errors"] += 1
             self.emit(exc.event(), only=source)
         except Exception as exc:  # a bug must cost one message, not the session
-            log.exception("session %s: message failed", self.id)
+            log.exception("session %s: message failed", self.id, extra={"session_id": self.id})
             self.emit({"type": "error", "code": "internal", "message": f"internal error: {type(exc).__name__}"}, only=source)
 
     def _dispatch(self, msg: dict, source: str) -> None:
@@ -351,7 +351,7 @@ class Session:
         if task.cancelled() or task.exception() is None:
             return
         # A bug in the audio path: report it, drop what was queued, keep the session.
-        log.error("session %s: feeder failed", self.id, exc_info=task.exception())
+        log.error("session %s: feeder failed", self.id, exc_info=task.exception(), extra={"session_id": self.id})
         self.emit({"type": "error", "code": "internal", "message": "the audio path failed; queued speech was dropped"})
         if not self._closed and task is self._feeder:
             self.interrupt("error")
@@ -450,7 +450,7 @@ class Session:
                 if asyncio.iscoroutine(result):
                     await result
             except Exception:
-                log.exception("session %s: close callback failed", self.id)
+                log.exception("session %s: close callback failed", self.id, extra={"session_id": self.id})
         self.closed_event.set()
 
     @property

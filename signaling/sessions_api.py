@@ -235,7 +235,7 @@ async def handle_create(request: web.Request) -> web.Response:
     if key is not None:
         registry.by_key.setdefault(key, set()).add(session.id)
     signer = request.app[SIGNER]
-    log.info("session %s made ahead through the session API", session.id)
+    log.info("session %s made ahead through the session API", session.id, extra={"session_id": session.id})
     return web.json_response(
         {
             "session_id": session.id,
@@ -331,7 +331,7 @@ async def handle_ws(request: web.Request) -> web.StreamResponse:
 
     def on_event(event: dict) -> None:
         if outbox.qsize() >= MAX_PENDING_EVENTS:
-            log.warning("session %s: backend %s reads too slowly; disconnecting it", session.id, name)
+            log.warning("session %s: backend %s reads too slowly; disconnecting it", session.id, name, extra={"session_id": session.id})
             outbox.put_nowait(None)
             return
         outbox.put_nowait(event)
@@ -353,7 +353,7 @@ async def handle_ws(request: web.Request) -> web.StreamResponse:
     session.add_listener(name, on_event)
     on_event({**session.ready_event(), "role": role, "writer": session.writer})
     sender = asyncio.ensure_future(pump())
-    log.info("session %s: backend %s attached as %s", session.id, name, role)
+    log.info("session %s: backend %s attached as %s", session.id, name, role, extra={"session_id": session.id})
     try:
         async for msg in ws:
             if msg.type == WSMsgType.TEXT:
@@ -371,7 +371,7 @@ async def handle_ws(request: web.Request) -> web.StreamResponse:
             if session.closed:
                 await asyncio.wait([sender], timeout=1.0)
             sender.cancel()
-        log.info("session %s: backend %s detached", session.id, name)
+        log.info("session %s: backend %s detached", session.id, name, extra={"session_id": session.id})
     return ws
 
 
