@@ -42,6 +42,14 @@ def peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+# Pause before each timed run. onnxruntime's pool threads spin for a while
+# after a run, and torch's OpenMP threads after theirs; on 2 cores a run that
+# starts right after the other engine's loses the CPU to those spinning
+# threads (it made torch's first chunk 50-70 ms slower). A gateway runs one
+# engine, so each is timed on a settled machine.
+SETTLE_S = 0.2
+
+
 def first_chunk(engines, text: str, repeats: int) -> list[tuple[float, float, int]]:
     """Per engine: median seconds to the first chunk, audio seconds, chunks per unit.
 
@@ -53,6 +61,7 @@ def first_chunk(engines, text: str, repeats: int) -> list[tuple[float, float, in
     chunks = [0] * len(engines)
     for _ in range(repeats):
         for i, engine in enumerate(engines):
+            time.sleep(SETTLE_S)
             t0 = time.perf_counter()
             gen = engine.synthesize(text, SynthesisOptions())
             first = next(gen)
@@ -66,6 +75,7 @@ def first_chunk(engines, text: str, repeats: int) -> list[tuple[float, float, in
 def whole_time(engine, text: str, repeats: int) -> float:
     times = []
     for _ in range(repeats):
+        time.sleep(SETTLE_S)
         t0 = time.perf_counter()
         for _chunk in engine.synthesize(text, SynthesisOptions()):
             pass
