@@ -93,7 +93,7 @@ class _TorchVoice:
         else:
             # Per-op dispatch dominates the encoder on CPU; on CUDA the eager path
             # stays until it has been measured there.
-            model.trace_prior()
+            model.trace()
         self.model = model
         # No onnxruntime session: only phonemize() and phonemes_to_ids() are used.
         # The attribute names match piper_engine._LoadedVoice so its word_timings() applies.
