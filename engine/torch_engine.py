@@ -90,10 +90,6 @@ class _TorchVoice:
         model.to(device)
         if device.type == "cuda":
             model.half_decoder()
-        else:
-            # Per-op dispatch dominates the encoder on CPU; on CUDA the eager path
-            # stays until it has been measured there.
-            model.trace()
         self.model = model
         # No onnxruntime session: only phonemize() and phonemes_to_ids() are used.
         # The attribute names match piper_engine._LoadedVoice so its word_timings() applies.

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import re
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -716,53 +715,6 @@ class Vits(nn.Module):
         self.flow.half()
         self.dec.half()
 
-    def _prior(self, ids: torch.Tensor, mask: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        x, m_p, logs_p = self.enc_p(ids, mask)
-        return self.dp(x, mask, noise), m_p, logs_p
-
-    def trace(self) -> None:
-        """Trace the stages into TorchScript graphs, where a trace matches eager.
-
-        The text encoder and duration predictor are hundreds of small ops on
-        clause-length inputs, so eager dispatch dominates them on CPU; traced,
-        they run 20-30 % faster with identical results. The flow and the
-        unmasked vocoder gain a few ms each. Every shape is read from the
-        inputs, and each trace is checked against eager at another batch size
-        and length, so one trace serves every length bucket. torch.jit is
-        deprecated in recent torch but still works; if tracing fails or a trace
-        does not generalise, that stage stays eager.
-        """
-        device = self.enc_p.emb.weight.device
-        dtype = self.decoder_dtype
-        g = torch.Generator().manual_seed(0)
-
-        def mask(b: int, t: int) -> torch.Tensor:
-            lengths = torch.tensor([t - 5 * i for i in range(b)])
-            return (torch.arange(t)[None, :] < lengths[:, None]).unsqueeze(1).float().to(device)
-
-        def prior_args(b: int, t: int) -> tuple[torch.Tensor, ...]:
-            ids = torch.randint(1, self.enc_p.emb.num_embeddings, (b, t), generator=g).to(device)
-            return ids, mask(b, t), torch.randn(b, 2, t, generator=g).to(device)
-
-        def flow_args(b: int, t: int) -> tuple[torch.Tensor, ...]:
-            return torch.randn(b, self.channels, t, generator=g).to(device, dtype), mask(b, t).to(dtype)
-
-        def dec_args(b: int, t: int) -> tuple[torch.Tensor, ...]:
-            return (torch.randn(b, self.channels, t, generator=g).to(device, dtype),)
-
-        n = LENGTH_BUCKET
-        self.__dict__["_traced"] = {
-            "prior": _trace(_Prior(self), prior_args(2, 2 * n), prior_args(3, 5 * n)),
-            "flow": _trace(_FlowReverse(self.flow), flow_args(2, 2 * n), flow_args(3, 5 * n)),
-            "dec": _trace(_Unmasked(self.dec), dec_args(1, 2 * n), dec_args(2, 3 * n)),
-        }
-
-    def _stage(self, name: str, eager):
-        return self.__dict__.get("_traced", {}).get(name) or eager
-
-    def _flow_reverse(self, z: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.flow.reverse(z * mask, mask) * mask
-
     def flow_context(self) -> int:
         """Frames either side that can change one frame of the flow's output."""
         reach = 0
@@ -792,7 +744,8 @@ class Vits(nn.Module):
                 noise[i, :, : len(x)] = _randn((2, len(x)), gens[i], device) * noise_ws[i]
         x_mask = (torch.arange(t, device=device)[None, :] < lengths[:, None]).unsqueeze(1).float()
 
-        logw, m_p, logs_p = self._stage("prior", self._prior)(padded, x_mask, noise)
+        x, m_p, logs_p = self.enc_p(padded, x_mask)
+        logw = self.dp(x, x_mask, noise)
         scale = torch.tensor(length_scales, device=device).view(b, 1, 1)
         durations = torch.ceil(torch.exp(logw) * x_mask * scale)[:, 0].long()
 
@@ -823,16 +776,13 @@ class Vits(nn.Module):
         batch, lengths = _pad([w.to(dtype) for w in windows])
         t = torch.arange(batch.shape[2], device=batch.device)
         mask = (t[None, :] < lengths[:, None]).unsqueeze(1).to(dtype)
-        z = self._stage("flow", self._flow_reverse)(batch, mask)
+        z = self.flow.reverse(batch * mask, mask) * mask
         return [z[i, :, : int(lengths[i])] for i in range(len(windows))]
 
     def decode(self, windows: list[torch.Tensor]) -> list[torch.Tensor]:
         """Latent windows [channels, frames] -> float waveforms, in one padded pass."""
         batch, lengths = _pad(windows)
-        if bool((lengths < batch.shape[2]).any()):
-            audio = self.dec(batch, lengths)[:, 0]
-        else:  # no padding to mask: the traced graph applies
-            audio = self._stage("dec", self.dec)(batch)[:, 0]
+        audio = self.dec(batch, lengths)[:, 0]
         return [audio[i, : int(lengths[i]) * self.hop] for i in range(len(windows))]
 
     def synthesize(self, ids: list[int], noise_scale: float, length_scale: float, noise_w: float,
@@ -841,58 +791,6 @@ class Vits(nn.Module):
         aligned = self.encode([ids], [length_scale], [noise_scale], [noise_w], [generator])[0]
         z = self.flow_windows([aligned.z_p])[0]
         return self.decode([z])[0]
-
-
-def _trace(module: nn.Module, example: tuple, check: tuple):
-    """module traced on `example`, or None unless the trace matches eager on `check`."""
-    module.eval()
-    with torch.inference_mode(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        try:
-            traced = torch.jit.trace(module, example, check_trace=False)
-            want, got = module(*check), traced(*check)
-        except Exception:  # noqa: BLE001 - any tracing failure just means eager
-            return None
-    want = want if isinstance(want, tuple) else (want,)
-    got = got if isinstance(got, tuple) else (got,)
-    for a, b in zip(want, got):
-        if a.shape != b.shape or not torch.allclose(a.float(), b.float(), atol=1e-3, rtol=1e-3):
-            return None
-    return traced
-
-
-class _FlowReverse(nn.Module):
-    def __init__(self, flow: "Flow") -> None:
-        super().__init__()
-        self.flow = flow
-
-    def forward(self, z: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.flow.reverse(z * mask, mask) * mask
-
-
-class _Unmasked(nn.Module):
-    """The vocoder on a batch with no padding (one window, or equal lengths)."""
-
-    def __init__(self, dec: "Generator") -> None:
-        super().__init__()
-        self.dec = dec
-
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return self.dec(z, None)
-
-
-class _Prior(nn.Module):
-    """Text encoder + duration predictor as one module, for tracing."""
-
-    def __init__(self, vits: "Vits") -> None:
-        super().__init__()
-        self.enc_p = vits.enc_p
-        self.dp = vits.dp
-
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        x, m_p, logs_p = self.enc_p(ids, mask)
-        return self.dp(x, mask, noise), m_p, logs_p
 
 
 def _bucket(n: int) -> int:
