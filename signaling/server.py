@@ -45,7 +45,7 @@ class Gateway:
                 voice=settings.voice,
                 device=settings.device,
                 parallel=settings.parallel,
-                threads=settings.engine_threads,
+                threads=settings.threads,
                 first_unit_timeout=settings.first_unit_timeout_ms / 1000.0,
             )
         )

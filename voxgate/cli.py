@@ -37,7 +37,14 @@ async def _say_async(args: argparse.Namespace) -> int:
     from .engine.base import SynthesisOptions
     from .engine.client import EngineClient, EngineConfig, EngineUnavailable
 
-    client = EngineClient(EngineConfig(engine=args.engine, voice=args.voice, device=args.device))
+    from .config import Settings
+
+    defaults = Settings(engine=args.engine)
+    client = EngineClient(
+        EngineConfig(
+            engine=args.engine, voice=args.voice, device=args.device, parallel=defaults.parallel, threads=defaults.threads
+        )
+    )
     t_start = time.perf_counter()
     try:
         await client.start()

@@ -24,8 +24,8 @@ class Settings:
     engine: str = "piper"
     voice: str | None = None
     device: str = "auto"
-    engine_parallel: int = 0  # 0: one per core
-    engine_threads: int = 1
+    engine_parallel: int = 0  # 0: chosen per engine
+    engine_threads: int = 0  # 0: chosen per engine
     first_unit_timeout_ms: int = 350
     # Outbound Opus
     opus_bitrate: int = 32000
@@ -61,7 +61,17 @@ class Settings:
 
     @property
     def parallel(self) -> int:
-        return self.engine_parallel or (os.cpu_count() or 1)
+        # The torch engine batches streams into one pass, so it wants one pass at
+        # a time with every core; onnxruntime voices run one synthesis per core.
+        if self.engine_parallel:
+            return self.engine_parallel
+        return 1 if self.engine == "torch" else (os.cpu_count() or 1)
+
+    @property
+    def threads(self) -> int:
+        if self.engine_threads:
+            return self.engine_threads
+        return (os.cpu_count() or 1) if self.engine == "torch" else 1
 
 
 _HELP = {
@@ -74,8 +84,8 @@ _HELP = {
     "engine": "speech engine: piper (embedded voice), tone (test engine), torch, cosyvoice2",
     "voice": "default voice: 'joe' (embedded) or the path of a Piper .onnx voice",
     "device": "where the engine runs: auto, cpu or cuda",
-    "engine_parallel": "synthesis steps the worker runs at once (0: one per core)",
-    "engine_threads": "onnxruntime intra-op threads per synthesis step",
+    "engine_parallel": "synthesis steps the worker runs at once (0: one per core; 1 for torch, which batches)",
+    "engine_threads": "intra-op threads per synthesis step (0: 1; every core for torch)",
     "first_unit_timeout_ms": "speak the first words after this long even without a clause boundary",
     "opus_bitrate": "outbound Opus bitrate in bit/s",
     "opus_fec": "Opus in-band forward error correction",
