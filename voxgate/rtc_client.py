@@ -184,24 +184,21 @@ class RtcClient:
 
     async def wait_for(self, kind: str, timeout: float = 20.0, id: str | None = None) -> dict:
         """Next event of a type (earlier events of other types stay in event_log)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise asyncio.TimeoutError(f"no {kind} event within {timeout} s; saw {[e.get('type') for _, e in self.event_log[-10:]]}")
-            event = await asyncio.wait_for(self.events.get(), remaining)
-            if event.get("type") == kind and (id is None or event.get("id") == id):
-                return event
+        return await self._next(lambda e: e.get("type") == kind and (id is None or e.get("id") == id), timeout, kind)
 
     async def wait_for_any(self, kinds: tuple[str, ...], timeout: float = 20.0) -> dict:
         """Next event whose type is one of `kinds`."""
+        return await self._next(lambda e: e.get("type") in kinds, timeout, " or ".join(kinds))
+
+    async def _next(self, wanted, timeout: float, what: str) -> dict:
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise asyncio.TimeoutError(f"none of {kinds} within {timeout} s")
+                seen = [e.get("type") for _, e in self.event_log[-10:]]
+                raise asyncio.TimeoutError(f"no {what} event within {timeout} s; saw {seen}")
             event = await asyncio.wait_for(self.events.get(), remaining)
-            if event.get("type") in kinds:
+            if wanted(event):
                 return event
 
     async def close(self) -> None:
