@@ -144,6 +144,27 @@ def write_json(name: str, data: dict) -> str:
     return path
 
 
+def finish(name: str, results: dict, started: float) -> None:
+    """Record the machine's state at the end and the run's length, print them, write the JSON."""
+    results["machine_end"] = machine()
+    results["elapsed_s"] = round(time.perf_counter() - started, 1)
+    print_machine(results["machine_end"], "\nmachine at end")
+    print(f"elapsed {results['elapsed_s']:.0f} s; figures in {write_json(name, results)}")
+
+
+def run_recorded(name: str, coroutine, args) -> dict:
+    """Run a bench coroutine between machine snapshots and write its figures with its arguments."""
+    import asyncio
+
+    info = machine()
+    print_machine(info, "machine")
+    data = asyncio.run(coroutine)
+    data["machine"] = info
+    data["args"] = vars(args)
+    print("wrote", write_json(name, data))
+    return data
+
+
 def _clean(x):
     # Strict JSON: NaN (a figure with no samples) becomes null; numpy scalars become floats.
     if isinstance(x, dict):

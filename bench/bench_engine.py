@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import (  # noqa: E402
     arg_parser,
+    finish,
     fmt_ms,
     machine,
     percentile,
@@ -50,7 +51,6 @@ from _common import (  # noqa: E402
     proc_mem_mb,
     section,
     summary_ms,
-    write_json,
 )
 
 from voxgate.engine.base import SynthesisOptions  # noqa: E402
@@ -375,10 +375,7 @@ async def main() -> None:
     print(
         f"peak RSS: A {results['defaults']['A']['memory']['peak_rss_mb']} MiB, B {results['defaults']['B']['memory']['peak_rss_mb']} MiB (8 streams)"
     )
-    results["machine_end"] = machine()
-    results["elapsed_s"] = round(time.perf_counter() - started, 1)
-    print_machine(results["machine_end"], "\nmachine at end")
-    print(f"elapsed {results['elapsed_s']:.0f} s; figures in {write_json('engine', results)}")
+    finish("engine", results, started)
 
 
 if __name__ == "__main__":

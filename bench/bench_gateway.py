@@ -74,6 +74,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
     ARTIFACTS,
     arg_parser,
+    finish,
     fmt_ms,
     machine,
     percentile,
@@ -81,7 +82,6 @@ from _common import (  # noqa: E402
     proc_cpu_s,
     section,
     summary_ms,
-    write_json,
 )
 
 HELLO = "Hello!"
@@ -910,10 +910,7 @@ async def main(args: argparse.Namespace) -> None:
         results["capacity"] = await capacity([5, 10, 20], 4.0, 60.0)
     else:
         results["capacity"] = await capacity([5, 10, 20, 40, 60, 80], 8.0, 170.0)
-    results["machine_end"] = machine()
-    results["elapsed_s"] = round(time.perf_counter() - started, 1)
-    print_machine(results["machine_end"], "\nmachine at end")
-    print(f"elapsed {results['elapsed_s']:.0f} s; figures in {write_json('gateway', results)}")
+    finish("gateway", results, started)
 
 
 if __name__ == "__main__":

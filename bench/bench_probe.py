@@ -26,7 +26,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import ARTIFACTS, arg_parser, machine, print_machine, ratio, section, write_json  # noqa: E402
+from _common import ARTIFACTS, arg_parser, finish, machine, print_machine, ratio, section  # noqa: E402
 
 from voxgate.probe import ProbeConfig, ProbeReport, run_probe  # noqa: E402
 
@@ -134,10 +134,7 @@ async def main() -> None:
         html_path = os.path.join(ARTIFACTS, "bench-probe.html")
         last.write_html(html_path)
         print(f"HTML report of the last {n}-session run: {html_path}")
-    results["machine_end"] = machine()
-    results["elapsed_s"] = round(time.perf_counter() - started, 1)
-    print_machine(results["machine_end"], "\nmachine at end")
-    print(f"elapsed {results['elapsed_s']:.0f} s; figures in {write_json('probe', results)}")
+    finish("probe", results, started)
 
 
 if __name__ == "__main__":

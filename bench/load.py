@@ -50,7 +50,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import arg_parser, machine, percentile, print_machine, proc_cpu_s, ratio, section, write_json  # noqa: E402
+from _common import arg_parser, percentile, proc_cpu_s, ratio, run_recorded, section  # noqa: E402
 
 # A step is degraded when a listener could hear it: a pacer stall (the loop fell
 # more than 3 frames behind, so the receiver's jitter buffer runs dry), or
@@ -331,12 +331,7 @@ def main() -> int:
         args.steps = [s for s in args.steps if s <= 16]
         args.time_budget = min(args.time_budget, 120.0)
     logging.basicConfig(level=logging.WARNING)
-    info = machine()
-    print_machine(info, "machine")
-    data = asyncio.run(run(args))
-    data["machine"] = info
-    data["args"] = vars(args)
-    print("wrote", write_json("load", data))
+    data = run_recorded("load", run(args), args)
     cap = data["past_capacity"]
     ok = (all(r["wrong"] == 0 for r in data["ramp"])
           and cap["admitted_exact"] == cap["admitted"] == cap["capacity"]

@@ -35,7 +35,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import arg_parser, machine, print_machine, ratio, section, write_json  # noqa: E402
+from _common import arg_parser, ratio, run_recorded, section  # noqa: E402
 
 
 def rss_mb() -> float:
@@ -190,12 +190,7 @@ def main() -> int:
     if args.quick:
         args.sessions = min(args.sessions, 100)
     logging.basicConfig(level=logging.WARNING)
-    info = machine()
-    print_machine(info, "machine")
-    data = asyncio.run(run(args))
-    data["machine"] = info
-    data["args"] = vars(args)
-    print("wrote", write_json("soak", data))
+    data = run_recorded("soak", run(args), args)
     r = data["results"]
     return 0 if r["failed"] == 0 and r["wrong_audio"] == 0 and data["server_idle_at_end"] else 1
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import aioice.ice
 from aiortc import RTCConfiguration, RTCIceServer
 
+from .turn import turn_credentials
+
 log = logging.getLogger(__name__)
 
 _original_get_host_addresses = aioice.ice.get_host_addresses
@@ -75,8 +77,6 @@ class IcePolicy:
     turn_ttl_s: int = 3600
 
     def servers_for(self, user: str) -> list[RTCIceServer]:
-        from ..signaling.turn import turn_credentials
-
         out = []
         for server in self.servers:
             url = server.urls if isinstance(server.urls, str) else server.urls[0]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from voxgate.engine import tone
-from voxgate.engine.client import EngineClient, EngineConfig
+from voxgate.engine.client import EngineClient
 from voxgate.engine.segmenter import Segmenter, speakable
 from voxgate.engine.tags import Pause, Speech, TagState, break_ms, rate_factor
 from voxgate.rtc_client import RtcClient
@@ -87,14 +87,6 @@ def test_a_unit_that_is_only_a_break_still_renders():
 
 
 # Rendering, through the real worker
-@pytest.fixture
-async def tone_client():
-    client = EngineClient(EngineConfig(engine="tone", parallel=1))
-    await client.start()
-    yield client
-    await client.close()
-
-
 async def speak(client: EngineClient, pieces: list[str]) -> np.ndarray:
     stream = client.stream()
     for piece in pieces:
@@ -151,7 +143,7 @@ async def test_prosody_rate_and_break_change_the_voice_audio(piper_server):
     plain = await duration(sentence)
     slow = await duration(f'<prosody rate="x-slow">{sentence}</prosody>')
     fast = await duration(f'<prosody rate="x-fast">{sentence}</prosody>')
-    paused = await duration(f'The quick brown fox <break time="1s"/> jumps over the lazy dog.')
+    paused = await duration('The quick brown fox <break time="1s"/> jumps over the lazy dog.')
     assert slow > plain * 1.3
     assert fast < plain * 0.8
     assert paused > plain + 0.8

@@ -12,14 +12,6 @@ from voxgate.engine.base import SynthesisOptions
 from voxgate.engine.client import STREAM_WINDOW, EngineClient, EngineConfig, EngineCrashed, EngineStreamError
 
 
-@pytest.fixture
-async def tone_client():
-    client = EngineClient(EngineConfig(engine="tone", parallel=2))
-    await client.start()
-    yield client
-    await client.close()
-
-
 async def collect(stream):
     return [chunk async for chunk in stream]
 
