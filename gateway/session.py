@@ -85,8 +85,6 @@ class SessionMetrics:
 
 
 class Session:
-    _ids = itertools.count(1)
-
     def __init__(
         self,
         engine: EngineClient,
