@@ -61,6 +61,9 @@ class StreamChunk:
     unit_text_at: float = 0.0
     unit_sent_at: float = 0.0
     synth_s: float = 0.0
+    # When the worker began the step that made this chunk (time.monotonic, which
+    # is the same clock in both processes).
+    synth_started_at: float = 0.0
 
     @property
     def duration(self) -> float:
@@ -364,6 +367,7 @@ class TTSStream:
             unit_text_at=text_at,
             unit_sent_at=sent_at,
             synth_s=meta.get("synth_s", 0.0),
+            synth_started_at=meta.get("synth_started_at", 0.0),
         )
         self._queue.put_nowait(chunk)
 

@@ -156,6 +156,7 @@ class Scheduler:
             self.in_flight += 1
 
     def _run_step(self, sid: int, gen: Iterator[AudioChunk]) -> None:
+        started = time.monotonic()  # CLOCK_MONOTONIC: comparable with the gateway's clock
         t0 = time.perf_counter()
         try:
             chunk = next(gen, None)
@@ -165,9 +166,10 @@ class Scheduler:
         except Exception as exc:  # an engine bug must not take down other streams
             log.error("synthesis failed: %s", traceback.format_exc())
             result = RuntimeError(f"{type(exc).__name__}: {exc}")
-        self.inbox.put(("_step", sid, gen, result, time.perf_counter() - t0))
+        self.inbox.put(("_step", sid, gen, result, time.perf_counter() - t0, started))
 
     def _run_batch(self, members: list[tuple[int, object]]) -> None:
+        started = time.monotonic()
         t0 = time.perf_counter()
         try:
             results: list[object] = list(self.engine.step([job for _, job in members]))
@@ -177,9 +179,9 @@ class Scheduler:
             log.error("batched synthesis failed: %s", traceback.format_exc())
             results = [RuntimeError(f"{type(exc).__name__}: {exc}")] * len(members)
         seconds = time.perf_counter() - t0
-        self.inbox.put(("_batch", [(sid, job, result, seconds) for (sid, job), result in zip(members, results)]))
+        self.inbox.put(("_batch", [(sid, job, result, seconds, started) for (sid, job), result in zip(members, results)]))
 
-    def _step_done(self, sid: int, gen, result, seconds: float) -> None:
+    def _step_done(self, sid: int, gen, result, seconds: float, started: float) -> None:
         stream = self.streams.get(sid)
         if stream is None or stream.current is not gen:
             # Cancelled while the step ran: discard its audio.
@@ -205,6 +207,7 @@ class Scheduler:
             "unit_index": stream.current_index,
             "unit_end": chunk.unit_end,
             "synth_s": seconds,
+            "synth_started_at": started,
         }
         self.send(("chunk", sid, meta), chunk.pcm)
         if _is_job(stream.current) and stream.current.done:

@@ -48,11 +48,39 @@ class PacerStats:
         }
 
 
+class MonotonicClock:
+    """The pacer's time source: the monotonic clock and the event loop's timers.
+
+    Tests pass a clock of their own, so the schedule can be checked frame by
+    frame without depending on how busy the machine is.
+    """
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    async def sleep(self, delay: float, woken: asyncio.Future) -> None:
+        """Return after `delay` seconds, or as soon as `woken` is resolved."""
+        timer = asyncio.get_running_loop().call_later(delay, _resolve, woken)
+        try:
+            await woken
+        finally:
+            timer.cancel()
+
+
 class Pacer:
-    def __init__(self, frame_s: float = FRAME_S, stall_frames: int = 3, late_s: float = 0.005) -> None:
+    """Says when each outbound frame leaves: every `frame_s` on an absolute schedule."""
+
+    def __init__(
+        self,
+        frame_s: float = FRAME_S,
+        stall_frames: int = 3,
+        late_s: float = 0.005,
+        clock: MonotonicClock | None = None,
+    ) -> None:
         self.frame_s = frame_s
         self.stall_s = stall_frames * frame_s
         self.late_s = late_s
+        self.clock = clock or MonotonicClock()
         self.stats = PacerStats()
         self._deadline: float | None = None
         self._last_departure: float | None = None
@@ -68,21 +96,18 @@ class Pacer:
 
     async def wait(self) -> float:
         """Sleep until the next frame is due; returns the departure time."""
-        now = time.monotonic()
+        now = self.clock.now()
         if self._deadline is None:
             self._deadline = now
         delay = self._deadline - now
         woken = False
         if delay > 0 and not self._woken:
-            loop = asyncio.get_running_loop()
-            self._sleeper = loop.create_future()
-            timer = loop.call_later(delay, _resolve, self._sleeper)
+            self._sleeper = asyncio.get_running_loop().create_future()
             try:
-                await self._sleeper
+                await self.clock.sleep(delay, self._sleeper)
             finally:
-                timer.cancel()
                 self._sleeper = None
-            now = time.monotonic()
+            now = self.clock.now()
         if self._woken:
             self._woken = False
             if delay > 0:

@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
 # Installs everything the test suite needs on a fresh Debian machine, then runs it.
-# System packages: chromium (the browser tests drive Debian's build; nothing is downloaded at test time).
+#
+# System packages: Debian's chromium at /usr/bin/chromium (the browser tests drive
+# that exact binary; a chromium elsewhere on PATH does not count). Python: the
+# torch engine's CPU build (torch 2.13.0+cpu: from PyTorch's CPU index on a plain
+# machine, or from a local wheel where pip is configured with one) and the
+# project with its test and gpu extras. Nothing is downloaded at test time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
-if ! command -v chromium >/dev/null 2>&1; then
+if [ ! -x /usr/bin/chromium ]; then
   as_root apt-get update -qq
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium
 fi
 
-python3 -m pip install -q --disable-pip-version-check "torch==2.13.0"   # the torch engine's CPU build
-python3 -m pip install -q --disable-pip-version-check -e ".[test,gpu]"
+pip_install() { python3 -m pip install -q --disable-pip-version-check --retries 2 "$@"; }
+# On PyPI, plain "torch==2.13.0" is the multi-GB CUDA build; "+cpu" is only on PyTorch's CPU index.
+pip_install "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+pip_install -e ".[test,gpu]"
 
 exec python3 -m pytest -q -ra -p no:cacheprovider "$@"

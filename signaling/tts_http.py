@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import av
@@ -214,7 +215,43 @@ async def _first_chunk(stream: TTSStream) -> StreamChunk | None:
         raise ApiError(503, "engine_unavailable", str(exc)) from None
 
 
+class _Timeline:
+    """When this request's audio was made and sent, on the monotonic clock the
+    engine worker shares; logged once per request so an operator (and the
+    streaming test) can see that bytes left while synthesis was still running."""
+
+    def __init__(self) -> None:
+        self.received_at = time.monotonic()
+        self.first_bytes_at: float | None = None
+        self.units: dict[int, float] = {}  # unit index -> when its synthesis began
+
+    def chunk(self, chunk: StreamChunk) -> None:
+        started = self.units.get(chunk.unit_index)
+        if chunk.synth_started_at and (started is None or chunk.synth_started_at < started):
+            self.units[chunk.unit_index] = chunk.synth_started_at
+
+    def log(self, fmt: str, chars: int) -> None:
+        def ms(t: float | None) -> float | None:
+            return None if t is None else round((t - self.received_at) * 1000.0, 1)
+
+        last_unit = self.units[max(self.units)] if self.units else None
+        fields = {
+            "format": fmt,
+            "chars": chars,
+            "units": len(self.units),
+            "first_bytes_ms": ms(self.first_bytes_at),
+            "last_unit_synthesis_started_ms": ms(last_unit),
+            "done_ms": ms(time.monotonic()),
+        }
+        log.info(
+            "tts request: %d units, first bytes sent at %s ms, last unit's synthesis started at %s ms",
+            fields["units"], fields["first_bytes_ms"], fields["last_unit_synthesis_started_ms"],
+            extra={"fields": fields},
+        )
+
+
 async def handle_tts(request: web.Request) -> web.StreamResponse:
+    timeline = _Timeline()
     check_api_key(request)  # raises a JSON 401
     gw = request.app["gateway"]
     try:
@@ -252,10 +289,13 @@ async def handle_tts(request: web.Request) -> web.StreamResponse:
         await response.prepare(request)
         head = await loop.run_in_executor(_pool, formatter.start)
         if first is not None:
+            timeline.chunk(first)
             head += await loop.run_in_executor(_pool, formatter.feed, first.pcm)
         await response.write(head)
+        timeline.first_bytes_at = time.monotonic()
         try:
             async for chunk in stream:
+                timeline.chunk(chunk)
                 data = await loop.run_in_executor(_pool, formatter.feed, chunk.pcm)
                 if data:
                     await response.write(data)
@@ -268,6 +308,7 @@ async def handle_tts(request: web.Request) -> web.StreamResponse:
         if tail:
             await response.write(tail)
         await response.write_eof()
+        timeline.log(fmt, len(text))
         return response
     except (ConnectionResetError, asyncio.CancelledError):
         raise  # the client went away; the finally cancels synthesis

@@ -8,6 +8,8 @@ that only needs a running gateway.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -56,6 +58,23 @@ class ServerProcess:
             time.sleep(0.2)
         raise RuntimeError(f"server not ready after {timeout} s; log:\n{open(self.log_path).read()[-3000:]}")
 
+    def log_entries(self) -> list[dict]:
+        """The JSON lines of the server's log so far (servers started with --log-json)."""
+        self.log.flush()
+        with open(self.log_path) as f:
+            return [json.loads(line) for line in f if line.startswith("{")]
+
+    async def wait_log(self, predicate, timeout: float = 10.0) -> dict:
+        """The first JSON log entry that matches, once the server has written it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = [e for e in self.log_entries() if predicate(e)]
+            if found:
+                return found[0]
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no matching log entry within {timeout} s in {self.log_path}")
+            await asyncio.sleep(0.05)  # polls the file; the wait ends as soon as the line is there
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -94,3 +113,43 @@ def piper_server(server_factory) -> ServerProcess:
 def artifacts_dir() -> str:
     os.makedirs(ARTIFACTS, exist_ok=True)
     return ARTIFACTS
+
+
+# Under CI a skipped test is a failure: a missing browser or extra must not turn
+# a whole group of tests green by skipping it.
+def _ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if _ci() and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped under CI=true, which counts as a failure: {reason}"
+
+
+_collection_skips: list[str] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    # A whole module skipped at import (importorskip) cannot become a failed test;
+    # it is remembered and fails the run at the end, with the rest still run.
+    outcome = yield
+    report = outcome.get_result()
+    if _ci() and report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _collection_skips.append(f"{collector.nodeid}: {reason}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in _collection_skips:
+        terminalreporter.write_line(f"FAILED (skipped under CI=true) {line}", red=True)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _collection_skips and session.exitstatus == 0:
+        session.exitstatus = 1

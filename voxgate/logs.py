@@ -1,4 +1,5 @@
-"""Logging set-up: plain lines, or one JSON object per line with the session id when present."""
+"""Logging set-up: plain lines, or one JSON object per line with the session id and
+a record's structured `fields` (passed as `extra={"fields": {...}}`) when present."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ class JsonFormatter(logging.Formatter):
         session_id = getattr(record, "session_id", None)
         if session_id:
             entry["session_id"] = session_id
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            entry.update({k: v for k, v in fields.items() if k not in entry})
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry)

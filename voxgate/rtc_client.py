@@ -71,12 +71,46 @@ class MicTrack(MediaStreamTrack):
         return frame
 
 
+# aiortc's audio jitter buffer holds at most 16 packets. Once this many frames
+# have arrived after an event, every frame the server sent before that event has
+# arrived too (the server sends a frame every 20 ms, silence when idle).
+TAIL_FRAMES = 20
+
+
 @dataclass
 class ReceivedAudio:
     """Decoded frames as they arrived: mono int16 at `sample_rate`, with arrival times."""
 
     sample_rate: int = 48000
     frames: list = field(default_factory=list)  # (arrival perf_counter, pcm)
+    _arrived: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+
+    def add(self, at: float, pcm: np.ndarray) -> None:
+        self.frames.append((at, pcm))
+        self._arrived.set()
+
+    def count_since(self, since: float) -> int:
+        n = 0
+        for t, _ in reversed(self.frames):
+            if t < since:
+                break
+            n += 1
+        return n
+
+    async def wait_frames(self, count: int, since: float, timeout: float = 10.0) -> None:
+        """Wait until `count` frames have arrived at or after `since` (a perf_counter time)."""
+        deadline = time.monotonic() + timeout
+        while self.count_since(since) < count:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise asyncio.TimeoutError(
+                    f"only {self.count_since(since)} of {count} audio frames arrived within {timeout} s"
+                )
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
 
     def pcm(self, since: float = 0.0) -> np.ndarray:
         parts = [p for t, p in self.frames if t >= since]
@@ -174,7 +208,7 @@ class RtcClient:
             channels = len(frame.layout.channels)
             pcm = arr.reshape(-1, channels).mean(axis=1).astype(np.int16) if channels > 1 else arr.reshape(-1)
             self.audio.sample_rate = frame.sample_rate
-            self.audio.frames.append((time.perf_counter(), pcm))
+            self.audio.add(time.perf_counter(), pcm)
 
     def send(self, message: dict | str | bytes) -> float:
         if isinstance(message, dict):
@@ -185,6 +219,18 @@ class RtcClient:
     async def wait_for(self, kind: str, timeout: float = 20.0, id: str | None = None) -> dict:
         """Next event of a type (earlier events of other types stay in event_log)."""
         return await self._next(lambda e: e.get("type") == kind and (id is None or e.get("id") == id), timeout, kind)
+
+    def arrival(self, event: dict) -> float:
+        """When an event returned by wait_for arrived (perf_counter)."""
+        return next(t for t, e in reversed(self.event_log) if e is event)
+
+    async def wait_tail(self, event: dict, timeout: float = 10.0) -> None:
+        """Wait until all audio the server sent before `event` has arrived.
+
+        Used after `utterance.done` or `utterance.interrupted` before decoding the
+        received audio: it counts frames, so it never depends on wall time.
+        """
+        await self.audio.wait_frames(TAIL_FRAMES, since=self.arrival(event), timeout=timeout)
 
     async def wait_for_any(self, kinds: tuple[str, ...], timeout: float = 20.0) -> dict:
         """Next event whose type is one of `kinds`."""

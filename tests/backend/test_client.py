@@ -49,7 +49,7 @@ async def test_say_stream_and_interruption(tone_server):
             events = session.events()
             outcome = await session.say_stream(["One, ", "two, ", "three."])
             assert not outcome.interrupted and outcome.text == "One, two, three."
-            await asyncio.sleep(0.3)
+            await listener.wait_tail(await listener.wait_for("utterance.done", id=outcome.id))
             assert tone.decode(listener.audio.pcm(), listener.audio.sample_rate) == "One, two, three."
             seen = []
             async for event in events:
@@ -67,8 +67,8 @@ async def test_say_stream_and_interruption(tone_server):
                     await asyncio.sleep(0.02)
 
             speaking = asyncio.ensure_future(session.say_stream(endless(), id="long"))
-            await listener.wait_for("audio.started", id="long")
-            await asyncio.sleep(0.3)
+            started = await listener.wait_for("audio.started", id="long")
+            await listener.audio.wait_frames(15, since=listener.arrival(started))  # some of it has played
             listener.send({"type": "cancel"})
             outcome = await asyncio.wait_for(speaking, 10)
             assert outcome.interrupted and outcome.reason == "cancel" and outcome.id == "long"

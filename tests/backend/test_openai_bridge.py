@@ -65,7 +65,7 @@ async def test_bridge_speaks_the_streamed_reply(tone_server):
             assert proc.returncode == 0, err.decode()[-2000:]
             result = json.loads(out.decode().strip().splitlines()[-1])
             assert result["status"] == "done"
-            await asyncio.sleep(0.3)
+            await listener.wait_tail(await listener.wait_for("utterance.done"))
             spoken = tone.decode(listener.audio.pcm(), listener.audio.sample_rate)
         reply = "".join(TOKENS)
         assert spoken == reply

@@ -108,7 +108,7 @@ async def test_offer_tokens(keyed_server):
                 await second.close()
             outcome = await backend.say("joined")
             assert not outcome.interrupted
-            await asyncio.sleep(0.3)
+            await listener.wait_tail(await listener.wait_for("utterance.done", id=outcome.id))
             assert tone.decode(listener.audio.pcm(), listener.audio.sample_rate) == "joined"
 
 
@@ -124,7 +124,7 @@ async def test_text_before_the_listener_attaches_is_queued(tone_server):
         async with JoiningRtcClient(tone_server.url, backend.session_id, backend.client_token) as listener:
             started = await backend.wait_for("audio.started", id=uid)
             done = await backend.wait_for("utterance.done", id=uid)
-            await asyncio.sleep(0.3)
+            await listener.wait_tail(await listener.wait_for("utterance.done", id=uid))
             assert tone.decode(listener.audio.pcm(), listener.audio.sample_rate) == "said early"
         print(f"\nqueued-before-attach TTFA (from attach): {started['ttfa_ms']} ms")
         # TTFA counts from the attach, not from the text: the wait for a listener is not synthesis latency.
@@ -190,8 +190,7 @@ async def test_browser_and_backend_text_are_ordered(tone_server):
             results = await asyncio.gather(browser(), backend.say_stream(tokens()))
             outcome = results[1]
             await listener.wait_for("utterance.done")
-            await listener.wait_for("utterance.done")
-            await asyncio.sleep(0.3)
+            await listener.wait_tail(await listener.wait_for("utterance.done"))
             heard = tone.decode(listener.audio.pcm(), listener.audio.sample_rate)
     assert outcome.text == backend_text
     assert heard in (browser_text + backend_text, backend_text + browser_text), heard

@@ -116,7 +116,7 @@ async def test_split_tag_over_the_data_channel_gives_a_gap_and_no_tag_text(tone_
         client.send({"type": "text.delta", "text": 'eak time="300ms"/> world', "id": "t"})
         client.send({"type": "text.end", "id": "t"})
         done = await client.wait_for("utterance.done", id="t", timeout=20)
-        await asyncio.sleep(0.3)
+        await client.wait_tail(done)
         pcm = client.audio.pcm(since=sent)
         rate = client.audio.sample_rate
     decoded = tone.decode(pcm, rate)

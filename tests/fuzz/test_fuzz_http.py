@@ -267,11 +267,13 @@ def test_an_offer_without_mid_is_refused_and_cleaned_up(server, offer_sdp):
     with open(server.log_path) as f:
         f.seek(0, 2)
         start = f.tell()
+    _, _, before = request(server.url, "GET", "/readyz")
     status, ctype, data = request(server.url, "POST", "/v1/offer", json.dumps({"sdp": broken, "type": "offer"}).encode())
     assert check(status, ctype, data, "/v1/offer")["error"]["code"] in ("invalid_sdp", "negotiation_failed")
-    import time
-
-    time.sleep(0.5)
+    # The half-built session is gone (the server awaits its clean-up before it
+    # answers), and a later request has been served after it.
+    _, _, after = request(server.url, "GET", "/readyz")
+    assert json.loads(after)["sessions"] == json.loads(before)["sessions"]
     with open(server.log_path) as f:
         f.seek(start)
         log = f.read()

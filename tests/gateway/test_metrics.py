@@ -14,6 +14,17 @@ def sample(text: str, name: str) -> float:
     return float(match.group(1))
 
 
+async def metrics_text(http, server) -> str:
+    async with http.get(server.url + "/metrics") as resp:
+        return await resp.text()
+
+
+def jitter_buckets(text: str) -> dict[float, float]:
+    """Cumulative counts of the pacer jitter histogram, by upper bound in seconds."""
+    found = re.findall(r'^voxgate_pacer_departure_jitter_seconds_bucket\{le="([^"]+)"\} ([0-9.e+-]+)$', text, re.M)
+    return {float(le): float(n) for le, n in found}
+
+
 async def test_metrics_reflect_speech_and_cancel(server_factory):
     server = server_factory("tone")
     async with aiohttp.ClientSession() as http:
@@ -22,16 +33,16 @@ async def test_metrics_reflect_speech_and_cancel(server_factory):
         async with http.get(server.url + "/readyz") as resp:
             assert resp.status == 200 and (await resp.json())["ready"] is True
         async with RtcClient(server.url) as client:
+            before = await metrics_text(http, server)
             client.send({"type": "speak", "text": "Count me in the metrics.", "id": "m1"})
-            await client.wait_for("utterance.done", id="m1")
+            done = await client.wait_for("utterance.done", id="m1")
             client.send({"type": "speak", "text": "This one is cancelled part way through its words. " * 3, "id": "m2"})
             await client.wait_for("audio.started", id="m2")
             client.send({"type": "cancel"})
-            await client.wait_for("utterance.interrupted", id="m2")
+            interrupted = await client.wait_for("utterance.interrupted", id="m2")
             # cancel-to-silence is observed when the next (silent) frame leaves.
             for _ in range(50):
-                async with http.get(server.url + "/metrics") as resp:
-                    text = await resp.text()
+                text = await metrics_text(http, server)
                 if sample(text, "voxgate_cancel_to_silence_seconds_count") > 0:
                     break
                 await asyncio.sleep(0.05)
@@ -42,7 +53,18 @@ async def test_metrics_reflect_speech_and_cancel(server_factory):
         assert sample(text, "voxgate_cancel_to_silence_seconds_count") == 1
         assert sample(text, 'voxgate_utterances_total{outcome="done"}') == 1
         assert sample(text, 'voxgate_utterances_total{outcome="interrupted"}') == 1
-        assert sample(text, "voxgate_pacer_departure_jitter_seconds_count") > 50
+        # Every frame of both utterances was paced and measured, except each
+        # utterance's first frame, which a wake sends early and is not jitter.
+        frames = (done["audio_ms"] + interrupted["played_ms"]) // 20
+        jitter = "voxgate_pacer_departure_jitter_seconds"
+        count = sample(text, jitter + "_count") - sample(before, jitter + "_count")
+        assert count >= frames - 2, (count, frames)
+        # ... and their spacing is 20 ms: a pacer that did not wait would put
+        # every sample near 20 ms of deviation.
+        mean = (sample(text, jitter + "_sum") - sample(before, jitter + "_sum")) / count
+        assert mean < 0.005, mean
+        buckets = jitter_buckets(text)
+        assert buckets[0.01] / buckets[float("inf")] > 0.8, buckets
         assert sample(text, "voxgate_event_loop_lag_seconds_count") > 0
         assert sample(text, "voxgate_engine_rtf_count") >= 2
         assert "voxgate_engine_worker_restarts_total 0.0" in text

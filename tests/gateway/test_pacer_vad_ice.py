@@ -11,28 +11,111 @@ from voxgate.gateway.pacer import Pacer
 from voxgate.gateway.vad import VadSettings, VoiceActivityDetector
 
 
-async def test_pacer_keeps_an_absolute_schedule_without_drift():
-    pacer = Pacer()
-    await pacer.wait()
-    anchor = pacer._deadline - pacer.frame_s
-    for n in range(1, 30):
-        await pacer.wait()
-        await asyncio.sleep(0.004)  # work between frames must not push the schedule
-        # Deadlines are the anchor plus whole frames: nothing accumulates.
-        assert pacer._deadline == pytest.approx(anchor + (n + 1) * pacer.frame_s, abs=1e-9)
-    assert pacer.stats.frames == 30 and pacer.stats.stalls == 0
+class FakeClock:
+    """Time that moves only when the pacer sleeps or the test advances it.
+
+    With `hold` set, a sleep does not end by itself: it waits for the pacer's
+    wake() and then `hold` seconds have passed.
+    """
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+        self.sleeps: list[float] = []
+        self.hold: float | None = None
+        self.sleeping = asyncio.Event()
+
+    def now(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+    async def sleep(self, delay: float, woken: asyncio.Future) -> None:
+        self.sleeps.append(delay)
+        self.sleeping.set()
+        if self.hold is not None:
+            await woken
+            self.t += self.hold
+        else:
+            self.t += delay
+
+
+async def departures(pacer: Pacer, n: int, clock: FakeClock, work_s: float = 0.0) -> list[float]:
+    out = []
+    for _ in range(n):
+        out.append(await pacer.wait())
+        clock.advance(work_s)  # time spent sending the frame
+    return out
+
+
+async def test_pacer_departs_at_the_anchor_plus_whole_frames():
+    clock = FakeClock()
+    pacer = Pacer(clock=clock)
+    sent = await departures(pacer, 30, clock, work_s=0.004)
+    anchor = sent[0]
+    # Work between frames does not push the schedule: nothing accumulates.
+    assert sent == pytest.approx([anchor + k * 0.020 for k in range(30)], abs=1e-9)
+    assert list(pacer.stats.intervals) == pytest.approx([0.020] * 29, abs=1e-9)
+    assert clock.sleeps == pytest.approx([0.016] * 29, abs=1e-9)
+    assert pacer.stats.late_frames == pacer.stats.stalls == 0
+
+
+async def test_pacer_counts_a_late_frame_and_keeps_its_schedule():
+    clock = FakeClock()
+    pacer = Pacer(clock=clock)
+    sent = await departures(pacer, 3, clock)
+    clock.advance(0.030)  # the loop was busy: the next frame is 10 ms late
+    sent += await departures(pacer, 4, clock)
+    anchor = sent[0]
+    assert pacer.stats.late_frames == 1 and pacer.stats.stalls == 0
+    assert sent[3] == pytest.approx(anchor + 0.070)  # due at +60 ms
+    # The frames after it catch up with the original schedule, not a shifted one.
+    assert sent[4:] == pytest.approx([anchor + k * 0.020 for k in range(4, 7)], abs=1e-9)
 
 
 async def test_pacer_reanchors_after_a_stall_instead_of_bursting():
-    pacer = Pacer()
-    for _ in range(3):
-        await pacer.wait()
-    time.sleep(0.2)  # the event loop is blocked for ten frames
-    departure = await pacer.wait()
+    clock = FakeClock()
+    pacer = Pacer(clock=clock)
+    sent = await departures(pacer, 3, clock)
+    clock.advance(0.2)  # the event loop was blocked for ten frames
+    sent += await departures(pacer, 5, clock)
     assert pacer.stats.stalls == 1
-    # The schedule restarts from the late frame: the next one is a whole frame later,
-    # not ten frames already overdue (which would be a catch-up burst).
-    assert pacer._deadline == pytest.approx(departure + pacer.frame_s, abs=1e-9)
+    # The late frame leaves at once and the schedule restarts from it: no catch-up burst.
+    assert sent[3] == pytest.approx(sent[2] + 0.2)
+    assert [b - a for a, b in zip(sent[3:], sent[4:])] == pytest.approx([0.020] * 4, abs=1e-9)
+
+
+async def test_pacer_wake_sends_the_next_frame_at_once_and_keeps_the_schedule():
+    clock = FakeClock()
+    pacer = Pacer(clock=clock)
+    first = await pacer.wait()
+    clock.hold = 0.005  # the next sleep ends only when woken, 5 ms into its 20 ms
+    clock.sleeping.clear()
+    waiting = asyncio.ensure_future(pacer.wait())
+    await asyncio.wait_for(clock.sleeping.wait(), 2.0)
+    pacer.wake()
+    woken = await asyncio.wait_for(waiting, 2.0)
+    assert woken == pytest.approx(first + 0.005)
+    assert pacer.stats.wakes == 1
+    assert len(pacer.stats.intervals) == 0  # the early frame is not counted as jitter
+    clock.hold = None
+    after = await departures(pacer, 3, clock)
+    assert after == pytest.approx([woken + k * 0.020 for k in (1, 2, 3)], abs=1e-9)  # re-anchored at the woken frame
+    pacer.wake()  # a wake while not sleeping applies to the next wait
+    clock.hold = 0.0
+    assert await asyncio.wait_for(pacer.wait(), 2.0) == pytest.approx(after[-1])
+    assert pacer.stats.wakes == 2
+
+
+async def test_pacer_really_waits_on_the_monotonic_clock():
+    # One check on the real clock: 30 frames cannot leave in less than 29 frame
+    # times. (A pacer that never slept sent them in about 0.12 s.)
+    pacer = Pacer()
+    t0 = time.monotonic()
+    for _ in range(30):
+        await pacer.wait()
+    elapsed = time.monotonic() - t0
+    assert elapsed >= 29 * 0.020 * 0.8, elapsed
 
 
 def speech_16k() -> np.ndarray:
@@ -119,17 +202,3 @@ def test_gateway_uses_only_turn_servers_it_has_credentials_for():
     [server] = minted.rtc_configuration("sess1").iceServers
     assert server.username.endswith(":sess1") and server.credential
     assert IcePolicy().rtc_configuration().iceServers == []  # never aiortc's public default
-
-
-async def test_pacer_wake_sends_the_next_frame_at_once_and_keeps_the_schedule():
-    pacer = Pacer(frame_s=5.0)  # a tick far longer than the test: only a wake can end the wait
-    await pacer.wait()
-    asyncio.get_running_loop().call_later(0.02, pacer.wake)
-    woken = await asyncio.wait_for(pacer.wait(), 2.0)
-    assert pacer.stats.wakes == 1
-    assert pacer._deadline == pytest.approx(woken + pacer.frame_s, abs=1e-9)  # re-anchored at the woken frame
-    assert len(pacer.stats.intervals) == 0  # the early frame is not counted as jitter
-    pacer.wake()  # a wake while not sleeping applies to the next wait
-    await asyncio.wait_for(pacer.wait(), 2.0)
-    assert pacer.stats.wakes == 2
-

@@ -44,22 +44,30 @@ def test_cli_probe_with_one_cancelling_session_reports_exact_played_text(tone_se
     cancelled = sessions[0]["utterances"][0]
     assert cancelled["interrupt_kind"] == "cancel" and cancelled["reason"] == "cancel"
     assert cancelled["played_text"] and TEXT.startswith(cancelled["played_text"]) and cancelled["played_text"] != TEXT
-    assert cancelled["interrupt_to_silence_ms"] is not None and cancelled["interrupt_to_silence_ms"] >= 0
+    # Without the cancel, sound would go on until the utterance's end, over 2.5 s
+    # later (81 tone symbols of 40 ms, cancelled at 600 ms).
+    assert cancelled["interrupt_to_silence_ms"] < 1000, cancelled
     for s in sessions:
         u = s["utterances"][0]
-        assert u["server_ttfa_ms"] is not None and u["server_ttfa_ms"] >= 0
-        assert u["client_ttfa_ms"] is not None and u["client_ttfa_ms"] > 0
+        assert u["server_ttfa_ms"] is not None
+        # The client's clock starts before the server's and stops after it.
+        assert u["client_ttfa_ms"] > u["server_ttfa_ms"], u
         # The tone engine's audio decodes back to text: played_text must match what arrived.
         assert u["accuracy"] in ("exact", "off_by_one"), (u["played_text"], u["decoded_text"])
     for s in sessions[1:]:
         assert s["utterances"][0]["decoded_text"] == TEXT
 
     assert figures["ttfa_client_ms"]["count"] == 3 and figures["ttfa_server_ms"]["count"] == 3
-    assert figures["ttfa_client_ms"]["p50"] <= figures["ttfa_client_ms"]["p95"] <= figures["ttfa_client_ms"]["max"]
+    client_ttfas = sorted(s["utterances"][0]["client_ttfa_ms"] for s in sessions)
+    assert figures["ttfa_client_ms"]["max"] == pytest.approx(client_ttfas[-1], abs=0.1)
+    assert figures["ttfa_client_ms"]["p50"] == pytest.approx(client_ttfas[1], abs=0.1)
     assert figures["interrupt_to_silence_ms"]["cancel"]["count"] == 1
     tone = figures["played_text"]["tone"]
     assert tone["checked"] == 3 and tone["mismatch"] == 0
-    assert figures["frames"]["gaps"] > 0 and figures["frames"]["max_gap_ms"] > 0
+    # One arrival gap per frame of speech: two whole utterances and the cancelled one's start.
+    speech_frames = 2 * len(TEXT.encode()) * 40 // 20
+    assert figures["frames"]["gaps"] >= speech_frames, figures["frames"]
+    assert figures["frames"]["max_gap_ms"] < 500, figures["frames"]  # no stall in the tone engine's audio
     assert figures["server"]["cancel_to_silence"]["count"] >= 1
 
     page = out_html.read_text()
@@ -78,9 +86,12 @@ async def test_voice_barge_in_interrupts_with_reason_barge_in(piper_server):
     (u,) = session.utterances
     assert u.outcome == "interrupted" and u.interrupt_kind == "voice" and u.reason == "barge_in"
     assert u.played_text and text.startswith(u.played_text)
-    assert u.interrupt_to_silence_ms is not None
-    # The voice's played_text is checked against the audible duration, in words.
-    assert u.accuracy == "words_error" and u.words_played > 0 and u.words_expected > 0
+    # Silence came long before the ~10 s the rest of the text would have taken.
+    assert u.interrupt_to_silence_ms < 1000, u.interrupt_to_silence_ms
+    # played_text is what fits in the audio that went out: no speaker says more
+    # than 6 words a second (the whole text would be 42 words).
+    print(f"\nvoice barge-in: played {u.words_played} words in {u.played_ms} ms; audible duration says {u.words_expected}")
+    assert 1 <= u.words_played <= u.played_ms / 1000 * 6 + 1, (u.played_text, u.played_ms)
     assert report.figures()["interrupt_to_silence_ms"]["voice"]["count"] == 1
 
 

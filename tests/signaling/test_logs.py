@@ -1,8 +1,5 @@
 """Structured logs: one JSON object per line, carrying the session id."""
 
-import asyncio
-import json
-
 from voxgate.rtc_client import RtcClient
 
 
@@ -12,9 +9,8 @@ async def test_json_logs_carry_the_session_id(server_factory):
         client.send({"type": "speak", "text": "Log me.", "id": "l"})
         await client.wait_for("utterance.done", id="l")
         session_id = client.session_id
-    await asyncio.sleep(0.3)
-    with open(server.log_path) as f:
-        entries = [json.loads(line) for line in f if line.startswith("{")]
+    await server.wait_log(lambda e: e.get("session_id") == session_id and "connection connected" in e["message"])
+    entries = server.log_entries()
     assert entries and all({"ts", "level", "logger", "message"} <= e.keys() for e in entries)
     mine = [e for e in entries if e.get("session_id") == session_id]
     assert any("connection connected" in e["message"] for e in mine), mine

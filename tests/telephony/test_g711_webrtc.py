@@ -30,7 +30,7 @@ async def test_g711_only_peer_gets_exact_audio(tone_server, codec):
         assert client.ready["sample_rate"] == 8000
         client.send({"type": "speak", "text": TEXT})
         done = await client.wait_for("utterance.done")
-        await asyncio.sleep(0.3)  # the last packets are in flight
+        await client.wait_tail(done)  # the last packets are in flight
         assert client.audio.sample_rate == 8000
         assert tone.decode(client.audio.pcm(), client.audio.sample_rate) == TEXT
         assert done["text"] == TEXT
@@ -61,8 +61,8 @@ async def test_pcmu_speech_is_intelligible(piper_server, artifacts_dir):
     async with RtcClient(piper_server.url, codecs=["pcmu"]) as client:
         assert client.ready["codec"] == "pcmu"
         client.send({"type": "speak", "text": spoken})
-        await client.wait_for("utterance.done", timeout=60)
-        await asyncio.sleep(0.3)
+        done = await client.wait_for("utterance.done", timeout=60)
+        await client.wait_tail(done)
         pcm = client.audio.pcm()
         rate = client.audio.sample_rate
     assert rate == 8000
