@@ -2,38 +2,47 @@
 
 The outbound track sends these packets as they are (aiortc packs a returned
 av.Packet without re-encoding), so encoding happens once, ahead of playout and
-off the event loop, and we own Opus bitrate, FEC, DTX and complexity.
+off the event loop, and we own Opus bitrate, FEC, DTX and complexity. Opus goes
+through libopus directly (`opus.py`); silence is encoded once per process.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import av
 import numpy as np
 
-FRAME_MS = 20
+from . import opus
+from .frames import frame_samples
 
 
-@dataclass
+@dataclass(frozen=True)
 class OpusSettings:
     bitrate: int = 32000
     fec: bool = True
+    # Between utterances, send a silent keep-alive packet every 400 ms instead of
+    # a silent packet every 20 ms (Opus DTX; receivers fill the gap with silence).
     dtx: bool = False
     complexity: int = 5
     packet_loss_pct: int = 5
     application: str = "voip"
+    # Rate the encoder is fed at. The RTP clock is 48 kHz whatever this is; 24 kHz
+    # keeps all of a 22.05 kHz voice and costs less to resample and encode.
+    input_rate: int = 24000
 
 
 class FrameEncoder:
     """Encodes mono int16 PCM at `sample_rate` into one packet per 20 ms frame."""
 
     codec: str = ""
-    sample_rate: int = 48000
+    sample_rate: int = 48000  # the rate PCM is fed at
+    clock_rate: int = 48000  # the RTP clock, and the rate a receiver decodes at
 
     @property
     def frame_samples(self) -> int:
-        return self.sample_rate * FRAME_MS // 1000
+        return frame_samples(self.sample_rate)
 
     def encode(self, pcm: np.ndarray) -> list[bytes]:
         """pcm holds a whole number of frames (the caller pads the last one)."""
@@ -45,62 +54,30 @@ class FrameEncoder:
 
 class OpusEncoder(FrameEncoder):
     codec = "opus"
-    sample_rate = 48000
+    clock_rate = 48000
 
     def __init__(self, settings: OpusSettings | None = None) -> None:
         self.settings = settings or OpusSettings()
-        self._context = self._open()
-        self._pts = 0
-        self._silence = self._make_silence()
-
-    def _open(self) -> av.CodecContext:
-        s = self.settings
-        ctx = av.CodecContext.create("libopus", "w")
-        ctx.sample_rate = 48000
-        ctx.layout = "mono"
-        ctx.format = "s16"
-        ctx.bit_rate = s.bitrate
-        ctx.options = {
-            "application": s.application,
-            "frame_duration": str(FRAME_MS),
-            "packet_loss": str(s.packet_loss_pct),
-            "fec": "1" if s.fec else "0",
-            "dtx": "1" if s.dtx else "0",
-            "compression_level": str(s.complexity),
-        }
-        return ctx
-
-    def _make_silence(self) -> bytes:
-        # Steady-state silence from a separate encoder: a few bytes per frame.
-        ctx = self._open()
-        zeros = np.zeros(self.frame_samples * 6, dtype=np.int16)
-        packets = _encode(ctx, zeros, self.frame_samples, 0)
-        return packets[-1]
-
-    def reset(self) -> None:
-        """Forget the audio before a cancel, so the next utterance starts clean."""
-        self._context = self._open()
-        self._pts = 0
+        self.sample_rate = self.settings.input_rate
+        self._encoder = _open(self.settings)
 
     def encode(self, pcm: np.ndarray) -> list[bytes]:
-        packets = _encode(self._context, pcm, self.frame_samples, self._pts)
-        self._pts += len(pcm)
-        return packets
+        return self._encoder.encode(pcm)
 
     def silence(self) -> bytes:
-        return self._silence
+        return _opus_silence(self.settings)
 
 
-def _encode(ctx: av.CodecContext, pcm: np.ndarray, frame_samples: int, pts: int) -> list[bytes]:
-    out: list[bytes] = []
-    for start in range(0, len(pcm), frame_samples):
-        frame = av.AudioFrame.from_ndarray(
-            np.ascontiguousarray(pcm[start : start + frame_samples]).reshape(1, -1), format="s16", layout="mono"
-        )
-        frame.sample_rate = 48000
-        frame.pts = pts + start
-        out.extend(bytes(p) for p in ctx.encode(frame))
-    return out
+def _open(s: OpusSettings) -> opus.Encoder:
+    return opus.Encoder(s.input_rate, s.bitrate, s.complexity, s.fec, s.packet_loss_pct, s.dtx, s.application)
+
+
+@lru_cache(maxsize=32)
+def _opus_silence(settings: OpusSettings) -> bytes:
+    """Steady-state silence, encoded once per setting for the whole process."""
+    encoder = _open(settings)
+    packets = encoder.encode(np.zeros(frame_samples(settings.input_rate) * 6, dtype=np.int16))
+    return packets[-1]
 
 
 # G.711 by table: one numpy lookup per buffer. The tables come from FFmpeg's
@@ -141,14 +118,12 @@ def alaw_decode(data: bytes) -> np.ndarray:
 
 class G711Encoder(FrameEncoder):
     sample_rate = 8000
+    clock_rate = 8000
 
     def __init__(self, law: str = "pcmu") -> None:
         self.codec = law
         self._fn = ulaw_encode if law == "pcmu" else alaw_encode
         self._silence = self._fn(np.zeros(self.frame_samples, dtype=np.int16))
-
-    def reset(self) -> None:
-        pass
 
     def encode(self, pcm: np.ndarray) -> list[bytes]:
         data = self._fn(pcm)

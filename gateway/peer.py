@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
+import re
 
-import av
 from aiortc import RTCPeerConnection, RTCSessionDescription
-from aiortc.mediastreams import MediaStreamError
 from aiortc.sdp import SessionDescription, candidate_from_sdp
 
 from .ice import IcePolicy
+from .mic import Microphone
 from .session import Session
 from .track import SpeechTrack
 
@@ -41,13 +40,25 @@ def validate_offer_sdp(sdp: str) -> None:
             raise OfferError("invalid_sdp", f"the offer's {media.kind} section has no a=mid line")
 
 
-def negotiated_codec(answer_sdp: str) -> str | None:
-    """The codec the answer chose for audio: its first payload type."""
+def negotiated_codec(answer_sdp: str) -> tuple[str, int] | None:
+    """The codec the answer chose for audio, and its payload type: its first one."""
     desc = SessionDescription.parse(answer_sdp)
     for media in desc.media:
         if media.kind == "audio" and media.rtp.codecs:
-            return media.rtp.codecs[0].mimeType.split("/")[-1].lower()
+            codec = media.rtp.codecs[0]
+            return codec.mimeType.split("/")[-1].lower(), codec.payloadType
     return None
+
+
+def ask_for_dtx(answer_sdp: str, payload_type: int) -> str:
+    """Add `usedtx=1` to the answer's Opus format line: the peer's encoder then sends
+    a packet every 400 ms while its microphone is silent, instead of every 20 ms."""
+
+    def add(match: re.Match) -> str:
+        line = match.group(0)
+        return line if "usedtx=" in line else line + ";usedtx=1"
+
+    return re.sub(rf"(?m)^a=fmtp:{payload_type} [^\r\n]*", add, answer_sdp, count=1)
 
 
 class PeerConnection:
@@ -58,11 +69,10 @@ class PeerConnection:
         self.ice = ice
         self.pc = RTCPeerConnection(configuration=ice.rtc_configuration(session.id))
         self.track: SpeechTrack | None = None
+        self.mic: Microphone | None = None
         self.channel = None
-        self._mic_task: asyncio.Task | None = None
         self.dropped_candidates = 0
         self.pc.on("datachannel", self._on_datachannel)
-        self.pc.on("track", self._on_track)
         self.pc.on("connectionstatechange", self._on_state)
         session.on_close.append(self._on_session_close)
 
@@ -89,12 +99,16 @@ class PeerConnection:
             raise OfferError("negotiation_failed", f"could not answer the offer: {exc}") from None
         local = self.pc.localDescription.sdp
         if has_audio:
-            codec = negotiated_codec(local)
+            codec, payload_type = negotiated_codec(local) or ("", -1)
             if codec not in SUPPORTED_CODECS:
                 raise OfferError("no_common_codec", "the offer has no audio codec in common: offer Opus, PCMU or PCMA")
             self.session.attach_output(codec)
-            assert self.track is not None
-            self.track.set_clock_rate(48000 if codec == "opus" else 8000)
+            assert self.track is not None and self.session.encoder is not None
+            self.track.set_clock_rate(self.session.encoder.clock_rate)
+            self.track.dtx = codec == "opus" and self.session.options.opus.dtx
+            self._attach_mic(codec, payload_type)
+            if codec == "opus":
+                local = ask_for_dtx(local, payload_type)
         else:
             # Data channel only: events and text still work; audio is not sent.
             self.session.attach_output("opus")
@@ -138,25 +152,17 @@ class PeerConnection:
         else:
             channel.on("open", lambda: send(session.ready_event()))
 
-    def _on_track(self, track) -> None:
-        if track.kind == "audio" and self._mic_task is None:
-            self._mic_task = asyncio.ensure_future(self._consume_mic(track))
-
-    async def _consume_mic(self, track) -> None:
-        # Always read: aiortc queues decoded frames without bound otherwise.
-        resampler = av.AudioResampler(format="s16", layout="mono", rate=16000)
-        while True:
-            try:
-                frame = await track.recv()
-            except MediaStreamError:
+    def _attach_mic(self, codec: str, payload_type: int) -> None:
+        session = self.session
+        for transceiver in self.pc.getTransceivers():
+            if transceiver.kind == "audio" and transceiver.currentDirection in ("sendrecv", "recvonly"):
+                self.mic = Microphone(
+                    codec, payload_type,
+                    on_audio=session.on_inbound_audio, on_gap=session.on_inbound_gap,
+                    wanted=lambda: session.listening,
+                )
+                self.mic.attach(transceiver.receiver)
                 return
-            except asyncio.CancelledError:
-                return
-            try:
-                for out in resampler.resample(frame):
-                    self.session.on_inbound_audio(out.to_ndarray().reshape(-1))
-            except Exception:
-                log.exception("session %s: inbound audio failed", self.session.id, extra={"session_id": self.session.id})
 
     async def _on_state(self) -> None:
         state = self.pc.connectionState
@@ -166,8 +172,6 @@ class PeerConnection:
             await self.session.close(f"connection {state}")
 
     async def _on_session_close(self, session: Session) -> None:
-        if self._mic_task is not None:
-            self._mic_task.cancel()
         if self.track is not None:
             self.track.stop()
         await self.close_pc()

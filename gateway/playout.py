@@ -10,12 +10,13 @@ the very next frame on the wire is silence.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-FRAME_MS = 20
+from .frames import FRAME_MS
 
 
 @dataclass
@@ -34,6 +35,9 @@ class UtterancePlay:
     started: bool = False
     first_frame_at: float | None = None
     underruns: int = 0
+    # The producer waiting for the buffer to drain below `low_water_ms`.
+    low_water: asyncio.Future | None = None
+    low_water_ms: int = 0
 
     @property
     def played_ms(self) -> int:
@@ -108,9 +112,25 @@ class Playout:
     def finish(self, utt: UtterancePlay) -> None:
         utt.input_done = True
 
+    async def wait_below(self, utt: UtterancePlay, ms: int) -> None:
+        """Wait until less than `ms` of the utterance is buffered (the track draining it)."""
+        if utt.buffered_ms < ms:
+            return
+        utt.low_water_ms = ms
+        utt.low_water = asyncio.get_running_loop().create_future()
+        try:
+            await utt.low_water
+        finally:
+            utt.low_water = None
+
     @property
     def current(self) -> UtterancePlay | None:
         return self.queue[0] if self.queue else None
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued at all: the output may send less than a frame per tick."""
+        return not self.queue
 
     # Consumer side (the track, once per 20 ms)
     def next_frame(self, now: float | None = None) -> bytes:
@@ -131,6 +151,8 @@ class Playout:
                 self._rebuffering = False
                 frame = utt.frames.popleft()
                 utt.sent_frames += 1
+                if utt.low_water is not None and utt.buffered_ms < utt.low_water_ms and not utt.low_water.done():
+                    utt.low_water.set_result(None)
                 if utt.first_frame_at is None:
                     utt.first_frame_at = now if now is not None else time.perf_counter()
                     if self.on_audio_started is not None:

@@ -18,36 +18,22 @@ import itertools
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 import numpy as np
 
 from ..engine.base import SynthesisOptions
-from ..engine.client import EngineClient, EngineCrashed, EngineStreamError, EngineUnavailable, TTSStream
+from ..engine.client import EngineClient, EngineUnavailable, TTSStream
 from .encoder import FrameEncoder, OpusSettings, create_encoder
+from .feeder import Feeder
 from .playout import Playout, UtterancePlay
 from .protocol import Limits, ProtocolError, RateLimiter, parse
-from .resample import StreamResampler
 from .vad import VadSettings, VoiceActivityDetector
 
 log = logging.getLogger(__name__)
 
 Listener = Callable[[dict], None]
-
-# Encoding runs here, never on the event loop. One thread: with two, bursts of
-# encoding took both cores from the event loop and made the pacer late.
-_encode_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode")
-# An utterance's first audio is encoded and queued on its own, so the first
-# frame does not wait for the whole first chunk; the rest goes in short slices,
-# and only so far ahead of playout, so encoding is spread out in time like the
-# audio itself instead of arriving in bursts that hold the GIL while other
-# sessions' frames are due.
-FIRST_SLICE_S = 0.06
-SLICE_S = 0.1
-ENCODE_AHEAD_MS = 1000
-
 
 @dataclass
 class SessionOptions:
@@ -109,8 +95,7 @@ class Session:
         self.playout = Playout(
             b"", on_audio_started=self._on_audio_started, on_done=self._on_done, on_underrun=self.metrics.underrun
         )
-        self._wake = asyncio.Event()
-        self._feeder: asyncio.Task | None = None
+        self._feeder: Feeder | None = None
         self._closed = False
         self.closed_event = asyncio.Event()
         self.vad = VoiceActivityDetector(self.options.vad)
@@ -238,7 +223,8 @@ class Session:
             self._open_by_source[source] = uid
         self.stats["utterances"] += 1
         self.emit({"type": "utterance.queued", "id": uid, "position": len(self.utterances) - 1})
-        self._wake.set()
+        if self._feeder is not None:
+            self._feeder.wake()
         return utt
 
     def _push(self, utt: Utterance, text: str) -> None:
@@ -289,7 +275,7 @@ class Session:
             "session_id": self.id,
             "voice": self.describe_options()["voice"],
             "voices": self.engine.info.get("voices", []),
-            "sample_rate": self.encoder.sample_rate if self.encoder else 48000,
+            "sample_rate": self.encoder.clock_rate if self.encoder else 48000,
             "engine_sample_rate": self.engine.info.get("sample_rate"),
             "codec": self.output_codec,
             "engine": self.engine.info.get("engine"),
@@ -335,15 +321,21 @@ class Session:
 
     def _restart_feeder(self) -> None:
         if self._feeder is not None:
-            self._feeder.cancel()
+            self._feeder.stop()
         if self.encoder is not None and not self._closed:
             # A fresh encoder: the cancelled audio must not colour what comes next.
             self.encoder = create_encoder(self.output_codec or "opus", self.options.opus)
             self._start_feeder()
 
     def _start_feeder(self) -> None:
-        self._feeder = asyncio.ensure_future(self._feed())
-        self._feeder.add_done_callback(self._feeder_done)
+        assert self.encoder is not None
+        self._feeder = Feeder(
+            self.encoder, self.playout, self._next_to_feed, self.emit, self.metrics,
+        )
+        self._feeder.task.add_done_callback(self._feeder_done)
+
+    def _next_to_feed(self) -> Utterance | None:
+        return next((u for u in self.utterances if not u.play.input_done), None)
 
     def _feeder_done(self, task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is None:
@@ -351,74 +343,28 @@ class Session:
         # A bug in the audio path: report it, drop what was queued, keep the session.
         log.error("session %s: feeder failed", self.id, exc_info=task.exception(), extra={"session_id": self.id})
         self.emit({"type": "error", "code": "internal", "message": "the audio path failed; queued speech was dropped"})
-        if not self._closed and task is self._feeder:
+        if not self._closed and self._feeder is not None and task is self._feeder.task:
             self.interrupt("error")
 
     # Inbound audio (microphone / caller)
+    @property
+    def listening(self) -> bool:
+        """Whether inbound audio is wanted at all: with the VAD off, nothing is decoded."""
+        return self.options.vad.enabled and not self._closed
+
     def on_inbound_audio(self, pcm16k: np.ndarray) -> None:
-        vad = self.options.vad
-        for event in self.vad.process(pcm16k):
+        self._vad_events(self.vad.process(pcm16k))
+
+    def on_inbound_gap(self, frames: int) -> None:
+        """Frames the peer did not send (its DTX during silence)."""
+        self._vad_events(self.vad.skip(frames))
+
+    def _vad_events(self, events: list[str]) -> None:
+        for event in events:
             self.last_activity = time.monotonic()
             self.emit({"type": event})
-            if event == "speech.started" and vad.enabled and self.playout.current is not None:
+            if event == "speech.started" and self.playout.current is not None:
                 self.interrupt("barge_in")
-
-    # The feeder: engine chunks -> encoded frames, in utterance order
-    async def _feed(self) -> None:
-        encoder = self.encoder
-        assert encoder is not None
-        loop = asyncio.get_running_loop()
-        try:
-            while not self._closed:
-                utt = next((u for u in self.utterances if not u.play.input_done), None)
-                if utt is None:
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                if not utt.started_sent:
-                    utt.started_sent = True
-                    self.emit({"type": "utterance.started", "id": utt.id})
-                resampler: StreamResampler | None = None
-                leftover = np.zeros(0, dtype=np.int16)
-                position_s = 0.0
-                first = True
-                try:
-                    async for chunk in utt.stream:
-                        if first:
-                            first = False
-                            if chunk.unit_sent_at and utt.stream.first_text_at:
-                                self.metrics.aggregation_wait(chunk.unit_sent_at - utt.stream.first_text_at)
-                                self.metrics.first_chunk(time.perf_counter() - chunk.unit_sent_at)
-                        if resampler is None:
-                            resampler = StreamResampler(chunk.sample_rate, encoder.sample_rate)
-                        if chunk.duration > 0:
-                            self.metrics.engine_chunk(chunk.synth_s, chunk.duration)
-                        # Words first, so a cancel while the chunk is being encoded still knows them.
-                        for word in chunk.words:
-                            utt.play.words.append(
-                                (word.text, (position_s + word.start) * 1000.0, (position_s + word.end) * 1000.0)
-                            )
-                        first_audio = position_s == 0.0
-                        position_s += chunk.duration
-                        for piece in _slices(chunk.pcm, chunk.sample_rate, first=first_audio):
-                            while utt.play.started and utt.play.buffered_ms > ENCODE_AHEAD_MS:
-                                await asyncio.sleep(0.1)
-                            frames, leftover = await loop.run_in_executor(
-                                _encode_pool, _encode_chunk, encoder, resampler, leftover, piece, False
-                            )
-                            self.playout.push(utt.play, frames)
-                        utt.play.chunk_ends.add(utt.play.queued_ms // 20)
-                except (EngineCrashed, EngineStreamError, EngineUnavailable) as exc:
-                    code = "engine_crashed" if isinstance(exc, EngineCrashed) else "engine_error"
-                    self.emit({"type": "error", "code": code, "message": str(exc), "id": utt.id})
-                if resampler is not None:
-                    frames, _ = await loop.run_in_executor(
-                        _encode_pool, _encode_chunk, encoder, resampler, leftover, np.zeros(0, np.int16), True
-                    )
-                    self.playout.push(utt.play, frames)
-                self.playout.finish(utt.play)
-        except asyncio.CancelledError:
-            pass
 
     def _on_audio_started(self, play: UtterancePlay, at: float) -> None:
         ttfa = max(0.0, at - (play.ready_at or at))
@@ -440,7 +386,7 @@ class Session:
         self.utterances = []
         self.playout.clear()
         if self._feeder is not None:
-            self._feeder.cancel()
+            self._feeder.stop()
         self.emit({"type": "session.closed", "reason": reason})
         for callback in self.on_close:
             try:
@@ -454,26 +400,3 @@ class Session:
     @property
     def closed(self) -> bool:
         return self._closed
-
-
-def _slices(pcm: np.ndarray, rate: int, first: bool) -> list[np.ndarray]:
-    step = int(rate * SLICE_S)
-    head = int(rate * FIRST_SLICE_S) if first else 0
-    cuts = ([head] if 0 < head < len(pcm) else []) + list(range(head + step, len(pcm), step))
-    return np.split(pcm, cuts) if len(pcm) else [pcm]
-
-
-def _encode_chunk(
-    encoder: FrameEncoder, resampler: StreamResampler, leftover: np.ndarray, pcm: np.ndarray, last: bool
-) -> tuple[list[bytes], np.ndarray]:
-    """Resample, cut into 20 ms frames, encode; returns the frames and the remainder."""
-    out = resampler.process(pcm, last=last)
-    samples = np.concatenate([leftover, out]) if len(leftover) else out
-    n = encoder.frame_samples
-    whole = len(samples) // n * n
-    if last and len(samples) > whole:
-        padded = np.zeros(whole + n, dtype=np.int16)
-        padded[: len(samples)] = samples
-        samples, whole = padded, whole + n
-    frames = encoder.encode(samples[:whole]) if whole else []
-    return frames, samples[whole:]

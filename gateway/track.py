@@ -1,9 +1,14 @@
-"""The outbound speech track: pre-encoded packets, paced on the monotonic clock.
+"""The outbound speech track: pre-encoded packets, paced by the shared frame clock.
 
 aiortc's sender awaits `recv()` in a loop and sends what it gets. Returning an
 `av.Packet` with `pts` and `time_base` set makes it pack the payload as is, so
-no encoding happens on this path: the track only waits for the next deadline
-and hands over the next frame from the playout buffer.
+no encoding happens on this path: the track only waits for the next tick and
+hands over the next frame from the playout buffer.
+
+With DTX on, a track with nothing to say sends one silent packet every
+`KEEPALIVE_FRAMES` frames instead of one every frame. Its RTP timestamps keep
+counting every frame, so a receiver sees a gap of silence, which is what Opus
+DTX is; the next utterance wakes the track at once.
 """
 
 from __future__ import annotations
@@ -14,21 +19,26 @@ from fractions import Fraction
 import av
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
+from .frames import FRAME_S, frame_samples
 from .pacer import Pacer
 from .playout import Playout
 
+KEEPALIVE_FRAMES = 20  # 400 ms, as libopus's own DTX
+
 
 class SpeechTrack(MediaStreamTrack):
+    """One session's outbound audio: a frame from its playout on each of its pacer's ticks."""
+
     kind = "audio"
 
-    def __init__(self, playout: Playout, clock_rate: int = 48000, pacer: Pacer | None = None) -> None:
+    def __init__(self, playout: Playout, clock_rate: int = 48000, pacer: Pacer | None = None, dtx: bool = False) -> None:
         super().__init__()
         self.playout = playout
-        self.clock_rate = clock_rate
         self.pacer = pacer or Pacer()
-        self._time_base = Fraction(1, clock_rate)
-        self._samples_per_frame = clock_rate // 50
+        self.dtx = dtx
+        self.set_clock_rate(clock_rate)
         self._pts = 0
+        self._last: float | None = None
         self.on_departure = None  # callable(departure_time) after each frame
         playout.on_ready = self.pacer.wake
 
@@ -36,18 +46,22 @@ class SpeechTrack(MediaStreamTrack):
         """Set once the codec is negotiated: 48000 for Opus, 8000 for G.711."""
         self.clock_rate = clock_rate
         self._time_base = Fraction(1, clock_rate)
-        self._samples_per_frame = clock_rate // 50
+        self._samples_per_frame = frame_samples(clock_rate)
 
     async def recv(self) -> av.Packet:
         if self.readyState != "live":
             raise MediaStreamError
-        await self.pacer.wait()
-        now = time.perf_counter()
-        payload = self.playout.next_frame(now)
+        idle = self.dtx and self.playout.idle
+        now = await self.pacer.wait(KEEPALIVE_FRAMES if idle else 1)
+        if self._last is not None:
+            # Frames skipped while idle still count on the RTP clock.
+            self._pts += self._samples_per_frame * max(1, round((now - self._last) / FRAME_S))
+        self._last = now
+        sent_at = time.perf_counter()  # the clock the session's timings use
+        payload = self.playout.next_frame(sent_at)
         packet = av.Packet(payload)
         packet.pts = self._pts
         packet.time_base = self._time_base
-        self._pts += self._samples_per_frame
         if self.on_departure is not None:
-            self.on_departure(now)
+            self.on_departure(sent_at)
         return packet

@@ -64,7 +64,8 @@ class VoiceActivityDetector:
         if self._mode != self.settings.aggressiveness:
             self._vad.set_mode(self.settings.aggressiveness)
             self._mode = self.settings.aggressiveness
-        buf = np.concatenate([self._pending, np.asarray(pcm16k, dtype=np.int16)])
+        pcm16k = np.asarray(pcm16k, dtype=np.int16)
+        buf = np.concatenate([self._pending, pcm16k]) if len(self._pending) else pcm16k
         events = []
         n = len(buf) // FRAME_SAMPLES
         for i in range(n):
@@ -81,7 +82,8 @@ class VoiceActivityDetector:
         level_db = 20 * math.log10(rms)
         if self._floor_db is None:
             self._floor_db = level_db
-        voiced = self._vad.is_speech(frame.tobytes(), VAD_RATE) and level_db > self._floor_db + s.floor_margin_db
+        # The energy gate first: webrtcvad runs only on frames loud enough to count.
+        voiced = level_db > self._floor_db + s.floor_margin_db and self._vad.is_speech(frame.tobytes(), VAD_RATE)
         # The floor follows quiet frames quickly and loud ones slowly, so it
         # settles on steady noise but not on speech.
         rate = 0.2 if level_db < self._floor_db else 0.01
@@ -89,6 +91,19 @@ class VoiceActivityDetector:
             self._floor_db += rate * (level_db - self._floor_db)
             # Digital silence must not drag the floor to nothing (-70 dBFS).
             self._floor_db = max(self._floor_db, 20.0)
+        return self._decide(voiced)
+
+    def skip(self, frames: int) -> list[str]:
+        """Frames that never arrived (the peer's DTX, or loss) count as silence."""
+        events = []
+        for _ in range(frames):
+            event = self._decide(False)
+            if event:
+                events.append(event)
+        return events
+
+    def _decide(self, voiced: bool) -> str | None:
+        s = self.settings
         window = max(1, s.min_speech_ms // 20) * 2
         self._recent.append(voiced)
         while len(self._recent) > window:

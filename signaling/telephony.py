@@ -206,8 +206,8 @@ class TwilioCall:
         assert self.session is not None
         # Media flows all through a live call, quiet or not: it is not idle.
         self.session.last_activity = time.monotonic()
-        if not ulaw:
-            return
+        if not ulaw or not self.session.listening:
+            return  # nothing is decoded while the session's VAD is off
         pcm16k = self._resampler.process(ulaw_decode(ulaw))
         self.session.on_inbound_audio(np.asarray(pcm16k, dtype=np.int16))
 

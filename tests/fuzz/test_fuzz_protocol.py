@@ -210,7 +210,7 @@ def test_session_survives_any_message_sequence_and_ends_each_utterance_once(engi
     assert all(e["type"] != "error" or (e["code"] and e["message"]) for e in rec.events)
     assert rec.count("utterance.queued") == rec.terminal()
     assert rec.events[-1]["type"] == "session.closed"
-    assert session._feeder is None or session._feeder.done()
+    assert session._feeder is None or session._feeder.task.done()
     # Every engine stream the session opened was finished or cancelled.
     loop.run_until_complete(asyncio.sleep(0.05))
     assert engine.active_streams == 0

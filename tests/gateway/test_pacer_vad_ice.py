@@ -7,22 +7,20 @@ import numpy as np
 import pytest
 
 from voxgate.gateway.ice import IcePolicy, parse_ice_server, parse_networks
-from voxgate.gateway.pacer import Pacer
+from voxgate.gateway.pacer import FrameClock, Pacer
 from voxgate.gateway.vad import VadSettings, VoiceActivityDetector
 
 
-class FakeClock:
-    """Time that moves only when the pacer sleeps or the test advances it.
+class FakeTime:
+    """Time that moves only when the frame clock sleeps or the test advances it.
 
-    With `hold` set, a sleep does not end by itself: it waits for the pacer's
-    wake() and then `hold` seconds have passed.
+    With `hold` set, the clock's sleep does not end by itself: the test ends it.
     """
 
     def __init__(self) -> None:
         self.t = 1000.0
         self.sleeps: list[float] = []
-        self.hold: float | None = None
-        self.sleeping = asyncio.Event()
+        self.hold: asyncio.Future | None = None
 
     def now(self) -> float:
         return self.t
@@ -30,42 +28,64 @@ class FakeClock:
     def advance(self, seconds: float) -> None:
         self.t += seconds
 
-    async def sleep(self, delay: float, woken: asyncio.Future) -> None:
+    async def sleep(self, delay: float, interrupt: asyncio.Future) -> None:
         self.sleeps.append(delay)
-        self.sleeping.set()
+        until = self.t + delay
+        await asyncio.sleep(0)  # what is ready to run runs before time moves on
         if self.hold is not None:
-            await woken
-            self.t += self.hold
-        else:
-            self.t += delay
+            await asyncio.wait([self.hold, interrupt], return_when=asyncio.FIRST_COMPLETED)
+        if not interrupt.done():
+            self.t = max(self.t, until)
 
 
-async def departures(pacer: Pacer, n: int, clock: FakeClock, work_s: float = 0.0) -> list[float]:
+def pacer_on(fake: FakeTime) -> Pacer:
+    return Pacer(FrameClock(time_source=fake))
+
+
+async def departures(pacer: Pacer, n: int, fake: FakeTime, work_s: float = 0.0) -> list[float]:
     out = []
     for _ in range(n):
         out.append(await pacer.wait())
-        clock.advance(work_s)  # time spent sending the frame
+        fake.advance(work_s)  # time spent sending the frame
     return out
 
 
 async def test_pacer_departs_at_the_anchor_plus_whole_frames():
-    clock = FakeClock()
-    pacer = Pacer(clock=clock)
-    sent = await departures(pacer, 30, clock, work_s=0.004)
+    fake = FakeTime()
+    pacer = pacer_on(fake)
+    sent = await departures(pacer, 30, fake, work_s=0.004)
     anchor = sent[0]
     # Work between frames does not push the schedule: nothing accumulates.
     assert sent == pytest.approx([anchor + k * 0.020 for k in range(30)], abs=1e-9)
     assert list(pacer.stats.intervals) == pytest.approx([0.020] * 29, abs=1e-9)
-    assert clock.sleeps == pytest.approx([0.016] * 29, abs=1e-9)
     assert pacer.stats.late_frames == pacer.stats.stalls == 0
 
 
+async def test_one_clock_serves_every_track_on_its_own_phase():
+    fake = FakeTime()
+    clock = FrameClock(time_source=fake)
+    pacers = [Pacer(clock) for _ in range(3)]
+
+    first = await pacers[0].wait()
+    fake.advance(0.003)  # the next track starts 3 ms later: on the next 5 ms tick
+    second = await pacers[1].wait()
+    fake.advance(0.003)
+    third = await pacers[2].wait()
+    runs = await asyncio.gather(*(departures(p, 10, fake) for p in pacers))
+    for start, sent in zip((first, second, third), runs):
+        assert [b - a for a, b in zip([start] + sent, sent)] == pytest.approx([0.020] * 10, abs=1e-9)
+    # Phases 5 ms apart on one grid, and one timer for all: 3 tracks x 10 frames took
+    # one sleep per tick, never one per track.
+    assert {round((sent[0] - runs[0][0]) * 1000) % 20 for sent in runs} == {0, 5, 10}
+    assert clock.ticks < 3 * 10 + 10
+
+
 async def test_pacer_counts_a_late_frame_and_keeps_its_schedule():
-    clock = FakeClock()
-    pacer = Pacer(clock=clock)
-    sent = await departures(pacer, 3, clock)
-    clock.advance(0.030)  # the loop was busy: the next frame is 10 ms late
-    sent += await departures(pacer, 4, clock)
+    fake = FakeTime()
+    pacer = pacer_on(fake)
+    sent = await departures(pacer, 3, fake)
+    fake.advance(0.030)  # the loop was busy: the next frame is 10 ms late
+    sent += await departures(pacer, 4, fake)
     anchor = sent[0]
     assert pacer.stats.late_frames == 1 and pacer.stats.stalls == 0
     assert sent[3] == pytest.approx(anchor + 0.070)  # due at +60 ms
@@ -74,35 +94,40 @@ async def test_pacer_counts_a_late_frame_and_keeps_its_schedule():
 
 
 async def test_pacer_reanchors_after_a_stall_instead_of_bursting():
-    clock = FakeClock()
-    pacer = Pacer(clock=clock)
-    sent = await departures(pacer, 3, clock)
-    clock.advance(0.2)  # the event loop was blocked for ten frames
-    sent += await departures(pacer, 5, clock)
+    fake = FakeTime()
+    pacer = pacer_on(fake)
+    sent = await departures(pacer, 3, fake)
+    fake.advance(0.2)  # the event loop was blocked for ten frames
+    sent += await departures(pacer, 5, fake)
     assert pacer.stats.stalls == 1
     # The late frame leaves at once and the schedule restarts from it: no catch-up burst.
     assert sent[3] == pytest.approx(sent[2] + 0.2)
-    assert [b - a for a, b in zip(sent[3:], sent[4:])] == pytest.approx([0.020] * 4, abs=1e-9)
+    gaps = [b - a for a, b in zip(sent[3:], sent[4:])]
+    assert min(gaps) >= 0.015 - 1e-9 and gaps[1:] == pytest.approx([0.020] * 3, abs=1e-9), gaps
 
 
 async def test_pacer_wake_sends_the_next_frame_at_once_and_keeps_the_schedule():
-    clock = FakeClock()
-    pacer = Pacer(clock=clock)
+    fake = FakeTime()
+    pacer = pacer_on(fake)
     first = await pacer.wait()
-    clock.hold = 0.005  # the next sleep ends only when woken, 5 ms into its 20 ms
-    clock.sleeping.clear()
+    fake.hold = asyncio.get_running_loop().create_future()  # the next tick never comes by itself
     waiting = asyncio.ensure_future(pacer.wait())
-    await asyncio.wait_for(clock.sleeping.wait(), 2.0)
+    while not fake.sleeps:
+        await asyncio.sleep(0)
+    fake.advance(0.007)  # 7 ms into the 20 ms wait, an utterance's first audio is ready
     pacer.wake()
     woken = await asyncio.wait_for(waiting, 2.0)
-    assert woken == pytest.approx(first + 0.005)
+    assert woken == pytest.approx(first + 0.007)
     assert pacer.stats.wakes == 1
     assert len(pacer.stats.intervals) == 0  # the early frame is not counted as jitter
-    clock.hold = None
-    after = await departures(pacer, 3, clock)
-    assert after == pytest.approx([woken + k * 0.020 for k in (1, 2, 3)], abs=1e-9)  # re-anchored at the woken frame
+    fake.hold.set_result(None)
+    fake.hold = None
+    after = await departures(pacer, 3, fake)
+    # The schedule continues on the tick nearest a frame after the woken frame (the
+    # 5 ms grid), then every 20 ms.
+    assert 0.015 - 1e-9 <= after[0] - woken <= 0.020 + 1e-9, after[0] - woken
+    assert [b - a for a, b in zip(after, after[1:])] == pytest.approx([0.020] * 2, abs=1e-9)
     pacer.wake()  # a wake while not sleeping applies to the next wait
-    clock.hold = 0.0
     assert await asyncio.wait_for(pacer.wait(), 2.0) == pytest.approx(after[-1])
     assert pacer.stats.wakes == 2
 

@@ -1,0 +1,128 @@
+"""Engine audio in, encoded frames out: one session's utterances, in order, into its playout.
+
+Per utterance: engine chunks (any rate) -> resample to the encoder's rate ->
+whole 20 ms frames -> packets, on the shared encode pool -> the playout.
+An utterance's first 60 ms are encoded on their own and ahead of everyone
+else's work, so first audio does not wait for a whole chunk; the rest goes in
+0.1 s slices, and only up to a second ahead of playout, so encoding follows
+the audio instead of arriving in bursts that hold the GIL while other
+sessions' frames are due.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from ..engine.client import EngineCrashed, EngineStreamError, EngineUnavailable
+from .encode_pool import FIRST, LATER, encode_pool
+from .encoder import FrameEncoder
+from .frames import FRAME_MS, Framer
+from .playout import Playout
+from .resample import StreamResampler
+
+if TYPE_CHECKING:
+    from .session import SessionMetrics, Utterance
+
+FIRST_SLICE_S = 0.06
+SLICE_S = 0.1
+ENCODE_AHEAD_MS = 1000
+
+
+class UtteranceAudio:
+    """Engine PCM to wire packets for one utterance: resample, cut into frames, encode.
+
+    Used by one pool job at a time (the feeder awaits each), so its state needs no lock.
+    """
+
+    def __init__(self, encoder: FrameEncoder, in_rate: int) -> None:
+        self.encoder = encoder
+        self.resampler = StreamResampler(in_rate, encoder.sample_rate)
+        self.framer = Framer(encoder.sample_rate)
+
+    def encode(self, pcm: np.ndarray, last: bool = False) -> list[bytes]:
+        frames = self.framer.push(self.resampler.process(pcm, last=last), last=last)
+        return self.encoder.encode(frames) if len(frames) else []
+
+
+class Feeder:
+    """Feeds the session's utterances, oldest first, until stopped."""
+
+    def __init__(
+        self,
+        encoder: FrameEncoder,
+        playout: Playout,
+        next_utterance: Callable[[], "Utterance | None"],
+        emit: Callable[[dict], None],
+        metrics: "SessionMetrics",
+    ) -> None:
+        self.encoder = encoder
+        self.playout = playout
+        self.next_utterance = next_utterance
+        self.emit = emit
+        self.metrics = metrics
+        self._wake = asyncio.Event()
+        self.task = asyncio.ensure_future(self._run())
+
+    def wake(self) -> None:
+        """A new utterance was queued."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        self.task.cancel()
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                utt = self.next_utterance()
+                if utt is None:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                await self._feed(utt)
+        except asyncio.CancelledError:
+            pass
+
+    async def _feed(self, utt: "Utterance") -> None:
+        play = utt.play
+        if not utt.started_sent:
+            utt.started_sent = True
+            self.emit({"type": "utterance.started", "id": utt.id})
+        audio: UtteranceAudio | None = None
+        position_s = 0.0
+        try:
+            async for chunk in utt.stream:
+                if audio is None:
+                    audio = UtteranceAudio(self.encoder, chunk.sample_rate)
+                    if chunk.unit_sent_at and utt.stream.first_text_at:
+                        self.metrics.aggregation_wait(chunk.unit_sent_at - utt.stream.first_text_at)
+                        self.metrics.first_chunk(time.perf_counter() - chunk.unit_sent_at)
+                if chunk.duration > 0:
+                    self.metrics.engine_chunk(chunk.synth_s, chunk.duration)
+                # Words first, so a cancel while the chunk is being encoded still knows them.
+                for word in chunk.words:
+                    play.words.append((word.text, (position_s + word.start) * 1000.0, (position_s + word.end) * 1000.0))
+                first_audio = position_s == 0.0
+                position_s += chunk.duration
+                for i, piece in enumerate(_slices(chunk.pcm, chunk.sample_rate, first=first_audio)):
+                    if play.started:
+                        await self.playout.wait_below(play, ENCODE_AHEAD_MS)
+                    priority = FIRST if first_audio and i == 0 else LATER
+                    self.playout.push(play, await encode_pool.submit(audio.encode, piece, priority=priority))
+                play.chunk_ends.add(play.queued_ms // FRAME_MS)
+        except (EngineCrashed, EngineStreamError, EngineUnavailable) as exc:
+            code = "engine_crashed" if isinstance(exc, EngineCrashed) else "engine_error"
+            self.emit({"type": "error", "code": code, "message": str(exc), "id": utt.id})
+        if audio is not None:
+            self.playout.push(play, await encode_pool.submit(audio.encode, np.zeros(0, np.int16), True))
+        self.playout.finish(play)
+
+
+def _slices(pcm: np.ndarray, rate: int, first: bool) -> list[np.ndarray]:
+    step = int(rate * SLICE_S)
+    head = int(rate * FIRST_SLICE_S) if first else 0
+    cuts = ([head] if 0 < head < len(pcm) else []) + list(range(head + step, len(pcm), step))
+    return np.split(pcm, cuts) if len(pcm) else [pcm]

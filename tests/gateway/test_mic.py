@@ -1,0 +1,95 @@
+"""The microphone reader: RTP packets to 16 kHz PCM for the VAD, gaps as silence, nothing decoded when unwanted."""
+
+import numpy as np
+from aiortc.rtp import RtpPacket
+
+from voxgate.gateway import opus
+from voxgate.gateway.encoder import ulaw_encode
+from voxgate.gateway.mic import Microphone
+from voxgate.gateway.vad import VadSettings, VoiceActivityDetector
+from tests.speech import synthesize_48k
+
+PT = 111
+
+
+class Receiver:
+    """Stands in for aiortc's RTCRtpReceiver: only the packet handler the DTLS transport calls."""
+
+    async def _handle_rtp_packet(self, packet, arrival_time_ms: int) -> None:  # pragma: no cover - replaced
+        raise AssertionError("aiortc's own handler must not see the packets")
+
+
+def opus_packets(pcm48k: np.ndarray) -> list[bytes]:
+    encoder = opus.Encoder(48000, 32000, 5, False, 0, False)
+    n = len(pcm48k) // 960 * 960
+    return encoder.encode(pcm48k[:n])
+
+
+def rtp(payload: bytes, seq: int, ts: int, pt: int = PT) -> RtpPacket:
+    packet = RtpPacket(payload_type=pt, sequence_number=seq, timestamp=ts)
+    packet.payload = payload
+    return packet
+
+
+class Recorder:
+    def __init__(self, wanted: bool = True) -> None:
+        self.pcm: list[np.ndarray] = []
+        self.gaps: list[int] = []
+        self.wanted = wanted
+
+    def mic(self, codec: str = "opus") -> Microphone:
+        mic = Microphone(codec, PT, self.pcm.append, self.gaps.append, lambda: self.wanted)
+        receiver = Receiver()
+        mic.attach(receiver)
+        self.handle = receiver._handle_rtp_packet
+        return mic
+
+
+async def test_opus_is_decoded_straight_to_16k_and_keeps_the_speech():
+    speech = synthesize_48k("Hello, can you hear me talking right now?")
+    rec = Recorder()
+    mic = rec.mic()
+    for i, payload in enumerate(opus_packets(speech)):
+        await rec.handle(rtp(payload, i, 1000 + i * 960), 0)
+    pcm = np.concatenate(rec.pcm)
+    assert all(len(p) == 320 for p in rec.pcm) and rec.gaps == []
+    assert mic.decoded == mic.packets == len(rec.pcm)
+    # The VAD hears it as speech, as it would the 48 kHz stereo decode resampled.
+    vad = VoiceActivityDetector(VadSettings())
+    events = vad.process(np.concatenate([np.zeros(16000, np.int16), pcm, np.zeros(16000, np.int16)]))
+    assert events == ["speech.started", "speech.stopped"]
+
+
+async def test_dtx_gaps_reach_the_vad_as_frames_of_silence_and_old_packets_are_dropped():
+    payloads = opus_packets(np.zeros(960 * 10, dtype=np.int16))
+    rec = Recorder()
+    rec.mic()
+    await rec.handle(rtp(payloads[0], 1, 0), 0)
+    await rec.handle(rtp(payloads[1], 2, 960 * 21), 0)  # DTX: 20 frames were not sent
+    await rec.handle(rtp(payloads[2], 3, 960 * 5), 0)  # reordered, older than what was heard
+    await rec.handle(rtp(payloads[3], 4, 960 * 22), 0)
+    assert rec.gaps == [20] and len(rec.pcm) == 3
+
+
+async def test_nothing_is_decoded_while_unwanted_and_other_payload_types_are_ignored():
+    payloads = opus_packets(np.zeros(960 * 3, dtype=np.int16))
+    rec = Recorder(wanted=False)
+    mic = rec.mic()
+    await rec.handle(rtp(payloads[0], 1, 0), 0)
+    assert mic.packets == 1 and mic.decoded == 0 and rec.pcm == []
+    rec.wanted = True
+    await rec.handle(rtp(b"\x01\x02", 2, 960, pt=13), 0)  # comfort noise
+    await rec.handle(rtp(payloads[1], 3, 960), 0)
+    assert mic.decoded == 1 and len(rec.pcm) == 1
+
+
+async def test_g711_is_decoded_and_brought_to_16k():
+    tone = (np.sin(np.arange(8000) * 2 * np.pi * 440 / 8000) * 8000).astype(np.int16)
+    rec = Recorder()
+    rec.mic("pcmu")
+    for i in range(0, 8000, 160):
+        await rec.handle(rtp(ulaw_encode(tone[i : i + 160]), i // 160, i), 0)
+    pcm = np.concatenate(rec.pcm)
+    assert 14500 <= len(pcm) <= 16000  # less the resampler's delay
+    spectrum = np.abs(np.fft.rfft(pcm[2000:14000].astype(np.float64)))
+    assert abs(np.argmax(spectrum) * 16000 / 12000 - 440) < 5
