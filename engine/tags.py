@@ -19,6 +19,7 @@ tag is dropped. See docs/speech-tags.md.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Iterator, Union
@@ -37,11 +38,17 @@ RATE_WORDS = {"x-slow": 0.6, "slow": 0.8, "medium": 1.0, "default": 1.0, "fast":
 BREAK_STRENGTHS = {"none": 0, "x-weak": 100, "weak": 200, "medium": 400, "strong": 700, "x-strong": 1000}
 SPELL_KINDS = ("characters", "spell-out", "letters", "verbatim")
 
+# These patterns run on the event loop over text a client chose. Lengths are
+# capped before any of them runs, and each is linear: a match starts only where
+# the character before cannot belong to it, and no two adjacent repeats can
+# trade characters (the source of quadratic backtracking).
+MAX_TAG_CHARS = 512  # longer "<...>" spans are not tags: dropped, never parsed
+MAX_VALUE_CHARS = 64  # attribute values a number is read from
 _TAG = re.compile(r"<([^<>]*)>")
-_TAG_NAME = re.compile(r"^\s*(/?)\s*([A-Za-z][\w:.-]*)(.*?)(/?)\s*$", re.DOTALL)
-_ATTR = re.compile(r"""([A-Za-z_][\w:.-]*)\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'/>]+))""")
-_TIME = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s)?\s*$", re.IGNORECASE)
-_PERCENT = re.compile(r"^\s*([+-]?)(\d+(?:\.\d+)?)\s*%\s*$")
+_NAME = re.compile(r"[A-Za-z][\w:.-]*")
+_ATTR = re.compile(r"""(?<![\w:.-])([A-Za-z_][\w:.-]*)[ \t\n]*=[ \t\n]*(?:"([^"]*)"|'([^']*)'|([^\s"'/>]+))""")
+_TIME = re.compile(r"(\d+(?:\.\d+)?)(ms|s)?", re.IGNORECASE)
+_PERCENT = re.compile(r"([+-]?)(\d+(?:\.\d+)?)%")
 
 
 @dataclass(frozen=True)
@@ -71,10 +78,19 @@ class Tag:
 
 def parse_tag(inner: str) -> Tag | None:
     """The tag inside `<...>`, or None for text that only looks like one ("a < b > c")."""
-    m = _TAG_NAME.match(inner)
+    if len(inner) > MAX_TAG_CHARS:
+        return None
+    body = inner.strip()
+    closing = body.startswith("/")
+    if closing:
+        body = body[1:].lstrip()
+    slash = body.endswith("/")
+    if slash:
+        body = body[:-1].rstrip()
+    m = _NAME.match(body)
     if m is None:
         return None
-    closing, name, rest, slash = m.groups()
+    name, rest = m.group(0), body[m.end() :]
     attrs = {a.lower(): (v1 if v1 is not None else v2 if v2 is not None else v3) for a, v1, v2, v3 in _ATTR.findall(rest)}
     return Tag(name.lower(), bool(closing), bool(slash), attrs, "<" + inner + ">")
 
@@ -82,7 +98,7 @@ def parse_tag(inner: str) -> Tag | None:
 def break_ms(attrs: dict) -> int:
     time = attrs.get("time")
     if time is not None:
-        m = _TIME.match(time)
+        m = _TIME.fullmatch(time.strip().replace(" ", "")) if len(time) <= MAX_VALUE_CHARS else None
         if m is None:
             return BREAK_STRENGTHS["medium"]
         value = float(m.group(1))
@@ -96,9 +112,11 @@ def rate_factor(value: str | None) -> float:
     if value is None:
         return 1.0
     v = value.strip().lower()
+    if len(v) > MAX_VALUE_CHARS:
+        return 1.0
     if v in RATE_WORDS:
         return RATE_WORDS[v]
-    m = _PERCENT.match(v)
+    m = _PERCENT.fullmatch(v.replace(" ", ""))
     if m is not None:
         sign, number = m.group(1), float(m.group(2))
         factor = 1.0 + number / 100.0 if sign == "+" else 1.0 - number / 100.0 if sign == "-" else number / 100.0
@@ -107,6 +125,8 @@ def rate_factor(value: str | None) -> float:
             factor = float(v)
         except ValueError:
             return 1.0
+    if not math.isfinite(factor):
+        return 1.0  # "nan" passes min/max unchanged; "inf" is no rate either
     return min(max(factor, MIN_RATE), MAX_RATE)
 
 

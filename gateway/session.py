@@ -14,10 +14,11 @@ reports how much of the current utterance was heard.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
+import secrets
 import time
 import uuid
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
@@ -47,6 +48,10 @@ _encode_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode")
 FIRST_SLICE_S = 0.06
 SLICE_S = 0.1
 ENCODE_AHEAD_MS = 1000
+# Text reaches the segmenter in slices of this many characters, one slice per
+# turn of the event loop, so one large message never holds the loop for long:
+# the pacers of every session get their turn between slices.
+TEXT_SLICE_CHARS = 256
 
 
 @dataclass
@@ -101,9 +106,14 @@ class Session:
         self.listeners: dict[str, Listener] = {}
         self.writer: str | None = None  # the one backend allowed to write, besides the peer
         self.utterances: list[Utterance] = []
+        # Utterance ids are per source (the data channel, each backend): a source
+        # may write only to utterances it opened, so one sender can never
+        # append text to another's utterance.
         self._open_by_source: dict[str, str] = {}
-        self._interrupted_ids: set[str] = set()
-        self._auto_ids = itertools.count(1)
+        self._interrupted_ids: set[tuple[str, str]] = set()
+        # Text waiting to reach the engine streams, in arrival order: (utterance, text), or None text to end it.
+        self._text_queue: deque[tuple[Utterance, str | None]] = deque()
+        self._text_pump: asyncio.Handle | None = None
         self.encoder: FrameEncoder | None = None
         self.output_codec: str | None = None
         self.playout = Playout(
@@ -187,9 +197,9 @@ class Session:
             self._push(utt, msg["text"])
         elif kind == "text.end":
             uid = msg.get("id") or self._open_by_source.get(source)
-            utt = self._find(uid)
+            utt = self._find(uid, source)
             if utt is None:
-                if uid in self._interrupted_ids:
+                if (source, uid) in self._interrupted_ids:
                     return  # ending an interrupted utterance is fine and does nothing
                 raise ProtocolError("unknown_utterance", f"no open utterance {uid!r} to end", uid)
             self._end(utt)
@@ -198,9 +208,14 @@ class Session:
         elif kind == "session.update":
             self._update(msg)
 
-    def _find(self, uid: str | None) -> Utterance | None:
+    def _find(self, uid: str | None, source: str) -> Utterance | None:
+        """This source's utterance `uid`; another source's is refused, never written to."""
         for utt in self.utterances:
             if utt.id == uid:
+                if utt.source != source:
+                    raise ProtocolError(
+                        "id_in_use", f"utterance {uid!r} belongs to another sender; use an id of your own", uid
+                    )
                 return utt
         return None
 
@@ -208,12 +223,12 @@ class Session:
         if uid is None and streaming:
             uid = self._open_by_source.get(source)
         if uid is not None:
-            utt = self._find(uid)
+            utt = self._find(uid, source)
             if utt is not None:
                 if utt.ended:
                     raise ProtocolError("utterance_ended", f"utterance {uid!r} has already ended; use a new id", uid)
                 return utt
-            if uid in self._interrupted_ids:
+            if (source, uid) in self._interrupted_ids:
                 raise ProtocolError(
                     "utterance_interrupted", f"utterance {uid!r} was interrupted; its text is not spoken", uid
                 )
@@ -225,7 +240,7 @@ class Session:
         # With no output attached yet (a session made ahead through the session
         # API), text is accepted and queued; the feeder starts on attach_output.
         if uid is None:
-            uid = f"u{next(self._auto_ids)}"
+            uid = "u-" + secrets.token_hex(8)  # unguessable: nobody can aim at an id before it exists
         try:
             stream = self.engine.stream(SynthesisOptions(voice=self.options.voice, rate=self.options.rate))
         except EngineUnavailable as exc:
@@ -249,7 +264,7 @@ class Session:
                 utt.id,
             )
         utt.chars += len(text)
-        utt.stream.push_text(text)
+        self._queue_text(utt, text)
 
     def _end(self, utt: Utterance) -> None:
         if utt.ended:
@@ -257,7 +272,31 @@ class Session:
         utt.ended = True
         if self._open_by_source.get(utt.source) == utt.id:
             del self._open_by_source[utt.source]
-        utt.stream.end_input()
+        self._queue_text(utt, None)
+
+    def _queue_text(self, utt: Utterance, text: str | None) -> None:
+        self._text_queue.append((utt, text))
+        if self._text_pump is None:
+            self._text_pump = asyncio.get_running_loop().call_soon(self._pump_text)
+
+    def _pump_text(self) -> None:
+        """Hand one slice of queued text to its engine stream, then yield the loop."""
+        self._text_pump = None
+        if not self._text_queue:
+            return
+        utt, text = self._text_queue.popleft()
+        try:
+            if text is None:
+                utt.stream.end_input()
+            else:
+                if len(text) > TEXT_SLICE_CHARS:
+                    self._text_queue.appendleft((utt, text[TEXT_SLICE_CHARS:]))
+                    text = text[:TEXT_SLICE_CHARS]
+                utt.stream.push_text(text)
+        except RuntimeError:
+            pass  # the stream was cancelled or failed meanwhile: its text is dropped
+        if self._text_queue:
+            self._text_pump = asyncio.get_running_loop().call_soon(self._pump_text)
 
     def _update(self, msg: dict) -> None:
         if "voice" in msg and msg["voice"] is not None:
@@ -302,9 +341,10 @@ class Session:
         dropped = self.playout.clear()
         utterances, self.utterances = self.utterances, []
         self._open_by_source.clear()
+        self._text_queue.clear()
         for utt in utterances:
             utt.stream.cancel()
-            self._interrupted_ids.add(utt.id)
+            self._interrupted_ids.add((utt.source, utt.id))
         if len(self._interrupted_ids) > 1000:
             self._interrupted_ids = set(list(self._interrupted_ids)[-500:])
         self._restart_feeder()
@@ -435,6 +475,7 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        self._text_queue.clear()
         for utt in self.utterances:
             utt.stream.cancel()
         self.utterances = []

@@ -24,6 +24,7 @@ from ..engine.base import SynthesisOptions
 from ..engine.client import EngineCrashed, EngineStreamError, EngineUnavailable, StreamChunk, TTSStream
 from ..gateway.encoder import ulaw_encode
 from ..gateway.resample import StreamResampler
+from ..gateway.session import TEXT_SLICE_CHARS
 from .errors import ApiError, read_json_object
 from .sessions_api import check_api_key
 
@@ -203,6 +204,13 @@ def _options(request: web.Request, body: dict) -> tuple[str, str, SynthesisOptio
     return text, fmt, SynthesisOptions(voice=voice or settings.voice, rate=float(rate))
 
 
+async def push_in_slices(stream: TTSStream, text: str) -> None:
+    """Feed the text a slice per turn of the event loop, so a long text never holds it."""
+    for start in range(0, len(text), TEXT_SLICE_CHARS):
+        stream.push_text(text[start : start + TEXT_SLICE_CHARS])
+        await asyncio.sleep(0)
+
+
 async def _first_chunk(stream: TTSStream) -> StreamChunk | None:
     try:
         return await stream.__anext__()
@@ -231,7 +239,7 @@ async def handle_tts(request: web.Request) -> web.StreamResponse:
     formatter: Formatter | None = None
     try:
         try:
-            stream.push_text(text)
+            await push_in_slices(stream, text)
             stream.end_input()
             # Headers wait for the first chunk: an engine error can still be a JSON error,
             # and the WAV header needs the engine's rate.
