@@ -29,6 +29,7 @@ from . import wire
 from .base import SynthesisOptions, WordTiming
 from .segmenter import Segmenter, SegmenterConfig, Unit
 from .tags import Speech, TagState, to_wire
+from .voices import check_voice
 from .worker import run_worker
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class StreamChunk:
 class EngineConfig:
     engine: str = "piper"
     voice: str | None = None
+    voice_dir: str | None = None  # more voices, chosen by the operator; clients see their names
     device: str = "auto"
     # Synthesis steps run at once in the worker; one intra-op thread each.
     parallel: int = field(default_factory=lambda: os.cpu_count() or 1)
@@ -108,7 +110,8 @@ class EngineClient:
         assert self._loop is not None
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
-        options = {"voice": self.config.voice, "device": self.config.device, "threads": self.config.threads}
+        options = {"voice": self.config.voice, "device": self.config.device, "threads": self.config.threads,
+                   "voice_dir": self.config.voice_dir}
         process = ctx.Process(
             target=run_worker,
             args=(child, self.config.engine, options, self.config.parallel),
@@ -152,6 +155,10 @@ class EngineClient:
     @property
     def worker_pid(self) -> int | None:
         return self._process.pid if self._process else None
+
+    def check_voice(self, voice: object) -> str | None:
+        """The one voice check, against the worker's list of voices (see engine/voices.py)."""
+        return check_voice(self.info.get("voices", []), voice)
 
     @property
     def active_streams(self) -> int:

@@ -33,6 +33,9 @@ from .segmenter import speakable
 RENDERED_TAGS = frozenset({"break", "prosody", "say-as"})
 
 MAX_BREAK_MS = 10000
+# All breaks of one stream together: 2,000 breaks of 10 s would be 5.5 hours of
+# silence to synthesize and send for a few kilobytes of text.
+MAX_TOTAL_BREAK_MS = 30000
 MIN_RATE, MAX_RATE = 0.25, 4.0
 RATE_WORDS = {"x-slow": 0.6, "slow": 0.8, "medium": 1.0, "default": 1.0, "fast": 1.25, "x-fast": 1.6}
 BREAK_STRENGTHS = {"none": 0, "x-weak": 100, "weak": 200, "medium": 400, "strong": 700, "x-strong": 1000}
@@ -144,6 +147,7 @@ class TagState:
     rates: list[float] = field(default_factory=list)
     spelling: int = 0  # depth of open say-as characters
     say_as: list[bool] = field(default_factory=list)  # per open say-as: does it spell?
+    break_budget_ms: int = MAX_TOTAL_BREAK_MS  # silence this stream's breaks may still add
 
     @property
     def rate(self) -> float:
@@ -195,7 +199,8 @@ class TagState:
     def _apply(self, tag: Tag, out: list[Piece]) -> None:
         if tag.name == "break":
             if not tag.closing:
-                ms = break_ms(tag.attrs)
+                ms = min(break_ms(tag.attrs), self.break_budget_ms)
+                self.break_budget_ms -= ms
                 if ms > 0:
                     if out and isinstance(out[-1], Pause):
                         out[-1] = Pause(min(out[-1].ms + ms, MAX_BREAK_MS))

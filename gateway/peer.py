@@ -13,7 +13,7 @@ from aiortc.sdp import SessionDescription, candidate_from_sdp
 
 from .ice import IcePolicy
 from .session import Session
-from .track import SpeechTrack
+from .track import SilentOutput, SpeechTrack
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class PeerConnection:
         self.ice = ice
         self.pc = RTCPeerConnection(configuration=ice.rtc_configuration(session.id))
         self.track: SpeechTrack | None = None
+        self.silent: SilentOutput | None = None
         self.channel = None
         self._mic_task: asyncio.Task | None = None
         self.dropped_candidates = 0
@@ -96,8 +97,11 @@ class PeerConnection:
             assert self.track is not None
             self.track.set_clock_rate(48000 if codec == "opus" else 8000)
         else:
-            # Data channel only: events and text still work; audio is not sent.
-            self.session.attach_output("opus")
+            # Data channel only: events and text work, and speech plays out in
+            # real time with nothing encoded or sent (see SilentOutput).
+            self.session.attach_output("none")
+            self.silent = SilentOutput(self.session.playout)
+            self.silent.start()
         return local
 
     async def add_candidate(self, candidate: dict | None) -> bool:
@@ -170,6 +174,8 @@ class PeerConnection:
             self._mic_task.cancel()
         if self.track is not None:
             self.track.stop()
+        if self.silent is not None:
+            self.silent.stop()
         await self.close_pc()
 
     async def close_pc(self) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 
 from ..engine.base import SynthesisOptions
 from ..engine.client import EngineClient, EngineCrashed, EngineStreamError, EngineUnavailable, TTSStream
+from ..engine.voices import UnknownVoice
 from .encoder import FrameEncoder, OpusSettings, create_encoder
 from .playout import Playout, UtterancePlay
 from .protocol import Limits, ProtocolError, RateLimiter, parse
@@ -300,11 +301,10 @@ class Session:
 
     def _update(self, msg: dict) -> None:
         if "voice" in msg and msg["voice"] is not None:
-            voice = msg["voice"]
-            voices = self.engine.info.get("voices", [])
-            if voice not in voices and not voice.endswith(".onnx"):
-                raise ProtocolError("unknown_voice", f"unknown voice {voice!r}; available: {', '.join(voices)}")
-            self.options.voice = voice
+            try:
+                self.options.voice = self.engine.check_voice(msg["voice"])
+            except UnknownVoice as exc:
+                raise ProtocolError(exc.code, exc.message) from None
         if "rate" in msg:
             self.options.rate = float(msg["rate"])
         if isinstance(msg.get("vad"), dict):
@@ -450,7 +450,7 @@ class Session:
                         utt.play.chunk_ends.add(utt.play.queued_ms // 20)
                 except (EngineCrashed, EngineStreamError, EngineUnavailable) as exc:
                     code = "engine_crashed" if isinstance(exc, EngineCrashed) else "engine_error"
-                    self.emit({"type": "error", "code": code, "message": str(exc), "id": utt.id})
+                    self.emit({"type": "error", "code": code, "message": public_engine_error(exc), "id": utt.id})
                 if resampler is not None:
                     frames, _ = await loop.run_in_executor(
                         _encode_pool, _encode_chunk, encoder, resampler, leftover, np.zeros(0, np.int16), True
@@ -495,6 +495,18 @@ class Session:
     @property
     def closed(self) -> bool:
         return self._closed
+
+
+ENGINE_ERROR_TEXT = "the engine could not synthesize this utterance's text"
+
+
+def public_engine_error(exc: Exception) -> str:
+    """What a client is told about an engine failure: generic text. The engine's own
+    message (onnxruntime's, with its source paths) goes to the server log only."""
+    if isinstance(exc, EngineStreamError):
+        log.warning("engine refused a stream: %s", exc)
+        return ENGINE_ERROR_TEXT
+    return str(exc)  # crashes and restarts: our own words, no engine internals
 
 
 def _slices(pcm: np.ndarray, rate: int, first: bool) -> list[np.ndarray]:
