@@ -27,13 +27,14 @@ from ..gateway.vad import VadSettings
 from ..config import Settings
 from .errors import ApiError, error_response, read_json_object
 from .metrics import GatewayMetrics
-from . import sessions_api, telephony, tts_http
+from . import openapi, sessions_api, telephony, tts_http
 
 log = logging.getLogger(__name__)
 
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 MAX_OFFER_BYTES = 256 * 1024
 MAX_CANDIDATE_BYTES = 8192
+OPENAPI = web.AppKey("openapi", dict)
 # Paths a load balancer or kubelet probes by IP address: answered whatever the Host.
 HOST_CHECK_EXEMPT = ("/healthz", "/readyz")
 SECURITY_HEADERS = {
@@ -350,6 +351,10 @@ async def handle_metrics(request: web.Request) -> web.Response:
     return web.Response(body=gw.metrics.render(), content_type="text/plain", charset="utf-8")
 
 
+async def handle_openapi(request: web.Request) -> web.Response:
+    return web.json_response(request.app[OPENAPI])
+
+
 async def handle_index(request: web.Request) -> web.StreamResponse:
     index = WEB_DIR / "index.html"
     if not index.exists():
@@ -391,7 +396,10 @@ async def json_errors(request: web.Request, handler):
     except web.HTTPException as exc:
         if exc.content_type == "application/json" or exc.status < 400:
             raise
-        return error_response(exc.status, exc.reason.lower().replace(" ", "_"), exc.reason)
+        response = error_response(exc.status, exc.reason.lower().replace(" ", "_"), exc.reason)
+        if "Allow" in exc.headers:
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
 
 
 def _origin_allowed(request: web.Request, allowed: list[str]) -> bool:
@@ -437,6 +445,8 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
     app.router.add_get("/healthz", handle_healthz)
     app.router.add_get("/readyz", handle_readyz)
     app.router.add_get("/metrics", handle_metrics)
+    app[OPENAPI] = openapi.spec(web=settings.web)
+    app.router.add_get("/openapi.json", handle_openapi)
     sessions_api.add_routes(app)
     telephony.add_routes(app)
     tts_http.add_routes(app)
