@@ -355,6 +355,20 @@ async def handle_openapi(request: web.Request) -> web.Response:
     return web.json_response(request.app[OPENAPI])
 
 
+async def handle_static(request: web.Request) -> web.StreamResponse:
+    """The page's own files; anything else (missing, a folder, outside web/) is a JSON 404."""
+    root = WEB_DIR.resolve()
+    try:
+        path = (root / request.match_info["path"]).resolve()
+        path.relative_to(root)
+        found = path.is_file()
+    except (ValueError, OSError):
+        found = False
+    if not found:
+        return error_response(404, "not_found", "no such file")
+    return web.FileResponse(path)
+
+
 async def handle_index(request: web.Request) -> web.StreamResponse:
     index = WEB_DIR / "index.html"
     if not index.exists():
@@ -392,7 +406,17 @@ async def _security_headers(request: web.Request, response: web.StreamResponse) 
 @web.middleware
 async def json_errors(request: web.Request, handler):
     try:
-        return await handler(request)
+        response = await handler(request)
+        if (
+            response.status >= 400
+            and not response.prepared
+            and isinstance(response, web.Response)
+            and response.content_type != "application/json"
+        ):
+            # aiohttp's own answers (the static files' 404) are not JSON; ours always are.
+            reason = response.reason or "error"
+            return error_response(response.status, reason.lower().replace(" ", "_"), reason)
+        return response
     except web.HTTPException as exc:
         if exc.content_type == "application/json" or exc.status < 400:
             raise
@@ -452,8 +476,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
     tts_http.add_routes(app)
     if settings.web:
         app.router.add_get("/", handle_index)
-        if WEB_DIR.exists():
-            app.router.add_static("/static/", WEB_DIR, show_index=False)
+        app.router.add_get("/static/{path:.+}", handle_static)
 
     async def on_startup(app: web.Application) -> None:
         await gw.start()

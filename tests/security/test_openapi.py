@@ -27,7 +27,7 @@ def routes_of_the_app(web: bool) -> set[tuple[str, str]]:
         if route.method == "HEAD":
             continue  # aiohttp adds HEAD beside every GET
         path = route.resource.canonical
-        out.add((route.method.lower(), "/static/{path}" if path == "/static" else path))
+        out.add((route.method.lower(), "/static/{path}" if path == "/static/{path}" else path))
     return out
 
 

@@ -26,7 +26,7 @@ def test_schemathesis_finds_nothing(server_factory, artifacts_dir):
         "--checks", "not_a_server_error,status_code_conformance,content_type_conformance,"
         "response_schema_conformance,response_headers_conformance",
         "--header", "X-API-Key: k",
-        "--max-examples", str(int(25 * SCALE)),
+        "--max-examples", str(int(40 * SCALE)),
         "--seed", "13",
         "--workers", "1",
         "--phases", "examples,coverage,fuzzing",
