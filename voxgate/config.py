@@ -177,7 +177,8 @@ _HELP = {
     "max_queued_utterances": "utterances waiting per session",
     "drain_timeout_s": "on SIGTERM, how long current utterances may finish",
     "connect_timeout_s": "close a WebRTC session whose peer has not connected after this long",
-    "max_sessions_per_address": "sessions one client address may make without a key or token (0: no limit)",
+    "max_sessions_per_address": "sessions one client address may make without a key or token (0: no limit; "
+    "loopback clients are not limited: behind a local proxy, set --trusted-proxy)",
     "max_anonymous_sessions": "sessions made without a key or token, in total (0: half of --max-sessions "
     "when API keys are set, else all)",
     "trusted_proxy": "network of a reverse proxy whose X-Forwarded-For names the client (repeatable)",

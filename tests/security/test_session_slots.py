@@ -21,7 +21,7 @@ from voxgate.gateway.ice import restrict_host_addresses
 from sec_helpers import http_json
 
 
-async def stripped_offer(url: str) -> tuple[int, dict]:
+async def stripped_offer(url: str, headers: dict | None = None) -> tuple[int, dict]:
     """An anonymous offer with every candidate removed; the answer is never applied,
     so the server's side of ICE can never complete."""
     restrict_host_addresses(["127.0.0.1"])
@@ -31,7 +31,7 @@ async def stripped_offer(url: str) -> tuple[int, dict]:
     await pc.setLocalDescription(await pc.createOffer())
     sdp = "\r\n".join(l for l in pc.localDescription.sdp.splitlines() if not l.startswith("a=candidate")) + "\r\n"
     await pc.close()
-    status, body, _ = await http_json("POST", url + "/v1/offer", body={"sdp": sdp, "type": "offer"})
+    status, body, _ = await http_json("POST", url + "/v1/offer", body={"sdp": sdp, "type": "offer"}, headers=headers)
     return status, body
 
 
@@ -61,8 +61,14 @@ async def test_an_offer_that_never_connects_gives_its_slot_back(server_factory):
 
 
 async def test_one_client_address_has_a_limit(server_factory):
-    server = server_factory("tone", ["--max-sessions-per-address", "2"])
-    results = [await stripped_offer(server.url) for _ in range(3)]
+    # The clients come through a "proxy" on loopback that names them in X-Forwarded-For.
+    server = server_factory("tone", ["--max-sessions-per-address", "2", "--trusted-proxy", "127.0.0.0/8"])
+    one = {"X-Forwarded-For": "198.51.100.7"}
+    results = [await stripped_offer(server.url, one) for _ in range(3)]
     assert [s for s, _ in results[:2]] == [200, 200]
     status, body = results[2]
+    assert (status, body["error"]["code"]) == (429, "address_limit")
+    # Another client is not held back by the first; a forged hop before the proxy's changes nothing.
+    assert (await stripped_offer(server.url, {"X-Forwarded-For": "198.51.100.8"}))[0] == 200
+    status, body = await stripped_offer(server.url, {"X-Forwarded-For": "203.0.113.1, 198.51.100.7"})
     assert (status, body["error"]["code"]) == (429, "address_limit")
