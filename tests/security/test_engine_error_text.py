@@ -12,7 +12,6 @@ import pytest
 
 from voxgate.engine.client import EngineStreamError
 from voxgate.engine.tags import TagState, rate_factor
-from voxgate.gateway.session import ENGINE_ERROR_TEXT, public_engine_error
 
 from sec_helpers import http_json
 
@@ -29,6 +28,8 @@ def test_spans_never_carry_a_non_finite_rate():
 
 
 def test_engine_internals_stay_in_the_log():
+    from voxgate.gateway.session import ENGINE_ERROR_TEXT, public_engine_error
+
     exc = EngineStreamError("RuntimeError: [ONNXRuntimeError] : 2 : INVALID_ARGUMENT : /opt/voxgate/lib/model.onnx")
     assert public_engine_error(exc) == ENGINE_ERROR_TEXT
 

@@ -41,5 +41,5 @@ async def test_the_server_refuses_an_altered_token(tone_server):
     status, made, _ = await http_json("POST", tone_server.url + "/v1/sessions")
     token = made["client_token"]
     body, sig = token.split(".")
-    status, reply, _ = await http_json("POST", tone_server.url + "/v1/offer", body={"sdp": "v=0\r\nm=audio 9 UDP/TLS/RTP/SAVPF 111\r\na=mid:0\r\n", "token": body + "." + sig + "!"})
+    status, reply, _ = await http_json("POST", tone_server.url + "/v1/offer", body={"sdp": "v=0\r\nm=audio 9 UDP/TLS/RTP/SAVPF 111\r\na=mid:0\r\n", "token": body + "!." + sig})
     assert status == 401 and reply["error"]["code"] == "invalid_token"

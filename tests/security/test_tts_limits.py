@@ -12,11 +12,12 @@ import asyncio
 import aiohttp
 import pytest
 
-from voxgate.engine.tags import MAX_TOTAL_BREAK_MS, TagState, Pause
+from voxgate.engine.tags import Pause, TagState
 
 from sec_helpers import http_json
 
 TONE_RATE = 16000  # the tone engine's sample rate; pcm is 2 bytes a sample
+MAX_TOTAL_BREAK_MS = 30000  # engine/tags.py: all breaks of one stream together
 
 
 async def audio_seconds(url: str, body: dict, headers: dict | None = None) -> float:
@@ -28,6 +29,9 @@ async def audio_seconds(url: str, body: dict, headers: dict | None = None) -> fl
 
 
 def test_breaks_of_one_stream_share_one_budget():
+    from voxgate.engine import tags as tag_module
+
+    assert tag_module.MAX_TOTAL_BREAK_MS == MAX_TOTAL_BREAK_MS
     tags = TagState()
     pauses = []
     for _ in range(20):

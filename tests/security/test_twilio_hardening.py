@@ -7,17 +7,22 @@ limit, a full traceback in the log for each malformed frame, and a
 
 from __future__ import annotations
 
-import asyncio
+import base64
+import hashlib
+import hmac
 import json
 
 import aiohttp
 import pytest
 
-from voxgate.signaling.telephony import twilio_signature
-
 from sec_helpers import log_text
 
 PATH = "/v1/telephony/twilio"
+
+
+def twilio_signature(auth_token: str, url: str) -> str:
+    """How Twilio signs a request without POST parameters: base64(HMAC-SHA1(token, full URL))."""
+    return base64.b64encode(hmac.new(auth_token.encode(), url.encode(), hashlib.sha1).digest()).decode()
 
 
 def ws_url(server) -> str:
