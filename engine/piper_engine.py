@@ -145,7 +145,10 @@ class PiperEngine(Engine):
             return DEFAULT_VOICE, embedded_voice_path()
         path = self.catalog.get(name)
         if path is None:
-            raise EngineError(f"unknown voice {name[:80]!r}: choose one of {', '.join(self.catalog)}")
+            raise EngineError(
+                f"unknown voice {name[:80]!r}: choose one of {', '.join(self.catalog)} ({DEFAULT_VOICE} is the "
+                "embedded voice); more voices are added by the operator with --voice or --voice-dir"
+            )
         return name, path
 
     def _voice(self, voice: str | None) -> _LoadedVoice:
