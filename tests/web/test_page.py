@@ -89,7 +89,9 @@ def browser(speech_wav):
 @pytest.fixture
 def page(browser):
     # A fresh context per test: its own profile state, nothing shared.
-    context = browser.new_context(viewport={"width": 1280, "height": 720})
+    # The page's Content-Security-Policy forbids eval, which Playwright's string predicates
+    # (wait_for_function) need; tests/security/test_page_csp.py runs the page under its CSP.
+    context = browser.new_context(viewport={"width": 1280, "height": 720}, bypass_csp=True)
     page = context.new_page()
     page.errors = []
     page.on("pageerror", lambda exc: page.errors.append(str(exc)))
@@ -257,7 +259,7 @@ def test_microphone_barge_in_and_vad_toggle(page, piper_server):
 def test_errors_in_plain_words(browser, server_factory):
     # A gateway that holds one session, so a second connection is refused.
     server = server_factory("tone", ["--max-sessions", "1"])
-    first, second = browser.new_page(), browser.new_page()
+    first, second = browser.new_page(bypass_csp=True), browser.new_page(bypass_csp=True)
     try:
         # No permission prompt can be refused here (chromium runs with a fake,
         # always-granting prompt), so this page's getUserMedia refuses the way
