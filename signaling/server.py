@@ -506,6 +506,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
 async def serve(settings: Settings) -> None:
     """Run until SIGTERM or SIGINT, then drain: readiness goes false, new sessions are
     refused, current utterances get up to --drain-timeout-s to finish, then peers close."""
+    settings.check()  # raises ConfigError before anything listens
     app = create_app(settings)
     gw: Gateway = app["gateway"]
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
