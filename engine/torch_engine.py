@@ -184,7 +184,7 @@ class TorchEngine(Engine):
         self._voices: dict[str, _TorchVoice] = {}
         self._load_lock = threading.Lock()
         # Voice names resolve exactly as in the ONNX engine (it loads nothing until load()).
-        self._names = PiperEngine(voice=voice)
+        self._names = PiperEngine(voice=voice, voice_dir=_.get("voice_dir"))  # type: ignore[arg-type]
 
     # Engine interface
 
@@ -199,7 +199,7 @@ class TorchEngine(Engine):
         log.info("torch voice %s loaded on %s", self.default_voice, self.device)
 
     def voices(self) -> list[str]:
-        return list(dict.fromkeys([DEFAULT_VOICE, *self._voices]))
+        return self._names.voices()
 
     def sample_rate(self, voice: str | None = None) -> int:
         return self._voice(voice).sample_rate

@@ -134,8 +134,24 @@ class G711Encoder(FrameEncoder):
         return self._silence
 
 
+class NullEncoder(FrameEncoder):
+    """For sessions without an audio output: frames are counted, never encoded."""
+
+    codec = "none"
+    sample_rate = 8000
+    clock_rate = 8000
+
+    def encode(self, pcm: np.ndarray) -> list[bytes]:
+        return [b""] * (len(pcm) // self.frame_samples)
+
+    def silence(self) -> bytes:
+        return b""
+
+
 def create_encoder(codec: str, opus: OpusSettings | None = None) -> FrameEncoder:
     codec = codec.lower()
+    if codec == "none":
+        return NullEncoder()
     if codec == "opus":
         return OpusEncoder(opus)
     if codec in ("pcmu", "pcma"):

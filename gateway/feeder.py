@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from ..engine.client import EngineCrashed, EngineStreamError, EngineUnavailable
+from ..engine.client import EngineCrashed, EngineStreamError, EngineUnavailable, public_engine_error
 from .encode_pool import FIRST, LATER, encode_pool
 from .encoder import FrameEncoder
 from .frames import FRAME_MS, Framer
@@ -115,7 +115,7 @@ class Feeder:
                 play.chunk_ends.add(play.queued_ms // FRAME_MS)
         except (EngineCrashed, EngineStreamError, EngineUnavailable) as exc:
             code = "engine_crashed" if isinstance(exc, EngineCrashed) else "engine_error"
-            self.emit({"type": "error", "code": code, "message": str(exc), "id": utt.id})
+            self.emit({"type": "error", "code": code, "message": public_engine_error(exc), "id": utt.id})
         if audio is not None:
             self.playout.push(play, await encode_pool.submit(audio.encode, np.zeros(0, np.int16), True))
         self.playout.finish(play)

@@ -30,6 +30,22 @@ _original_get_host_addresses = aioice.ice.get_host_addresses
 _host_addresses: list[str] | None = None
 
 
+# Prefixes that embed or tunnel to IPv4 addresses: Python calls some of them
+# global, but a candidate there reaches whatever IPv4 host the bits name,
+# private ones included. Refused unless listed with --ice-allow.
+TRANSLATED_NETWORKS = tuple(
+    ipaddress.ip_network(n)
+    for n in (
+        "64:ff9b::/96",  # NAT64, well-known prefix
+        "64:ff9b:1::/48",  # NAT64, local-use prefix
+        "2002::/16",  # 6to4
+        "2001::/32",  # Teredo
+        "::ffff:0:0/96",  # IPv4-mapped
+        "::/96",  # IPv4-compatible (deprecated)
+    )
+)
+
+
 def restrict_host_addresses(addresses: list[str] | None) -> None:
     """Offer only these local addresses as host candidates (None: every interface).
 
@@ -102,6 +118,8 @@ class IcePolicy:
             return False  # mDNS (.local) names and junk: not resolvable to a checked network
         if any(ip in net for net in self.allowed_networks):
             return True
+        if ip.version == 6 and any(ip in net for net in TRANSLATED_NETWORKS):
+            return False
         return self.allow_public and ip.is_global
 
     def filter_sdp(self, sdp: str) -> tuple[str, int]:

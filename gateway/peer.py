@@ -12,7 +12,7 @@ from aiortc.sdp import SessionDescription, candidate_from_sdp
 from .ice import IcePolicy
 from .mic import Microphone
 from .session import Session
-from .track import SpeechTrack
+from .track import SilentOutput, SpeechTrack
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,7 @@ class PeerConnection:
         self.pc = RTCPeerConnection(configuration=ice.rtc_configuration(session.id))
         self.track: SpeechTrack | None = None
         self.mic: Microphone | None = None
+        self.silent: SilentOutput | None = None
         self.channel = None
         self.dropped_candidates = 0
         self.pc.on("datachannel", self._on_datachannel)
@@ -110,8 +111,11 @@ class PeerConnection:
             if codec == "opus":
                 local = ask_for_dtx(local, payload_type)
         else:
-            # Data channel only: events and text still work; audio is not sent.
-            self.session.attach_output("opus")
+            # Data channel only: events and text work, and speech plays out in
+            # real time with nothing encoded or sent (see SilentOutput).
+            self.session.attach_output("none")
+            self.silent = SilentOutput(self.session.playout)
+            self.silent.start()
         return local
 
     async def add_candidate(self, candidate: dict | None) -> bool:
@@ -174,6 +178,8 @@ class PeerConnection:
     async def _on_session_close(self, session: Session) -> None:
         if self.track is not None:
             self.track.stop()
+        if self.silent is not None:
+            self.silent.stop()
         await self.close_pc()
 
     async def close_pc(self) -> None:

@@ -14,10 +14,11 @@ reports how much of the current utterance was heard.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
+import secrets
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -25,6 +26,7 @@ import numpy as np
 
 from ..engine.base import SynthesisOptions
 from ..engine.client import EngineClient, EngineUnavailable, TTSStream
+from ..engine.voices import UnknownVoice
 from .encoder import FrameEncoder, OpusSettings, create_encoder
 from .feeder import Feeder
 from .playout import Playout, UtterancePlay
@@ -34,6 +36,12 @@ from .vad import VadSettings, VoiceActivityDetector
 log = logging.getLogger(__name__)
 
 Listener = Callable[[dict], None]
+
+# Text reaches the segmenter in slices of this many characters, one slice per
+# turn of the event loop, so one large message never holds the loop for long:
+# the pacers of every session get their turn between slices.
+TEXT_SLICE_CHARS = 256
+
 
 @dataclass
 class SessionOptions:
@@ -87,9 +95,14 @@ class Session:
         self.listeners: dict[str, Listener] = {}
         self.writer: str | None = None  # the one backend allowed to write, besides the peer
         self.utterances: list[Utterance] = []
+        # Utterance ids are per source (the data channel, each backend): a source
+        # may write only to utterances it opened, so one sender can never
+        # append text to another's utterance.
         self._open_by_source: dict[str, str] = {}
-        self._interrupted_ids: set[str] = set()
-        self._auto_ids = itertools.count(1)
+        self._interrupted_ids: set[tuple[str, str]] = set()
+        # Text waiting to reach the engine streams, in arrival order: (utterance, text), or None text to end it.
+        self._text_queue: deque[tuple[Utterance, str | None]] = deque()
+        self._text_pump: asyncio.Handle | None = None
         self.encoder: FrameEncoder | None = None
         self.output_codec: str | None = None
         self.playout = Playout(
@@ -172,9 +185,9 @@ class Session:
             self._push(utt, msg["text"])
         elif kind == "text.end":
             uid = msg.get("id") or self._open_by_source.get(source)
-            utt = self._find(uid)
+            utt = self._find(uid, source)
             if utt is None:
-                if uid in self._interrupted_ids:
+                if (source, uid) in self._interrupted_ids:
                     return  # ending an interrupted utterance is fine and does nothing
                 raise ProtocolError("unknown_utterance", f"no open utterance {uid!r} to end", uid)
             self._end(utt)
@@ -183,9 +196,14 @@ class Session:
         elif kind == "session.update":
             self._update(msg)
 
-    def _find(self, uid: str | None) -> Utterance | None:
+    def _find(self, uid: str | None, source: str) -> Utterance | None:
+        """This source's utterance `uid`; another source's is refused, never written to."""
         for utt in self.utterances:
             if utt.id == uid:
+                if utt.source != source:
+                    raise ProtocolError(
+                        "id_in_use", f"utterance {uid!r} belongs to another sender; use an id of your own", uid
+                    )
                 return utt
         return None
 
@@ -193,12 +211,12 @@ class Session:
         if uid is None and streaming:
             uid = self._open_by_source.get(source)
         if uid is not None:
-            utt = self._find(uid)
+            utt = self._find(uid, source)
             if utt is not None:
                 if utt.ended:
                     raise ProtocolError("utterance_ended", f"utterance {uid!r} has already ended; use a new id", uid)
                 return utt
-            if uid in self._interrupted_ids:
+            if (source, uid) in self._interrupted_ids:
                 raise ProtocolError(
                     "utterance_interrupted", f"utterance {uid!r} was interrupted; its text is not spoken", uid
                 )
@@ -210,7 +228,7 @@ class Session:
         # With no output attached yet (a session made ahead through the session
         # API), text is accepted and queued; the feeder starts on attach_output.
         if uid is None:
-            uid = f"u{next(self._auto_ids)}"
+            uid = "u-" + secrets.token_hex(8)  # unguessable: nobody can aim at an id before it exists
         try:
             stream = self.engine.stream(SynthesisOptions(voice=self.options.voice, rate=self.options.rate))
         except EngineUnavailable as exc:
@@ -235,7 +253,7 @@ class Session:
                 utt.id,
             )
         utt.chars += len(text)
-        utt.stream.push_text(text)
+        self._queue_text(utt, text)
 
     def _end(self, utt: Utterance) -> None:
         if utt.ended:
@@ -243,15 +261,38 @@ class Session:
         utt.ended = True
         if self._open_by_source.get(utt.source) == utt.id:
             del self._open_by_source[utt.source]
-        utt.stream.end_input()
+        self._queue_text(utt, None)
+
+    def _queue_text(self, utt: Utterance, text: str | None) -> None:
+        self._text_queue.append((utt, text))
+        if self._text_pump is None:
+            self._text_pump = asyncio.get_running_loop().call_soon(self._pump_text)
+
+    def _pump_text(self) -> None:
+        """Hand one slice of queued text to its engine stream, then yield the loop."""
+        self._text_pump = None
+        if not self._text_queue:
+            return
+        utt, text = self._text_queue.popleft()
+        try:
+            if text is None:
+                utt.stream.end_input()
+            else:
+                if len(text) > TEXT_SLICE_CHARS:
+                    self._text_queue.appendleft((utt, text[TEXT_SLICE_CHARS:]))
+                    text = text[:TEXT_SLICE_CHARS]
+                utt.stream.push_text(text)
+        except RuntimeError:
+            pass  # the stream was cancelled or failed meanwhile: its text is dropped
+        if self._text_queue:
+            self._text_pump = asyncio.get_running_loop().call_soon(self._pump_text)
 
     def _update(self, msg: dict) -> None:
         if "voice" in msg and msg["voice"] is not None:
-            voice = msg["voice"]
-            voices = self.engine.info.get("voices", [])
-            if voice not in voices and not voice.endswith(".onnx"):
-                raise ProtocolError("unknown_voice", f"unknown voice {voice!r}; available: {', '.join(voices)}")
-            self.options.voice = voice
+            try:
+                self.options.voice = self.engine.check_voice(msg["voice"])
+            except UnknownVoice as exc:
+                raise ProtocolError(exc.code, exc.message) from None
         if "rate" in msg:
             self.options.rate = float(msg["rate"])
         if isinstance(msg.get("vad"), dict):
@@ -288,9 +329,10 @@ class Session:
         dropped = self.playout.clear()
         utterances, self.utterances = self.utterances, []
         self._open_by_source.clear()
+        self._text_queue.clear()
         for utt in utterances:
             utt.stream.cancel()
-            self._interrupted_ids.add(utt.id)
+            self._interrupted_ids.add((utt.source, utt.id))
         if len(self._interrupted_ids) > 1000:
             self._interrupted_ids = set(list(self._interrupted_ids)[-500:])
         self._restart_feeder()
@@ -381,6 +423,7 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        self._text_queue.clear()
         for utt in self.utterances:
             utt.stream.cancel()
         self.utterances = []

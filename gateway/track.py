@@ -13,6 +13,7 @@ DTX is; the next utterance wakes the track at once.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from fractions import Fraction
 
@@ -65,3 +66,54 @@ class SpeechTrack(MediaStreamTrack):
         if self.on_departure is not None:
             self.on_departure(sent_at)
         return packet
+
+
+IDLE_CHECK_S = 0.1
+
+
+class SilentOutput:
+    """The output of a session without an audio track (data channel only).
+
+    Nobody listens, but utterances still play out in real time: frames leave
+    the playout on the 20 ms clock and are dropped, so `audio.started`,
+    `utterance.done` and `played_text` after a cancel mean what they mean for a
+    listener, synthesis runs no faster than speech, and nothing is encoded.
+    Between utterances it sleeps until one is ready.
+    """
+
+    def __init__(self, playout: Playout, pacer: Pacer | None = None) -> None:
+        self.playout = playout
+        self.pacer = pacer or Pacer()
+        self._ready = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        playout.on_ready = self._on_ready
+
+    def _on_ready(self) -> None:
+        self._ready.set()
+        self.pacer.wake()
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                if self.playout.current is None:
+                    self._ready.clear()
+                    try:
+                        # Woken when audio is ready; the timeout also notices an
+                        # utterance queued with nothing to say, which must still end.
+                        await asyncio.wait_for(self._ready.wait(), IDLE_CHECK_S)
+                    except asyncio.TimeoutError:
+                        pass
+                    if self.playout.current is None:
+                        continue
+                    self.pacer = Pacer()  # a fresh clock: no catching up on the idle time
+                await self.pacer.wait()
+                self.playout.next_frame(time.perf_counter())
+        except asyncio.CancelledError:
+            pass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from aiohttp import web
@@ -22,21 +23,58 @@ def error_response(status: int, code: str, message: str) -> web.Response:
     return web.json_response({"error": {"code": code, "message": message}}, status=status)
 
 
-async def read_json_object(request: web.Request, limit: int, hint: str = "") -> dict:
-    """The request body as a JSON object, refusing oversized, non-UTF-8 and non-JSON bodies."""
+# A body that has not arrived in full after this long is refused (slow senders
+# must not hold a request open, and a connection slot with it, for ever).
+BODY_TIMEOUT_S = 30.0
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The whole request body, however many TCP segments it arrives in, up to `limit` bytes.
+
+    `request.content.read(n)` returns only what is buffered so far, so one call
+    cut bodies short on real networks; this reads until the end of the body.
+    """
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(413, "too_large", f"request body is over {limit} bytes")
-    raw = await request.content.read(limit + 1)
-    if len(raw) > limit:
-        raise ApiError(413, "too_large", f"request body is over {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+
+    async def read_all() -> None:
+        nonlocal size
+        while True:
+            chunk = await request.content.read(limit + 1 - size)
+            if not chunk:
+                return
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, "too_large", f"request body is over {limit} bytes")
+
+    try:
+        await asyncio.wait_for(read_all(), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise ApiError(408, "body_timeout", f"the request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
+    return b"".join(chunks)
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+async def read_json_object(request: web.Request, limit: int, hint: str = "", allow_empty: bool = False) -> dict:
+    """The request body as a JSON object, refusing oversized, non-UTF-8 and non-JSON bodies."""
+    raw = await read_body(request, limit)
+    if allow_empty and not raw.strip():
+        return {}
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ApiError(400, "invalid_utf8", "request body is not valid UTF-8") from None
     try:
-        body = json.loads(text)
+        # NaN and Infinity are not JSON, though Python's parser takes them.
+        body = json.loads(text, parse_constant=_reject_constant)
     except (ValueError, RecursionError):
         raise ApiError(400, "invalid_json", "request body is not JSON" + (f"; {hint}" if hint else "")) from None
     if not isinstance(body, dict):
-        raise ApiError(400, "invalid_json", "request body must be a JSON object")
+        raise ApiError(400, "invalid_json", "request body must be a JSON object" + (f"; {hint}" if hint else ""))
     return body

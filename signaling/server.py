@@ -6,6 +6,7 @@ Every error is JSON `{"error": {"code", "message"}}` with a fitting status.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import signal
@@ -16,6 +17,7 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from ..engine.client import EngineClient, EngineConfig
+from ..engine.voices import UnknownVoice
 from ..gateway.encoder import OpusSettings
 from ..gateway.ice import IcePolicy, parse_ice_server, parse_networks, restrict_host_addresses
 from ..gateway.peer import OfferError, PeerConnection
@@ -25,12 +27,55 @@ from ..gateway.vad import VadSettings
 from ..config import Settings
 from .errors import ApiError, error_response, read_json_object
 from .metrics import GatewayMetrics
-from . import sessions_api, telephony, tts_http
+from . import openapi, sessions_api, telephony, tts_http
 
 log = logging.getLogger(__name__)
 
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 MAX_OFFER_BYTES = 256 * 1024
+MAX_CANDIDATE_BYTES = 8192
+OPENAPI = web.AppKey("openapi", dict)
+# Paths a load balancer or kubelet probes by IP address: answered whatever the Host.
+HOST_CHECK_EXEMPT = ("/healthz", "/readyz")
+SECURITY_HEADERS = {
+    # The page loads only its own scripts and styles and talks only to its own origin.
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "media-src 'self' blob:; connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'none'; "
+    "frame-ancestors 'none'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cross-Origin-Opener-Policy": "same-origin",
+}
+
+
+def _is_loopback(address: str) -> bool:
+    # Local tools (voxgate probe, the benchmarks) are not limited per address; a
+    # reverse proxy on the same host must be named with --trusted-proxy so that
+    # its clients are told apart.
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def client_address(request: web.Request, trusted: list) -> str:
+    """The client's address: the peer's, or the one a trusted reverse proxy names in
+    X-Forwarded-For (the right-most address the proxies did not add themselves)."""
+    remote = request.remote or "unknown"
+    if not trusted:
+        return remote
+    chain = [remote]
+    for value in request.headers.getall("X-Forwarded-For", []):
+        chain[:0] = [part.strip() for part in value.split(",") if part.strip()]
+    for address in reversed(chain):
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return address[:64]
+        if not any(ip in net for net in trusted):
+            return address
+    return chain[0]
 
 
 class Gateway:
@@ -43,6 +88,7 @@ class Gateway:
             EngineConfig(
                 engine=settings.engine,
                 voice=settings.voice,
+                voice_dir=settings.voice_dir,
                 device=settings.device,
                 parallel=settings.parallel,
                 threads=settings.threads,
@@ -58,6 +104,12 @@ class Gateway:
         )
         self.sessions: dict[str, Session] = {}
         self.peers: dict[str, PeerConnection] = {}
+        # Sessions made without a key or token, and by which client address:
+        # they have their own budget, so anonymous offers cannot take the slots
+        # that keyed backends need.
+        self.anonymous: dict[str, str] = {}  # session id -> client address
+        self.tts_active = 0  # POST /v1/tts requests synthesizing; they take session slots too
+        self.trusted_proxies = parse_networks(settings.trusted_proxy)
         self.accepting = True
         self._tasks: list[asyncio.Task] = []
 
@@ -123,7 +175,7 @@ class Gateway:
     def session_options(self, voice: str | None = None) -> SessionOptions:
         s = self.settings
         return SessionOptions(
-            voice=voice or s.voice,
+            voice=voice,  # None: the engine's default voice, which the operator chose
             vad=VadSettings(enabled=s.vad, aggressiveness=s.vad_aggressiveness, min_speech_ms=s.vad_min_speech_ms),
             opus=OpusSettings(bitrate=s.opus_bitrate, fec=s.opus_fec, dtx=s.opus_dtx, complexity=s.opus_complexity),
             limits=Limits(max_message_bytes=s.max_message_bytes, max_text_chars=s.max_text_chars, max_messages_per_s=s.max_messages_per_s),
@@ -131,26 +183,57 @@ class Gateway:
             max_queued_utterances=s.max_queued_utterances,
         )
 
-    def create_session(self, voice: str | None = None, session_id: str | None = None) -> Session:
+    def create_session(
+        self, voice: object = None, session_id: str | None = None, anonymous_from: str | None = None
+    ) -> Session:
+        """A new session; `voice` is a client's choice, checked against the engine's voices.
+
+        `anonymous_from`: the client address of a session made without a key or
+        token; such sessions count against their own budget and a per-address limit.
+        """
+        try:
+            voice = self.engine.check_voice(voice)
+        except UnknownVoice as exc:
+            raise ApiError(400, exc.code, exc.message) from None
         if not self.accepting:
             self.metrics.rejected.labels("draining").inc()
             raise web.HTTPServiceUnavailable(
                 text=json.dumps({"error": {"code": "draining", "message": "the server is shutting down; retry on another instance"}}),
                 content_type="application/json",
             )
-        if len(self.sessions) >= self.settings.max_sessions:
+        if len(self.sessions) + self.tts_active >= self.settings.max_sessions:
             self.metrics.rejected.labels("capacity").inc()
             raise web.HTTPServiceUnavailable(
                 text=json.dumps({"error": {"code": "at_capacity", "message": f"the server holds its maximum of {self.settings.max_sessions} sessions; retry later"}}),
                 content_type="application/json",
                 headers={"Retry-After": "5"},
             )
+        if anonymous_from is not None:
+            budget = self.settings.anonymous_budget
+            if len(self.anonymous) >= budget:
+                self.metrics.rejected.labels("capacity").inc()
+                raise web.HTTPServiceUnavailable(
+                    text=json.dumps({"error": {"code": "at_capacity", "message": f"the server holds its maximum of {budget} sessions made without a token; retry later, or join a session made through POST /v1/sessions"}}),
+                    content_type="application/json",
+                    headers={"Retry-After": "5"},
+                )
+            per_address = self.settings.max_sessions_per_address
+            if (
+                per_address
+                and not _is_loopback(anonymous_from)
+                and sum(1 for a in self.anonymous.values() if a == anonymous_from) >= per_address
+            ):
+                self.metrics.rejected.labels("address_limit").inc()
+                raise ApiError(429, "address_limit", f"this client address holds its maximum of {per_address} sessions made without a token")
         session = Session(self.engine, self.session_options(voice), session_id, self.metrics.for_session(self.settings.engine))
         self.sessions[session.id] = session
+        if anonymous_from is not None:
+            self.anonymous[session.id] = anonymous_from
 
         def forget(s: Session) -> None:
             self.sessions.pop(s.id, None)
             self.peers.pop(s.id, None)
+            self.anonymous.pop(s.id, None)
 
         session.on_close.append(forget)
         return session
@@ -165,10 +248,8 @@ async def handle_offer(request: web.Request) -> web.Response:
             raise OfferError("invalid_sdp", "'sdp' must be the offer's SDP text")
         if kind != "offer":
             raise OfferError("invalid_sdp", "'type' must be 'offer'")
-        voice = body.get("voice")
-        if voice is not None and not isinstance(voice, str):
-            raise OfferError("invalid_field", "'voice' must be a string")
-        session, created = sessions_api.session_for_offer(request.app, body, voice)
+        address = client_address(request, gw.trusted_proxies)
+        session, created = sessions_api.session_for_offer(request.app, body, body.get("voice"), address)
     except (OfferError, ApiError) as exc:
         return error_response(exc.status, exc.code, exc.message)
     peer = PeerConnection(session, gw.ice)
@@ -182,17 +263,52 @@ async def handle_offer(request: web.Request) -> web.Response:
         log.exception("offer failed")
         await sessions_api.abandon_offer(request.app, peer, created, "offer failed")
         return error_response(500, "internal", f"could not answer the offer: {type(exc).__name__}")
-    return web.json_response({"sdp": answer, "type": "answer", "session_id": session.id})
+    _connect_deadline(request.app, peer, created)
+    reply = {"sdp": answer, "type": "answer", "session_id": session.id}
+    if created:
+        # Trickle ICE for this session needs it (POST /v1/sessions/{id}/candidates).
+        reply["token"] = request.app[sessions_api.SIGNER].issue(session.id)
+    return web.json_response(reply)
+
+
+def _connect_deadline(app: web.Application, peer: PeerConnection, created: bool) -> None:
+    """A peer that has not connected within --connect-timeout-s gives its slot back:
+    a session made for the offer ends; a session made ahead is freed for another offer."""
+    gw: Gateway = app["gateway"]
+    timeout = gw.settings.connect_timeout_s
+
+    def expire() -> None:
+        session = peer.session
+        if session.closed or gw.peers.get(session.id) is not peer or peer.pc.connectionState == "connected":
+            return
+        log.info("session %s: no connection within %g s", session.id, timeout, extra={"session_id": session.id})
+        session.emit({"type": "connection.state", "state": "timeout"})
+        if created:
+            asyncio.ensure_future(session.close(f"no connection within {timeout:g} s"))
+        else:
+            asyncio.ensure_future(sessions_api.abandon_offer(app, peer, created, "no connection"))
+
+    if timeout > 0:
+        asyncio.get_running_loop().call_later(timeout, expire)
 
 
 async def handle_candidate(request: web.Request) -> web.Response:
+    """Trickle ICE from the peer; only the holder of the session's client token may add candidates."""
     gw: Gateway = request.app["gateway"]
-    peer = gw.peers.get(request.match_info["session_id"])
+    sid = request.match_info["session_id"]
+    try:
+        body = await read_json_object(request, MAX_CANDIDATE_BYTES)
+        sessions_api.check_client_token(request, body.get("token"), sid)
+    except ApiError as exc:
+        return exc.response()
+    peer = gw.peers.get(sid)
     if peer is None:
         return error_response(404, "unknown_session", "no such session")
     try:
-        body = await read_json_object(request, 8192)
-        accepted = await peer.add_candidate(body.get("candidate") and body)
+        candidate = body.get("candidate")
+        if candidate is not None and not isinstance(candidate, str):
+            raise OfferError("invalid_candidate", "'candidate' must be a string, or null to end the candidates")
+        accepted = await peer.add_candidate(candidate and body)
     except (OfferError, ApiError) as exc:
         return error_response(exc.status, exc.code, exc.message)
     except Exception as exc:
@@ -203,18 +319,30 @@ async def handle_candidate(request: web.Request) -> web.Response:
 
 
 async def handle_ice_servers(request: web.Request) -> web.Response:
+    """STUN servers for anyone; TURN servers, with credentials bound to one session and
+    valid for --turn-ttl-s, only against that session's client token (a TURN server
+    handed to everyone is an open relay)."""
     gw: Gateway = request.app["gateway"]
+    token = request.query.get("token") or sessions_api.bearer_of(request)
+    session_id = None
+    if token is not None:
+        try:
+            session_id = request.app[sessions_api.SIGNER].verify(token)
+        except ApiError as exc:
+            return exc.response()
+        if session_id not in gw.sessions:
+            return error_response(404, "unknown_session", "no such session; it may have ended")
     servers = []
-    user = request.query.get("session_id", "browser")
-    if not user.replace("-", "").replace("_", "").isalnum() or len(user) > 64:
-        return error_response(400, "invalid_field", "'session_id' must be a session id")
-    for server in gw.ice.servers_for(user):
+    for server in gw.ice.servers_for(session_id or "anonymous"):
+        url = server.urls if isinstance(server.urls, str) else server.urls[0]
+        if session_id is None and (server.username or url.startswith("turn")):
+            continue
         entry = {"urls": [server.urls] if isinstance(server.urls, str) else server.urls}
         if server.username:
             entry["username"] = server.username
             entry["credential"] = server.credential
         servers.append(entry)
-    if gw.ice.turn_secret:
+    if gw.ice.turn_secret and session_id is not None:
         return web.json_response({"ice_servers": servers, "ttl": gw.ice.turn_ttl_s})
     return web.json_response({"ice_servers": servers})
 
@@ -237,6 +365,24 @@ async def handle_metrics(request: web.Request) -> web.Response:
     return web.Response(body=gw.metrics.render(), content_type="text/plain", charset="utf-8")
 
 
+async def handle_openapi(request: web.Request) -> web.Response:
+    return web.json_response(request.app[OPENAPI])
+
+
+async def handle_static(request: web.Request) -> web.StreamResponse:
+    """The page's own files; anything else (missing, a folder, outside web/) is a JSON 404."""
+    root = WEB_DIR.resolve()
+    try:
+        path = (root / request.match_info["path"]).resolve()
+        path.relative_to(root)
+        found = path.is_file()
+    except (ValueError, OSError):
+        found = False
+    if not found:
+        return error_response(404, "not_found", "no such file")
+    return web.FileResponse(path)
+
+
 async def handle_index(request: web.Request) -> web.StreamResponse:
     index = WEB_DIR / "index.html"
     if not index.exists():
@@ -244,14 +390,54 @@ async def handle_index(request: web.Request) -> web.StreamResponse:
     return web.FileResponse(index)
 
 
+def _host_name(host: str) -> str:
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+@web.middleware
+async def host_check(request: web.Request, handler):
+    """Answer only to the host names this server is meant to be reached by.
+
+    DNS rebinding points a name the attacker controls at 127.0.0.1, so a
+    page from that name can call a local, keyless gateway as its own origin;
+    the Host header still carries the attacker's name, and is refused here.
+    """
+    allowed = request.app["gateway"].settings.allowed_hosts
+    if "*" not in allowed and request.path not in HOST_CHECK_EXEMPT:
+        if _host_name(request.host or "") not in allowed:
+            return error_response(421, "host_not_allowed", "this server does not answer to that Host; add it with --allowed-host")
+    return await handler(request)
+
+
+async def _security_headers(request: web.Request, response: web.StreamResponse) -> None:
+    for name, value in SECURITY_HEADERS.items():
+        response.headers.setdefault(name, value)
+
+
 @web.middleware
 async def json_errors(request: web.Request, handler):
     try:
-        return await handler(request)
+        response = await handler(request)
+        if (
+            response.status >= 400
+            and not response.prepared
+            and isinstance(response, web.Response)
+            and response.content_type != "application/json"
+        ):
+            # aiohttp's own answers (the static files' 404) are not JSON; ours always are.
+            reason = response.reason or "error"
+            return error_response(response.status, reason.lower().replace(" ", "_"), reason)
+        return response
     except web.HTTPException as exc:
         if exc.content_type == "application/json" or exc.status < 400:
             raise
-        return error_response(exc.status, exc.reason.lower().replace(" ", "_"), exc.reason)
+        response = error_response(exc.status, exc.reason.lower().replace(" ", "_"), exc.reason)
+        if "Allow" in exc.headers:
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
 
 
 def _origin_allowed(request: web.Request, allowed: list[str]) -> bool:
@@ -287,7 +473,8 @@ async def origin_check(request: web.Request, handler):
 
 
 def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Application:
-    app = web.Application(middlewares=[origin_check, json_errors], client_max_size=MAX_OFFER_BYTES)
+    app = web.Application(middlewares=[host_check, origin_check, json_errors], client_max_size=MAX_OFFER_BYTES)
+    app.on_response_prepare.append(_security_headers)
     gw = Gateway(settings, engine)
     app["gateway"] = gw
     app.router.add_post("/v1/offer", handle_offer)
@@ -296,13 +483,14 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
     app.router.add_get("/healthz", handle_healthz)
     app.router.add_get("/readyz", handle_readyz)
     app.router.add_get("/metrics", handle_metrics)
+    app[OPENAPI] = openapi.spec(web=settings.web)
+    app.router.add_get("/openapi.json", handle_openapi)
     sessions_api.add_routes(app)
     telephony.add_routes(app)
     tts_http.add_routes(app)
     if settings.web:
         app.router.add_get("/", handle_index)
-        if WEB_DIR.exists():
-            app.router.add_static("/static/", WEB_DIR, show_index=False)
+        app.router.add_get("/static/{path:.+}", handle_static)
 
     async def on_startup(app: web.Application) -> None:
         await gw.start()
@@ -318,6 +506,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
 async def serve(settings: Settings) -> None:
     """Run until SIGTERM or SIGINT, then drain: readiness goes false, new sessions are
     refused, current utterances get up to --drain-timeout-s to finish, then peers close."""
+    settings.check()  # raises ConfigError before anything listens
     app = create_app(settings)
     gw: Gateway = app["gateway"]
     runner = web.AppRunner(app, handle_signals=False, access_log=None)

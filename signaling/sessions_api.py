@@ -20,6 +20,7 @@ import hmac
 import itertools
 import json
 import logging
+import re
 import secrets
 import time
 
@@ -27,13 +28,18 @@ from aiohttp import WSMsgType, web
 
 from ..gateway.peer import OfferError, PeerConnection
 from ..gateway.protocol import ProtocolError, parse
+from ..engine.voices import UnknownVoice
 from ..gateway.session import Session
-from .errors import ApiError, error_response
+from .errors import ApiError, error_response, read_json_object
 
 log = logging.getLogger(__name__)
 
 # Events a slow backend may leave unread before it is disconnected.
 MAX_PENDING_EVENTS = 10000
+CREATE_BODY_LIMIT = 8192
+
+
+_B64URL = re.compile(r"[A-Za-z0-9_-]*")
 
 
 def _b64(data: bytes) -> str:
@@ -41,7 +47,15 @@ def _b64(data: bytes) -> str:
 
 
 def _unb64(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    """Strict unpadded base64url: any character outside the alphabet, or a non-canonical
+    ending, is refused (the lenient decoder skipped stray characters, so altered
+    tokens still verified)."""
+    if not _B64URL.fullmatch(text) or len(text) % 4 == 1:
+        raise ValueError("not base64url")
+    data = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    if _b64(data) != text:
+        raise ValueError("not canonical base64url")
+    return data
 
 
 class TokenSigner:
@@ -88,11 +102,19 @@ class SessionRegistry:
 
     def __init__(self) -> None:
         self.made_ahead: set[str] = set()
+        # The API key that made each session (None: made without a key, by an
+        # anonymous offer or call, or on a server without keys). Only that key
+        # sees, drives or ends the session; to any other it does not exist.
+        self.owner: dict[str, str | None] = {}
         self.by_key: dict[str, set[str]] = {}
         self.backends: dict[str, dict[str, str]] = {}  # session id -> listener name -> role
         self.calls: dict[str, object] = {}  # session id -> telephony call (signaling.telephony.TwilioCall)
 
+    def owned_by(self, session_id: str, key: str | None) -> bool:
+        return session_id in self.owner and self.owner[session_id] == key
+
     def forget(self, session_id: str) -> None:
+        self.owner.pop(session_id, None)
         self.made_ahead.discard(session_id)
         self.backends.pop(session_id, None)
         self.calls.pop(session_id, None)
@@ -104,11 +126,24 @@ SIGNER = web.AppKey("token_signer", TokenSigner)
 REGISTRY = web.AppKey("session_registry", SessionRegistry)
 
 
-def api_key_of(request: web.Request) -> str | None:
+def bearer_of(request: web.Request) -> str | None:
     auth = request.headers.get("Authorization", "")
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip()
-    return request.headers.get("X-API-Key")
+    return None
+
+
+def api_key_of(request: web.Request) -> str | None:
+    return bearer_of(request) or request.headers.get("X-API-Key")
+
+
+def check_client_token(request: web.Request, token: object, session_id: str) -> None:
+    """The request carries a client token for `session_id` (in the body, or as a bearer token)."""
+    token = token if token is not None else bearer_of(request)
+    if token is None:
+        raise ApiError(401, "token_required", "this needs the session's client token: 'token' in the body, or Authorization: Bearer <token>")
+    if request.app[SIGNER].verify(token) != session_id:
+        raise ApiError(403, "token_mismatch", "the token was issued for another session")
 
 
 def check_api_key(request: web.Request) -> str | None:
@@ -119,9 +154,14 @@ def check_api_key(request: web.Request) -> str | None:
     given = api_key_of(request)
     if not given:
         raise _http_error(web.HTTPUnauthorized, "unauthorized", "an API key is required: Authorization: Bearer <key> or X-API-Key")
+    # Header bytes that are not UTF-8 reach us as surrogates; compare raw bytes.
+    given_bytes = given.encode("utf-8", "surrogateescape")
+    match = None
     for key in keys:
-        if hmac.compare_digest(given.encode("utf-8"), key.encode("utf-8")):
-            return key
+        if hmac.compare_digest(given_bytes, key.encode("utf-8")):
+            match = key
+    if match is not None:
+        return match
     raise _http_error(web.HTTPUnauthorized, "invalid_api_key", "the API key is not valid")
 
 
@@ -129,20 +169,24 @@ def _http_error(cls, code: str, message: str, **kwargs) -> web.HTTPException:
     return cls(text=json.dumps({"error": {"code": code, "message": message}}), content_type="application/json", **kwargs)
 
 
-def _session_or_404(request: web.Request) -> Session:
-    session = request.app["gateway"].sessions.get(request.match_info["session_id"])
-    if session is None or session.closed:
+def _session_or_404(request: web.Request, key: str | None) -> Session:
+    """The session in the path, if the caller's key made it; the same 404 otherwise,
+    so another key cannot even learn that it exists."""
+    sid = request.match_info["session_id"]
+    session = request.app["gateway"].sessions.get(sid)
+    if session is None or session.closed or not request.app[REGISTRY].owned_by(sid, key):
         raise _http_error(web.HTTPNotFound, "unknown_session", "no such session")
     return session
 
 
-def track_session(app: web.Application, session: Session) -> None:
+def track_session(app: web.Application, session: Session, owner: str | None = None) -> None:
     registry = app[REGISTRY]
+    registry.owner[session.id] = owner
     session.on_close.append(lambda s: registry.forget(s.id))
 
 
 # Joining from /v1/offer
-def session_for_offer(app: web.Application, body: dict, voice: str | None) -> tuple[Session, bool]:
+def session_for_offer(app: web.Application, body: dict, voice: object, address: str) -> tuple[Session, bool]:
     """The session an offer attaches to, and whether it was created for it.
 
     With `session_id` and/or `token`, the offer joins a session made through
@@ -153,7 +197,7 @@ def session_for_offer(app: web.Application, body: dict, voice: str | None) -> tu
     if sid is None and token is None:
         if gw.settings.require_token:
             raise OfferError("token_required", "this server needs a client token from POST /v1/sessions", 401)
-        session = gw.create_session(voice=voice)
+        session = gw.create_session(voice=voice, anonymous_from=address)
         track_session(app, session)
         return session, True
     if sid is not None and not isinstance(sid, str):
@@ -207,30 +251,20 @@ async def handle_create(request: web.Request) -> web.Response:
     key = check_api_key(request)
     gw = request.app["gateway"]
     registry = request.app[REGISTRY]
-    body: dict = {}
-    raw = await request.content.read(8193)
-    if len(raw) > 8192:
-        return error_response(413, "too_large", "the request body is over 8192 bytes")
-    if raw.strip():
-        try:
-            body = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
-            return error_response(400, "invalid_json", "the body must be a JSON object, or empty")
-        if not isinstance(body, dict):
-            return error_response(400, "invalid_json", "the body must be a JSON object, or empty")
-    voice = body.get("voice")
-    if voice is not None:
-        voices = gw.engine.info.get("voices", [])
-        if not isinstance(voice, str):
-            return error_response(400, "invalid_field", "'voice' must be a string")
-        if voice not in voices and not voice.endswith(".onnx"):
-            return error_response(400, "unknown_voice", f"unknown voice {voice!r}; available: {', '.join(voices)}")
+    try:
+        body = await read_json_object(request, CREATE_BODY_LIMIT, "the body must be a JSON object, or empty", allow_empty=True)
+    except ApiError as exc:
+        return exc.response()
+    try:
+        voice = gw.engine.check_voice(body.get("voice"))
+    except UnknownVoice as exc:
+        return error_response(400, exc.code, exc.message)
     if key is not None and len(registry.by_key.get(key, ())) >= gw.settings.max_sessions_per_key:
         return error_response(
             429, "key_limit", f"this API key holds its maximum of {gw.settings.max_sessions_per_key} sessions"
         )
     session = gw.create_session(voice=voice)
-    track_session(request.app, session)
+    track_session(request.app, session, owner=key)
     registry.made_ahead.add(session.id)
     if key is not None:
         registry.by_key.setdefault(key, set()).add(session.id)
@@ -279,16 +313,19 @@ def describe(app: web.Application, session: Session) -> dict:
 
 
 async def handle_get(request: web.Request) -> web.Response:
-    check_api_key(request)
-    return web.json_response(describe(request.app, _session_or_404(request)))
+    key = check_api_key(request)
+    return web.json_response(describe(request.app, _session_or_404(request, key)))
 
 
 async def handle_list(request: web.Request) -> web.Response:
-    """All sessions, or those of one phone call with `?call_sid=`."""
-    check_api_key(request)
+    """The caller's own sessions, or those of one phone call with `?call_sid=`."""
+    key = check_api_key(request)
+    registry = request.app[REGISTRY]
     call_sid = request.query.get("call_sid")
     out = []
     for session in list(request.app["gateway"].sessions.values()):
+        if session.closed or not registry.owned_by(session.id, key):
+            continue
         state = describe(request.app, session)
         telephony = state["connected"]["telephony"]
         if call_sid is not None and (telephony is None or telephony.get("call_sid") != call_sid):
@@ -298,8 +335,8 @@ async def handle_list(request: web.Request) -> web.Response:
 
 
 async def handle_delete(request: web.Request) -> web.Response:
-    check_api_key(request)
-    session = _session_or_404(request)
+    key = check_api_key(request)
+    session = _session_or_404(request, key)
     await session.close("ended through the session API")
     return web.json_response({"session_id": session.id, "closed": True})
 
@@ -309,8 +346,8 @@ _connection_ids = itertools.count(1)
 
 
 async def handle_ws(request: web.Request) -> web.StreamResponse:
-    check_api_key(request)
-    session = _session_or_404(request)
+    key = check_api_key(request)
+    session = _session_or_404(request, key)
     role = request.query.get("role", "writer")
     if role not in ("writer", "watcher"):
         return error_response(400, "invalid_field", "'role' must be 'writer' or 'watcher'")

@@ -13,10 +13,14 @@ a caller talking over the bot interrupts it just as a browser microphone does.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import hashlib
+import hmac
 import json
 import logging
+import re
 import time
 
 import numpy as np
@@ -26,7 +30,8 @@ from ..gateway.encoder import ulaw_decode
 from ..gateway.resample import StreamResampler
 from ..gateway.session import Session
 from ..gateway.telephony import TwilioOutput
-from .errors import ApiError
+from ..gateway.protocol import RateLimiter
+from .errors import ApiError, error_response
 from .sessions_api import REGISTRY, SIGNER, track_session
 
 log = logging.getLogger(__name__)
@@ -34,6 +39,46 @@ log = logging.getLogger(__name__)
 MAX_FRAME_BYTES = 64 * 1024
 MULAW = "audio/x-mulaw"
 INBOUND_EVENTS = ("connected", "start", "media", "dtmf", "mark", "stop")
+# Twilio's ids (MZ..., CA...) are letters and digits; anything else is refused
+# before it reaches a log line or an event.
+SID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# Frames per second a stream may send: Twilio sends 50 media frames a second
+# plus a few marks and DTMF; this leaves room for bursts after a network stall.
+MAX_FRAMES_PER_S = 200.0
+# A stream over its rate for this many seconds in a row is closed.
+MAX_FLOOD_S = 5.0
+
+
+def _clean(value: object, limit: int = 64) -> str:
+    """A client-supplied value made safe for a log line: printable, one line, short."""
+    text = str(value)[:limit]
+    return "".join(ch if ch.isprintable() else "?" for ch in text)
+
+
+def twilio_signature(auth_token: str, url: str) -> str:
+    """Twilio's request signature for a URL with no POST parameters: base64(HMAC-SHA1(token, url))."""
+    digest = hmac.new(auth_token.encode("utf-8"), url.encode("utf-8"), hashlib.sha1).digest()
+    return base64.b64encode(digest).decode("ascii")
+
+
+def _signed_urls(request: web.Request, public_url: str | None) -> list[str]:
+    """The URLs Twilio may have signed: the stream's wss:// URL as configured or as seen."""
+    if public_url:
+        base = public_url.rstrip("/")
+    else:
+        proto = request.headers.get("X-Forwarded-Proto", request.scheme)
+        base = f"{proto}://{request.headers.get('X-Forwarded-Host', request.host)}"
+    rest = base.split("://", 1)[-1] + request.path_qs
+    return [f"wss://{rest}", f"https://{rest}", f"ws://{rest}", f"http://{rest}"]
+
+
+def signature_valid(request: web.Request, auth_token: str, public_url: str | None) -> bool:
+    given = request.headers.get("X-Twilio-Signature", "")
+    given_bytes = given.encode("utf-8", "surrogateescape")
+    ok = False
+    for url in _signed_urls(request, public_url):
+        ok |= hmac.compare_digest(given_bytes, twilio_signature(auth_token, url).encode("ascii"))
+    return ok and bool(given)
 
 
 class CallError(Exception):
@@ -47,9 +92,10 @@ class CallError(Exception):
 class TwilioCall:
     """One Media Streams connection bound to one session."""
 
-    def __init__(self, app: web.Application, ws: web.WebSocketResponse) -> None:
+    def __init__(self, app: web.Application, ws: web.WebSocketResponse, address: str = "unknown") -> None:
         self.app = app
         self.ws = ws
+        self.address = address
         self.session: Session | None = None
         self.created = False
         self.stream_sid: str | None = None
@@ -77,7 +123,8 @@ class TwilioCall:
 
     async def error(self, code: str, message: str) -> None:
         # Twilio never triggers these; a misbehaving client or stand-in reads them.
-        log.warning("telephony stream %s: %s: %s", self.stream_sid, code, message)
+        # One line, no traceback, nothing the client wrote unescaped.
+        log.warning("telephony stream %s: %s: %s", _clean(self.stream_sid), code, _clean(message, 200))
         if not self.ws.closed:
             await self.send({"event": "error", "code": code, "message": message})
 
@@ -90,7 +137,7 @@ class TwilioCall:
                 raise CallError("invalid_utf8", "the frame is not valid UTF-8 text") from None
         try:
             msg = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise CallError("invalid_json", "the frame is not JSON") from None
         if not isinstance(msg, dict) or not isinstance(msg.get("event"), str):
             raise CallError("invalid_message", "a frame must be a JSON object with a string 'event'")
@@ -109,15 +156,17 @@ class TwilioCall:
         if event == "media":
             self._media(msg)
         elif event == "mark":
-            name = (msg.get("mark") or {}).get("name")
-            if not isinstance(name, str):
-                raise CallError("invalid_message", "'mark' needs mark.name")
+            mark = msg.get("mark")
+            name = mark.get("name") if isinstance(mark, dict) else None
+            if not isinstance(name, str) or len(name) > 256:
+                raise CallError("invalid_message", "'mark' needs a string mark.name")
             assert self.output is not None
             self.output.on_mark(name)
         elif event == "dtmf":
-            digit = (msg.get("dtmf") or {}).get("digit")
-            if not isinstance(digit, str) or len(digit) != 1:
-                raise CallError("invalid_message", "'dtmf' needs a one-character dtmf.digit")
+            dtmf = msg.get("dtmf")
+            digit = dtmf.get("digit") if isinstance(dtmf, dict) else None
+            if not isinstance(digit, str) or len(digit) != 1 or digit not in "0123456789*#ABCDabcd":
+                raise CallError("invalid_message", "'dtmf' needs a one-character dtmf.digit (0-9, *, #, A-D)")
             self.dtmf.append(digit)
             self.session.emit({"type": "call.dtmf", "digit": digit, "call_sid": self.call_sid})
         elif event == "stop":
@@ -130,17 +179,25 @@ class TwilioCall:
         if not isinstance(start, dict):
             raise CallError("invalid_message", "'start' needs a 'start' object", fatal=True)
         stream_sid = start.get("streamSid") or msg.get("streamSid")
-        if not isinstance(stream_sid, str) or not stream_sid:
-            raise CallError("invalid_message", "'start' needs a streamSid", fatal=True)
+        if not isinstance(stream_sid, str) or not SID.fullmatch(stream_sid):
+            raise CallError("invalid_message", "'start' needs a streamSid of letters and digits", fatal=True)
+        call_sid = start.get("callSid")
+        if call_sid is not None and not (isinstance(call_sid, str) and SID.fullmatch(call_sid)):
+            raise CallError("invalid_message", "'start.callSid' must be letters and digits", fatal=True)
         fmt = start.get("mediaFormat") or {}
-        if fmt and (fmt.get("encoding") != MULAW or int(fmt.get("sampleRate", 8000)) != 8000 or int(fmt.get("channels", 1)) != 1):
-            raise CallError("unsupported_format", f"only {MULAW}, 8000 Hz, mono is supported; got {fmt}", fatal=True)
+        if not isinstance(fmt, dict):
+            raise CallError("invalid_message", "'start.mediaFormat' must be an object", fatal=True)
+        if fmt and (fmt.get("encoding") != MULAW or fmt.get("sampleRate", 8000) not in (8000, "8000") or fmt.get("channels", 1) not in (1, "1")):
+            raise CallError("unsupported_format", f"only {MULAW}, 8000 Hz, mono is supported", fatal=True)
         params = start.get("customParameters") or {}
         if not isinstance(params, dict):
             raise CallError("invalid_message", "customParameters must be an object", fatal=True)
+        tracks = start.get("tracks") or ["inbound"]
+        if not isinstance(tracks, list):
+            raise CallError("invalid_message", "'start.tracks' must be a list", fatal=True)
         self.stream_sid = stream_sid
-        self.call_sid = start.get("callSid") if isinstance(start.get("callSid"), str) else None
-        self.tracks = [t for t in start.get("tracks") or ["inbound"] if isinstance(t, str)]
+        self.call_sid = call_sid
+        self.tracks = [t for t in tracks[:4] if isinstance(t, str) and len(t) <= 32]
         session = self._session_for(params)
         self.session = session
         self.app[REGISTRY].calls[session.id] = self
@@ -152,9 +209,9 @@ class TwilioCall:
         self.output.start()
         log.info(
             "call %s (stream %s) on session %s (%s)",
-            self.call_sid, stream_sid, session.id, "new" if self.created else "made ahead",
+            _clean(self.call_sid), _clean(stream_sid), session.id, "new" if self.created else "made ahead",
         )
-        public = {k: v for k, v in params.items() if k != "token"}
+        public = {str(k)[:64]: v for k, v in list(params.items())[:32] if k != "token"}
         session.emit({"type": "call.started", "call_sid": self.call_sid, "stream_sid": stream_sid, "custom_parameters": public})
 
     def _session_for(self, params: dict) -> Session:
@@ -167,11 +224,11 @@ class TwilioCall:
                     "this server needs customParameters session_id and token from POST /v1/sessions",
                     fatal=True,
                 )
-            voice = params.get("voice") if isinstance(params.get("voice"), str) else None
-            if voice is not None and voice not in gw.engine.info.get("voices", []) and not voice.endswith(".onnx"):
-                raise CallError("unknown_voice", f"unknown voice {voice!r}", fatal=True)
             try:
-                session = gw.create_session(voice=voice)
+                address = self.address
+                session = gw.create_session(voice=params.get("voice"), anonymous_from=address)
+            except ApiError as exc:
+                raise CallError(exc.code, exc.message, fatal=True) from None
             except web.HTTPException as exc:
                 raise CallError("unavailable", exc.text or "no capacity for a new session", fatal=True) from None
             track_session(self.app, session)
@@ -196,6 +253,8 @@ class TwilioCall:
         media = msg.get("media")
         if not isinstance(media, dict) or not isinstance(media.get("payload"), str):
             raise CallError("invalid_message", "'media' needs media.payload")
+        if media.get("track", "inbound") not in ("inbound", "inbound_track", "outbound", "outbound_track"):
+            raise CallError("invalid_message", "media.track must be inbound or outbound")
         if media.get("track", "inbound") not in ("inbound", "inbound_track"):
             return  # our own audio echoed back on a bidirectional stream
         try:
@@ -231,16 +290,43 @@ class TwilioCall:
             session.emit({"type": "call.ended", "call_sid": self.call_sid, "reason": reason})
             # The session's only output was this call; it cannot speak any more.
             await session.close(f"call ended: {reason}")
-        log.info("call %s (stream %s) ended: %s", self.call_sid, self.stream_sid, reason)
+        log.info("call %s (stream %s) ended: %s", _clean(self.call_sid), _clean(self.stream_sid), _clean(reason, 200))
 
 
 async def handle_twilio(request: web.Request) -> web.StreamResponse:
+    gw = request.app["gateway"]
+    settings = gw.settings
+    if settings.twilio_auth_token and not signature_valid(request, settings.twilio_auth_token, settings.public_url):
+        return error_response(
+            403, "invalid_signature",
+            "X-Twilio-Signature does not match this URL; check --twilio-auth-token and --public-url",
+        )
+    from .server import client_address  # the server module imports this one
+
     ws = web.WebSocketResponse(heartbeat=None, max_msg_size=MAX_FRAME_BYTES, decode_text=False)
     await ws.prepare(request)
-    call = TwilioCall(request.app, ws)
+    call = TwilioCall(request.app, ws, client_address(request, gw.trusted_proxies))
     reason = "stream closed"
+    limiter = RateLimiter(MAX_FRAMES_PER_S)
+    flooding_since: float | None = None
+
+    def no_start() -> None:
+        if call.session is None and not ws.closed:
+            asyncio.ensure_future(_close_unstarted(call))
+
+    start_timer = asyncio.get_running_loop().call_later(settings.telephony_start_timeout_s, no_start)
     try:
         async for msg in ws:
+            if not limiter.allow():
+                now = time.monotonic()
+                if flooding_since is None:
+                    flooding_since = now
+                    await call.error("rate_limited", f"more than {MAX_FRAMES_PER_S:g} frames per second; frames are being dropped")
+                elif now - flooding_since > MAX_FLOOD_S:
+                    reason = "rate_limited"
+                    break
+                continue
+            flooding_since = None
             if msg.type == WSMsgType.BINARY:
                 await call.error("binary_frame", "Media Streams frames are JSON text; a binary frame was ignored")
                 continue
@@ -259,13 +345,20 @@ async def handle_twilio(request: web.Request) -> web.StreamResponse:
                     reason = exc.code
                     break
             except Exception as exc:  # a bug costs this frame, not the call
-                log.exception("telephony stream %s: frame failed", call.stream_sid)
+                log.exception("telephony stream %s: frame failed", _clean(call.stream_sid))
                 await call.error("internal", f"internal error: {type(exc).__name__}")
     finally:
+        start_timer.cancel()
         await call.end(reason)
         if not ws.closed:
             await ws.close()
     return ws
+
+
+async def _close_unstarted(call: TwilioCall) -> None:
+    timeout = call.app["gateway"].settings.telephony_start_timeout_s
+    await call.error("start_timeout", f"no 'start' within {timeout:g} s")
+    await call.ws.close(code=1008, message=b"no start")
 
 
 def add_routes(app: web.Application) -> None:

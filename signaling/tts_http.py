@@ -22,9 +22,12 @@ import numpy as np
 from aiohttp import web
 
 from ..engine.base import SynthesisOptions
+from ..engine.voices import UnknownVoice
 from ..engine.client import EngineCrashed, EngineStreamError, EngineUnavailable, StreamChunk, TTSStream
 from ..gateway.encoder import ulaw_encode
 from ..gateway.resample import StreamResampler
+from ..engine.client import public_engine_error
+from ..gateway.session import TEXT_SLICE_CHARS
 from .errors import ApiError, read_json_object
 from .sessions_api import check_api_key
 
@@ -191,17 +194,21 @@ def _options(request: web.Request, body: dict) -> tuple[str, str, SynthesisOptio
     fmt = body.get("format", "wav")
     if fmt not in FORMATS:
         raise ApiError(400, "invalid_field", f"'format' must be one of {', '.join(FORMATS)}")
-    voice = body.get("voice")
-    if voice is not None:
-        if not isinstance(voice, str):
-            raise ApiError(400, "invalid_field", "'voice' must be a string")
-        voices = gw.engine.info.get("voices", [])
-        if voice not in voices and not voice.endswith(".onnx"):
-            raise ApiError(400, "unknown_voice", f"unknown voice {voice!r}; available: {', '.join(voices)}")
+    try:
+        voice = gw.engine.check_voice(body.get("voice"))
+    except UnknownVoice as exc:
+        raise ApiError(400, exc.code, exc.message) from None
     rate = body.get("rate", 1.0)
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.25 <= rate <= 4.0:
         raise ApiError(400, "invalid_field", "'rate' must be a number from 0.25 to 4.0")
-    return text, fmt, SynthesisOptions(voice=voice or settings.voice, rate=float(rate))
+    return text, fmt, SynthesisOptions(voice=voice, rate=float(rate))
+
+
+async def push_in_slices(stream: TTSStream, text: str) -> None:
+    """Feed the text a slice per turn of the event loop, so a long text never holds it."""
+    for start in range(0, len(text), TEXT_SLICE_CHARS):
+        stream.push_text(text[start : start + TEXT_SLICE_CHARS])
+        await asyncio.sleep(0)
 
 
 async def _first_chunk(stream: TTSStream) -> StreamChunk | None:
@@ -210,7 +217,7 @@ async def _first_chunk(stream: TTSStream) -> StreamChunk | None:
     except StopAsyncIteration:
         return None
     except EngineStreamError as exc:
-        raise ApiError(400, "engine_error", str(exc)) from None
+        raise ApiError(400, "engine_error", public_engine_error(exc)) from None
     except (EngineCrashed, EngineUnavailable) as exc:
         raise ApiError(503, "engine_unavailable", str(exc)) from None
 
@@ -250,25 +257,76 @@ class _Timeline:
         )
 
 
+class TtsSlots:
+    """POST /v1/tts requests synthesizing now, in total and per caller (API key, or client
+    address without keys). Each also takes one of --max-sessions' slots."""
+
+    def __init__(self) -> None:
+        self.by_caller: dict[str, int] = {}
+
+    def acquire(self, gw, caller: str) -> None:
+        settings = gw.settings
+        if gw.tts_active >= settings.tts_max_concurrent or len(gw.sessions) + gw.tts_active >= settings.max_sessions:
+            raise ApiError(503, "at_capacity", "the server is synthesizing its maximum of requests; retry in a moment")
+        if self.by_caller.get(caller, 0) >= settings.tts_max_concurrent_per_key:
+            raise ApiError(
+                429, "too_many_requests",
+                f"this caller has {settings.tts_max_concurrent_per_key} requests synthesizing; wait for one to finish",
+            )
+        self.by_caller[caller] = self.by_caller.get(caller, 0) + 1
+        gw.tts_active += 1
+
+    def release(self, gw, caller: str) -> None:
+        gw.tts_active -= 1
+        left = self.by_caller.get(caller, 1) - 1
+        if left > 0:
+            self.by_caller[caller] = left
+        else:
+            self.by_caller.pop(caller, None)
+
+
+TTS_SLOTS = web.AppKey("tts_slots", TtsSlots)
+
+
 async def handle_tts(request: web.Request) -> web.StreamResponse:
     timeline = _Timeline()
-    check_api_key(request)  # raises a JSON 401
+    key = check_api_key(request)  # raises a JSON 401
     gw = request.app["gateway"]
+    from .server import client_address  # the server module imports this one
+
+    caller = key if key is not None else client_address(request, gw.trusted_proxies)
+    slots = request.app[TTS_SLOTS]
     try:
         body = await read_json_object(request, _body_limit(gw.settings), 'send {"text": "...", "format": "wav"}')
         text, fmt, options = _options(request, body)
-        try:
-            stream = gw.engine.stream(options)
-        except EngineUnavailable as exc:
-            raise ApiError(503, "engine_unavailable", str(exc)) from None
+        slots.acquire(gw, caller)
     except ApiError as exc:
-        return exc.response()
+        response = exc.response()
+        if exc.status in (429, 503):
+            response.headers["Retry-After"] = "1"
+        return response
+    try:
+        return await _synthesize(request, gw, text, fmt, options, timeline)
+    finally:
+        slots.release(gw, caller)
+
+
+async def _synthesize(
+    request: web.Request, gw, text: str, fmt: str, options: SynthesisOptions, timeline: _Timeline
+) -> web.StreamResponse:
+    try:
+        stream = gw.engine.stream(options)
+    except EngineUnavailable as exc:
+        return ApiError(503, "engine_unavailable", str(exc)).response()
+    # Audio is capped per request: text that expands into hours of audio (breaks,
+    # spelled-out symbols) costs the server as much CPU as it says.
+    sent_samples = 0
 
     loop = asyncio.get_running_loop()
     formatter: Formatter | None = None
     try:
         try:
-            stream.push_text(text)
+            await push_in_slices(stream, text)
             stream.end_input()
             # Headers wait for the first chunk: an engine error can still be a JSON error,
             # and the WAV header needs the engine's rate.
@@ -282,21 +340,30 @@ async def handle_tts(request: web.Request) -> web.StreamResponse:
                 "Content-Type": formatter.content_type,
                 "X-Sample-Rate": str(formatter.sample_rate),
                 "X-Audio-Format": fmt,
+                "X-Max-Audio-S": f"{gw.settings.tts_max_audio_s:g}",
                 "Cache-Control": "no-store",
             }
         )
         response.enable_chunked_encoding()
         await response.prepare(request)
         head = await loop.run_in_executor(_pool, formatter.start)
+        max_samples = int(gw.settings.tts_max_audio_s * rate)
         if first is not None:
             timeline.chunk(first)
-            head += await loop.run_in_executor(_pool, formatter.feed, first.pcm)
+            pcm = first.pcm[:max_samples]
+            sent_samples += len(pcm)
+            head += await loop.run_in_executor(_pool, formatter.feed, pcm)
         await response.write(head)
         timeline.first_bytes_at = time.monotonic()
         try:
             async for chunk in stream:
                 timeline.chunk(chunk)
-                data = await loop.run_in_executor(_pool, formatter.feed, chunk.pcm)
+                if sent_samples >= max_samples:
+                    log.info("tts: request reached --tts-max-audio-s (%g s); the rest is not synthesized", gw.settings.tts_max_audio_s)
+                    break
+                pcm = chunk.pcm[: max_samples - sent_samples]
+                sent_samples += len(pcm)
+                data = await loop.run_in_executor(_pool, formatter.feed, pcm)
                 if data:
                     await response.write(data)
         except (EngineStreamError, EngineCrashed, EngineUnavailable) as exc:
@@ -319,4 +386,5 @@ async def handle_tts(request: web.Request) -> web.StreamResponse:
 
 
 def add_routes(app: web.Application) -> None:
+    app[TTS_SLOTS] = TtsSlots()
     app.router.add_post("/v1/tts", handle_tts)

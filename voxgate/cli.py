@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 import time
 import wave
 
-from .config import add_arguments, settings_from
+from .config import ConfigError, add_arguments, secrets_on_command_line, settings_from
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -19,6 +20,17 @@ def _serve(args: argparse.Namespace) -> int:
 
     settings = settings_from(args)
     setup_logging(settings.log_level, settings.log_json)
+    try:
+        settings.check()
+    except ConfigError as exc:
+        print(f"voxgate: {exc}", file=sys.stderr)
+        return 2
+    shown = secrets_on_command_line(sys.argv[1:])
+    if shown:
+        logging.getLogger("voxgate").warning(
+            "%s given on the command line, where any user of this machine can read it (ps); "
+            "use the VOXGATE_* environment variable or the matching --...-file flag instead", ", ".join(shown)
+        )
     try:
         run(settings)
     except EngineUnavailable as exc:
@@ -52,7 +64,7 @@ async def _say_async(args: argparse.Namespace) -> int:
         print(f"voxgate: the {args.engine} engine could not start: {exc}", file=sys.stderr)
         return 2
     load_s = time.perf_counter() - t_start
-    stream = client.stream(SynthesisOptions(voice=args.voice, rate=args.rate))
+    stream = client.stream(SynthesisOptions(rate=args.rate))  # the worker's default voice: --voice
     chunks = []
     t0 = time.perf_counter()
     first = None

@@ -3,13 +3,26 @@
 Every flag `--some-name` also reads `VOXGATE_SOME_NAME`; a flag given on the
 command line wins over the environment. Repeatable flags take a
 comma-separated list from the environment.
+
+Secrets (API keys, the token and TURN secrets, the Twilio auth token) can come
+from a file too (`--api-key-file`, ...), so they never show in `ps`; a secret
+given as a command-line flag is accepted with a warning.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 from dataclasses import dataclass, field, fields
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+# Settings that hold secrets: each also has a `<name>_file` setting.
+SECRETS = ("api_key", "token_secret", "turn_secret", "twilio_auth_token")
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message says what to do."""
 
 
 @dataclass
@@ -23,6 +36,7 @@ class Settings:
     # Speech
     engine: str = "piper"
     voice: str | None = None
+    voice_dir: str | None = None
     device: str = "auto"
     engine_parallel: int = 0  # 0: chosen per engine
     engine_threads: int = 0  # 0: chosen per engine
@@ -47,17 +61,74 @@ class Settings:
     max_messages_per_s: float = 200.0
     max_queued_utterances: int = 32
     drain_timeout_s: float = 10.0
+    connect_timeout_s: float = 20.0
+    max_sessions_per_address: int = 10
+    max_anonymous_sessions: int = 0  # 0: half of --max-sessions with API keys, all without
+    trusted_proxy: list[str] = field(default_factory=list)
+    tts_max_concurrent: int = 4
+    tts_max_concurrent_per_key: int = 2
+    tts_max_audio_s: float = 300.0
+    telephony_start_timeout_s: float = 10.0
     # Access
     api_key: list[str] = field(default_factory=list)
+    api_key_file: str | None = None
+    allow_no_auth: bool = False
+    allowed_host: list[str] = field(default_factory=list)
+    public_url: str | None = None
     token_secret: str | None = None
+    token_secret_file: str | None = None
     require_token: bool = False
     token_ttl_s: int = 300
     cors_origin: list[str] = field(default_factory=list)
     turn_secret: str | None = None
-    turn_ttl_s: int = 3600
+    turn_secret_file: str | None = None
+    turn_ttl_s: int = 600
+    twilio_auth_token: str | None = None
+    twilio_auth_token_file: str | None = None
     web: bool = True
     log_level: str = "INFO"
     log_json: bool = False
+
+    @property
+    def loopback(self) -> bool:
+        """Whether the server listens on loopback only."""
+        if self.host in LOOPBACK_NAMES:
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+    @property
+    def anonymous_budget(self) -> int:
+        """Sessions that may exist without a key or token (offers and calls that make their own)."""
+        if self.max_anonymous_sessions > 0:
+            return min(self.max_anonymous_sessions, self.max_sessions)
+        return self.max_sessions // 2 if self.api_key else self.max_sessions
+
+    @property
+    def allowed_hosts(self) -> list[str]:
+        """Host names the server answers to (DNS-rebinding defence); ['*'] for any."""
+        if self.allowed_host:
+            return [h.lower() for h in self.allowed_host]
+        if self.loopback:
+            return [*LOOPBACK_NAMES, self.host.lower()]
+        return ["*"]
+
+    def check(self) -> None:
+        """Refuse settings that would expose the server; raises ConfigError saying what to do."""
+        if not self.loopback and not self.api_key and not self.allow_no_auth:
+            raise ConfigError(
+                f"refusing to listen on {self.host} without an API key: anyone who reaches that address "
+                "could create sessions, read them and use the engine. Set keys with --api-key-file FILE "
+                "or VOXGATE_API_KEY (and consider --require-token), or pass --allow-no-auth to serve "
+                "it open on purpose."
+            )
+        for value in self.trusted_proxy:
+            try:
+                ipaddress.ip_network(value, strict=False)
+            except ValueError:
+                raise ConfigError(f"--trusted-proxy {value!r} is not a network; use CIDR such as 10.0.0.0/8") from None
 
     @property
     def parallel(self) -> int:
@@ -82,7 +153,8 @@ _HELP = {
     "ice_allow": "network remote ICE candidates may come from, CIDR or 'public' (repeatable; default: public "
     "addresses plus the networks of --ice-host)",
     "engine": "speech engine: piper (embedded voice), tone (test engine), torch, cosyvoice2",
-    "voice": "default voice: 'joe' (embedded) or the path of a Piper .onnx voice",
+    "voice": "default voice: 'joe' (embedded), a voice of --voice-dir, or the path of a Piper .onnx voice",
+    "voice_dir": "directory of Piper .onnx voices (with their .onnx.json) clients may choose by name",
     "device": "where the engine runs: auto, cpu or cuda",
     "engine_parallel": "synthesis steps the worker runs at once (0: one per core; 1 for torch, which batches)",
     "engine_threads": "intra-op threads per synthesis step (0: 1; every core for torch)",
@@ -104,12 +176,32 @@ _HELP = {
     "max_messages_per_s": "messages per second per connection",
     "max_queued_utterances": "utterances waiting per session",
     "drain_timeout_s": "on SIGTERM, how long current utterances may finish",
-    "api_key": "API key for backend endpoints (repeatable); none: backend endpoints are open",
+    "connect_timeout_s": "close a WebRTC session whose peer has not connected after this long",
+    "max_sessions_per_address": "sessions one client address may make without a key or token (0: no limit; "
+    "loopback clients are not limited: behind a local proxy, set --trusted-proxy)",
+    "max_anonymous_sessions": "sessions made without a key or token, in total (0: half of --max-sessions "
+    "when API keys are set, else all)",
+    "trusted_proxy": "network of a reverse proxy whose X-Forwarded-For names the client (repeatable)",
+    "tts_max_concurrent": "POST /v1/tts requests synthesizing at once, in total",
+    "tts_max_concurrent_per_key": "POST /v1/tts requests at once per API key (per client address without keys)",
+    "tts_max_audio_s": "seconds of audio one POST /v1/tts request may produce",
+    "telephony_start_timeout_s": "close a Twilio stream that has not sent 'start' after this long",
+    "api_key": "API key for backend endpoints (repeatable); prefer VOXGATE_API_KEY or --api-key-file, "
+    "since flags show in ps",
+    "api_key_file": "file with one API key per line",
+    "allow_no_auth": "allow listening on a non-loopback address without an API key",
+    "allowed_host": "host name the server answers to (repeatable; default: loopback names when bound to "
+    "loopback, else any)",
+    "public_url": "the URL clients reach this server at, e.g. https://voice.example.com (Twilio signatures)",
     "token_secret": "secret that signs browser tokens (default: random per process)",
+    "token_secret_file": "file holding --token-secret",
     "require_token": "browsers need a token from POST /v1/sessions to connect",
     "token_ttl_s": "lifetime of browser tokens",
     "cors_origin": "Origin allowed to call the HTTP API from a browser (repeatable; default: same origin)",
     "turn_secret": "coturn REST-auth shared secret; enables short-lived TURN credentials",
+    "turn_secret_file": "file holding --turn-secret",
+    "twilio_auth_token": "Twilio auth token: when set, X-Twilio-Signature is verified on telephony streams",
+    "twilio_auth_token_file": "file holding --twilio-auth-token",
     "turn_ttl_s": "lifetime of issued TURN credentials",
     "web": "serve the bundled page at /",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
@@ -168,4 +260,29 @@ def settings_from(args: argparse.Namespace | None = None, environ: dict | None =
                 raise SystemExit(f"{_env_name(f.name)}={raw!r}: {exc}") from None
         if value is not None:
             setattr(settings, f.name, value)
+    _read_secret_files(settings)
     return settings
+
+
+def _read_secret_files(settings: Settings) -> None:
+    for name in SECRETS:
+        path = getattr(settings, name + "_file")
+        if not path:
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                lines = [line.strip() for line in f.read().splitlines() if line.strip() and not line.startswith("#")]
+        except OSError as exc:
+            raise SystemExit(f"--{name.replace('_', '-')}-file {path}: {exc.strerror or exc}") from None
+        if not lines:
+            raise SystemExit(f"--{name.replace('_', '-')}-file {path} is empty; put the secret in it")
+        if name == "api_key":
+            settings.api_key = [*settings.api_key, *lines]
+        else:
+            setattr(settings, name, lines[0])
+
+
+def secrets_on_command_line(argv: list[str]) -> list[str]:
+    """Secret flags given on the command line, where every user of the machine can read them."""
+    flags = {"--" + name.replace("_", "-") for name in SECRETS}
+    return sorted({arg.split("=", 1)[0] for arg in argv if arg.split("=", 1)[0] in flags})

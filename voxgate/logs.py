@@ -27,12 +27,21 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
+class PlainFormatter(logging.Formatter):
+    """One record, one line: line breaks inside a message are escaped, so text a
+    client chose can never forge a log line of its own."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        line = super().formatMessage(record)
+        return line.replace("\\", "\\\\").replace("\r", "\\r").replace("\n", "\\n")
+
+
 def setup_logging(level: str = "INFO", json_lines: bool = False) -> None:
     handler = logging.StreamHandler()
     if json_lines:
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(PlainFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -93,7 +93,10 @@ export class GatewayConnection {
   async fetchIceServers() {
     let resp;
     try {
-      resp = await fetch('/v1/ice-servers', { cache: 'no-store' });
+      // TURN servers come only with a session's client token (/?session_id=...&token=...).
+      const token = new URLSearchParams(location.search).get('token');
+      const headers = token ? { Authorization: `Bearer ${token}` } : {};
+      resp = await fetch('/v1/ice-servers', { cache: 'no-store', headers });
     } catch {
       throw new PageError(`The gateway at ${location.origin} cannot be reached. Is voxgate serve running?`);
     }

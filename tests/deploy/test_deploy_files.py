@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DEPLOY = os.path.join(ROOT, "deploy")
 SETTINGS = {f.name for f in fields(Settings)}
 SERVE_CMD = ["voxgate", "serve", "--host", "0.0.0.0"]
-COMPOSE_ENV = {"PUBLIC_IP": "203.0.113.10", "TURN_SECRET": "0123456789abcdef"}
+COMPOSE_ENV = {"PUBLIC_IP": "203.0.113.10", "TURN_SECRET": "0123456789abcdef", "VOXGATE_API_KEY": "k" * 48}
 
 
 def read(*parts: str) -> str:

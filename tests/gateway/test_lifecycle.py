@@ -72,12 +72,15 @@ async def test_ice_servers_default_empty_and_turn_credentials_are_short_lived(se
         async with http.get(tone_server.url + "/v1/ice-servers") as resp:
             assert (await resp.json()) == {"ice_servers": []}
     server = server_factory("tone", ["--ice-server", "turn:turn.example.com:3478", "--turn-secret", "s3cret", "--turn-ttl-s", "600"])
+    # TURN credentials are issued only against a session's client token, bound to that session.
     async with aiohttp.ClientSession() as http:
-        async with http.get(server.url + "/v1/ice-servers?session_id=abc123") as resp:
+        async with http.post(server.url + "/v1/sessions") as resp:
+            made = await resp.json()
+        async with http.get(server.url + "/v1/ice-servers", params={"token": made["client_token"]}) as resp:
             body = await resp.json()
     [entry] = body["ice_servers"]
     expiry, user = entry["username"].split(":")
-    assert user == "abc123" and entry["urls"] == ["turn:turn.example.com:3478"] and body["ttl"] == 600
+    assert user == made["session_id"] and entry["urls"] == ["turn:turn.example.com:3478"] and body["ttl"] == 600
     import base64, hashlib, hmac, time
 
     assert 0 < int(expiry) - time.time() <= 600
