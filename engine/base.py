@@ -2,15 +2,19 @@
 
 An engine runs inside the worker process. It turns one speakable unit of text
 (a clause or sentence chosen by the segmenter) into a sequence of audio chunks.
-Engines that can stream inside a unit (the torch engine) yield several chunks
-per unit; engines that cannot (Piper on onnxruntime) yield one.
+
+Engines that stream inside a unit (Piper on onnxruntime, the torch port) are
+`stepwise`: `start()` makes a job for a unit and `step(jobs)` advances jobs by
+one bounded step each (an encoder pass over one capped sentence, or one window
+of frames), so the worker can order steps by playout deadline. The others (the
+tone engine, CosyVoice) are driven through `synthesize()`, one chunk per call.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -69,6 +73,19 @@ class SynthesisOptions:
         )
 
 
+class SynthesisJob:
+    """One unit of text on its way to audio; `Engine.step` advances it."""
+
+    # Seconds of audio the listener has buffered ahead of this job's next
+    # chunk, set by the worker before each step (0: someone is waiting now).
+    # None: nobody listens live (a direct call), windows just double.
+    slack_s: float | None = None
+
+    @property
+    def done(self) -> bool:
+        raise NotImplementedError
+
+
 class EngineError(RuntimeError):
     """Raised by an engine for a problem the user can fix (unknown voice, bad option)."""
 
@@ -80,6 +97,8 @@ class Engine(ABC):
     # Tags (from the inline speech-tag set) this engine renders itself; others are
     # rendered by the stream (breaks, spelling) or dropped.
     supported_tags: frozenset[str] = frozenset()
+    # True for engines with start()/step(): see the module's docstring.
+    stepwise: bool = False
 
     @abstractmethod
     def load(self) -> None:
@@ -100,6 +119,19 @@ class Engine(ABC):
         The worker calls next() once per scheduling step, so a generator that
         yields often lets other streams in and lets cancel act between chunks.
         """
+
+    def start(self, text: str, options: SynthesisOptions) -> SynthesisJob:
+        """A job for one unit of text (stepwise engines); no model work yet."""
+        raise NotImplementedError(f"the {self.name} engine is not stepwise")
+
+    def step(self, jobs: Sequence[SynthesisJob], threads: int = 1) -> list[AudioChunk | None]:
+        """Advance each job by one bounded step (stepwise engines).
+
+        Returns one entry per job: its next chunk, or None when the step made
+        no audio (an encoder pass; or the job is done: see `job.done`).
+        `threads` is how many cores this call may use.
+        """
+        raise NotImplementedError(f"the {self.name} engine is not stepwise")
 
     def close(self) -> None:
         """Release models and devices."""
