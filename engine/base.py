@@ -12,6 +12,7 @@ tone engine, CosyVoice) are driven through `synthesize()`, one chunk per call.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -86,6 +87,42 @@ class SynthesisJob:
         raise NotImplementedError
 
 
+class StopSignal:
+    """Lets the worker stop a running step whose audio is not needed yet.
+
+    When a listener starts waiting for first audio, steps of streams with
+    seconds of audio buffered are stopped and redone later, so that the new
+    listener's steps have the cores. Engines check `requested` between model
+    calls, or hook `on_request` to abort a call in progress, and then raise
+    `StepStopped` with the job as it was before the step.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requested = False
+        self._hooks: list = []
+
+    def request(self) -> None:
+        with self._lock:
+            if self.requested:
+                return
+            self.requested = True
+            hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook()
+
+    def on_request(self, hook) -> None:
+        with self._lock:
+            if not self.requested:
+                self._hooks.append(hook)
+                return
+        hook()
+
+
+class StepStopped(Exception):
+    """A step was stopped by its StopSignal; its job is unchanged and can step again."""
+
+
 class EngineError(RuntimeError):
     """Raised by an engine for a problem the user can fix (unknown voice, bad option)."""
 
@@ -124,12 +161,15 @@ class Engine(ABC):
         """A job for one unit of text (stepwise engines); no model work yet."""
         raise NotImplementedError(f"the {self.name} engine is not stepwise")
 
-    def step(self, jobs: Sequence[SynthesisJob], threads: int = 1) -> list[AudioChunk | None]:
+    def step(
+        self, jobs: Sequence[SynthesisJob], threads: int = 1, stop: StopSignal | None = None
+    ) -> list[AudioChunk | None]:
         """Advance each job by one bounded step (stepwise engines).
 
         Returns one entry per job: its next chunk, or None when the step made
         no audio (an encoder pass; or the job is done: see `job.done`).
-        `threads` is how many cores this call may use.
+        `threads` is how many cores this call may use; `stop` may end it early
+        (StepStopped), for engines that support that.
         """
         raise NotImplementedError(f"the {self.name} engine is not stepwise")
 

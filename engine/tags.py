@@ -26,7 +26,7 @@ from typing import Iterator, Union
 
 import numpy as np
 
-from .base import AudioChunk, Engine, SynthesisJob, SynthesisOptions
+from .base import AudioChunk, Engine, StopSignal, SynthesisJob, SynthesisOptions
 from .segmenter import speakable
 
 # Tags this module renders itself, whatever the engine.
@@ -247,14 +247,14 @@ class RenderJob(SynthesisJob):
     def done(self) -> bool:
         return self.inner is None and not self.pieces
 
-    def step(self, threads: int = 1) -> AudioChunk | None:
+    def step(self, threads: int = 1, stop: StopSignal | None = None) -> AudioChunk | None:
         if self.inner is None:
             piece = self.pieces.pop(0)
             if isinstance(piece, Pause):
                 return _silence(self.engine, piece, self.options, unit_end=not self.pieces)
             self.inner = self.engine.start(piece.text, _piece_options(self.options, piece))
         self.inner.slack_s = self.slack_s
-        chunk = self.engine.step([self.inner], threads)[0]
+        chunk = self.engine.step([self.inner], threads, stop)[0]
         if self.inner.done:
             self.inner = None
         if chunk is not None and self.pieces:

@@ -276,13 +276,14 @@ class TorchEngine(Engine):
             generator=generator,
         )
 
-    def step(self, jobs: Sequence[TorchJob], threads: int = 1) -> list[AudioChunk | None]:
+    def step(self, jobs: Sequence[TorchJob], threads: int = 1, stop: object = None) -> list[AudioChunk | None]:
         """Advance every job by one chunk in as few forward passes as possible.
 
         Returns one entry per job, in order: its next chunk, or None once the
         job has no more audio. Jobs may use different voices (one batch per
         voice). A job must not be stepped from two threads at once. `threads`
-        is ignored: torch runs every pass on all its threads (set at load).
+        is ignored: torch runs every pass on all its threads (set at load);
+        so is `stop`: a batched pass serves several streams and runs to its end.
         """
         results: list[AudioChunk | None] = [None] * len(jobs)
         by_voice: dict[int, list[int]] = {}

@@ -18,16 +18,16 @@ from __future__ import annotations
 # A long sentence (about 35 words): longer than almost any sentence people
 # write, short enough that its encoder pass stays a bounded step.
 MAX_UNIT_CHARS = 220
-# About twice what MAX_UNIT_CHARS of English phonemizes to, so only expanded
-# text (numbers, spelled letters) is ever split here.
-MAX_UNIT_PHONEMES = 400
+# MAX_UNIT_CHARS of English prose phonemizes to about 230; this leaves room so
+# that only expanded text (numbers, spelled letters) is ever split here.
+MAX_UNIT_PHONEMES = 300
 
 
 def cap_text(text: str, limit: int = MAX_UNIT_CHARS) -> list[str]:
     """`text` in pieces of at most `limit` characters, cut after whitespace where possible."""
     pieces = []
     while len(text) > limit:
-        cut = _last_gap(text, limit, lambda ch: ch.isspace())
+        cut = last_gap(text, limit, lambda ch: ch.isspace())
         pieces.append(text[:cut])
         text = text[cut:]
     if text or not pieces:
@@ -39,7 +39,7 @@ def cap_phonemes(phonemes: list[str], limit: int = MAX_UNIT_PHONEMES) -> list[li
     """A phoneme list in pieces of at most `limit`, cut after a word gap (espeak's " ") where possible."""
     pieces = []
     while len(phonemes) > limit:
-        cut = _last_gap(phonemes, limit, lambda ph: ph == " ")
+        cut = last_gap(phonemes, limit, lambda ph: ph == " ")
         pieces.append(phonemes[:cut])
         phonemes = phonemes[cut:]
     if phonemes:
@@ -47,7 +47,7 @@ def cap_phonemes(phonemes: list[str], limit: int = MAX_UNIT_PHONEMES) -> list[li
     return pieces
 
 
-def _last_gap(seq, limit: int, is_gap) -> int:
+def last_gap(seq, limit: int, is_gap) -> int:
     """Index just past the last gap before `limit`, if it keeps at least half; else `limit`."""
     for k in range(limit - 1, limit // 2 - 1, -1):
         if is_gap(seq[k]):

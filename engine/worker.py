@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from . import wire
-from .base import AudioChunk, Engine, EngineError, SynthesisJob, SynthesisOptions
+from .base import AudioChunk, Engine, EngineError, StepStopped, StopSignal, SynthesisJob, SynthesisOptions
 from .registry import create_engine
 from .tags import RenderJob, from_wire, render
 
@@ -41,6 +41,12 @@ log = logging.getLogger(__name__)
 # A stream with less audio than this buffered ahead of its listener is urgent:
 # when its step is the only one to run, it gets every core.
 URGENT_SLACK_S = 0.5
+# A running step of a stream with at least this much audio buffered is stopped
+# (and redone later) when a listener starts waiting for first audio. Stopping
+# costs the work done so far; this much slack leaves room to redo it.
+PREEMPT_SLACK_S = 1.5
+# Marks a stopped step's result.
+_STOPPED = object()
 
 
 class _GeneratorJob(SynthesisJob):
@@ -54,7 +60,7 @@ class _GeneratorJob(SynthesisJob):
     def done(self) -> bool:
         return self.finished
 
-    def step(self, threads: int = 1) -> AudioChunk | None:
+    def step(self, threads: int = 1, stop: StopSignal | None = None) -> AudioChunk | None:
         chunk = next(self.chunks, None)
         self.finished = chunk is None
         return chunk
@@ -113,7 +119,11 @@ class Scheduler:
         self.max_threads = max(1, int(getattr(engine, "threads", 1) or 1))
         # Engines whose step() takes many jobs at once (torch) advance several streams per pass.
         self.max_batch = int(engine.info().get("max_batch", 1)) if self.stepwise else 1
-        self.counters = {"steps": 0, "batches": 0, "batched_streams": 0, "largest_batch": 0, "all_core_steps": 0}
+        self.counters = {
+            "steps": 0, "batches": 0, "batched_streams": 0, "largest_batch": 0, "all_core_steps": 0, "stopped_steps": 0,
+        }
+        # The stop signal of each stream's running step.
+        self.running: dict[int, StopSignal] = {}
         # (sid, kind) per dispatched step, kind "first" or "later"; tests read the order.
         self.trace: deque = deque(maxlen=4096)
 
@@ -187,7 +197,16 @@ class Scheduler:
             if not ready:
                 return
             ready.sort(key=lambda s: s.priority(now))
-            stream = ready[0]
+            # While a listener waits for first audio, streams with audio to
+            # spare wait too: they would only share its cores. Their running
+            # steps are stopped, to be redone later.
+            first_pending = any(s.waiting_for_first(now) and (s.busy or s.runnable()) for s in self.streams.values())
+            if first_pending and any(s.waiting_for_first(now) for s in ready):
+                self._preempt(now)
+            eligible = [s for s in ready if not first_pending or s.waiting_for_first(now) or self._urgent(s, now)]
+            if not eligible:
+                return
+            stream = eligible[0]
             if self.all_cores_in_flight and not stream.waiting_for_first(now):
                 # Every core is taken by an urgent step; only a listener who is
                 # waiting for first audio may share them, the rest waits.
@@ -199,16 +218,15 @@ class Scheduler:
                     self.streams.pop(stream.sid, None)
                     self.send(("error", stream.sid, str(exc)))
                     continue
-            urgent = stream.deadline() - now < URGENT_SLACK_S
-            alone = self.in_flight == 0 and len(ready) == 1
-            threads = self.max_threads if (alone and urgent and self.stepwise) else 1
+            alone = self.in_flight == 0 and len(eligible) == 1
+            threads = self.max_threads if (alone and self._urgent(stream, now) and self.stepwise) else 1
             if self.max_batch > 1 and not isinstance(stream.job, RenderJob):
                 # One batched pass for several streams' next windows. Streams still
                 # waiting for their first audio are batched only with each other,
                 # so a new stream's first window never waits behind a full batch.
                 fresh = stream.waiting_for_first(now)
                 group = [stream]
-                for s in ready[1:]:
+                for s in eligible[1:]:
                     if len(group) >= self.max_batch:
                         break
                     if s.waiting_for_first(now) != fresh:
@@ -235,16 +253,34 @@ class Scheduler:
                 self.counters["all_core_steps"] += 1
                 self.all_cores_in_flight += 1
             self.in_flight += 1
-            self.pool.submit(self._run, [(s.sid, s.job) for s in group], threads)
+            stop = StopSignal()
+            if len(group) == 1:
+                self.running[stream.sid] = stop
+            self.pool.submit(self._run, [(s.sid, s.job) for s in group], threads, stop)
 
-    def _run(self, members: list[tuple[int, SynthesisJob]], threads: int) -> None:
+    def _preempt(self, now: float) -> None:
+        for sid, stop in self.running.items():
+            stream = self.streams.get(sid)
+            if stream is None or stop.requested or stream.waiting_for_first(now):
+                continue
+            if stream.deadline() - now >= PREEMPT_SLACK_S:
+                stop.request()
+                self.counters["stopped_steps"] += 1
+
+    @staticmethod
+    def _urgent(stream: _Stream, now: float) -> bool:
+        return stream.deadline() - now < URGENT_SLACK_S
+
+    def _run(self, members: list[tuple[int, SynthesisJob]], threads: int, stop: StopSignal) -> None:
         t0 = time.perf_counter()
         jobs = [job for _, job in members]
         try:
             if self.stepwise and not isinstance(jobs[0], RenderJob):
-                results: list[object] = list(self.engine.step(jobs, threads))
+                results: list[object] = list(self.engine.step(jobs, threads, stop))
             else:
-                results = [jobs[0].step(threads)]
+                results = [jobs[0].step(threads, stop)]
+        except StepStopped:
+            results = [_STOPPED] * len(jobs)
         except EngineError as exc:
             results = [exc] * len(jobs)
         except Exception as exc:  # an engine bug must not take down other streams
@@ -254,12 +290,16 @@ class Scheduler:
         self.inbox.put(("_done", [(sid, job, result, seconds) for (sid, job), result in zip(members, results)], threads))
 
     def _step_done(self, sid: int, job: SynthesisJob, result, seconds: float) -> None:
+        self.running.pop(sid, None)
         stream = self.streams.get(sid)
         if stream is None or stream.job is not job:
             # Cancelled while the step ran: discard its audio.
             _close(job)
             return
         stream.busy = False
+        if result is _STOPPED:
+            stream.credit += 1  # the job is as it was; the step runs again later
+            return
         if isinstance(result, Exception):
             self.streams.pop(sid, None)
             self.send(("error", sid, str(result)))
