@@ -79,8 +79,10 @@ class SynthesisJob:
 
     # Seconds of audio the listener has buffered ahead of this job's next
     # chunk, set by the worker before each step (0: someone is waiting now).
-    # None: nobody listens live (a direct call), windows just double.
+    # None: nobody listens live (a direct call), windows just grow.
     slack_s: float | None = None
+    # Streams per core with steps to run, set by the worker with slack_s.
+    load: float = 1.0
 
     @property
     def done(self) -> bool:

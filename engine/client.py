@@ -76,6 +76,8 @@ class EngineConfig:
     parallel: int = field(default_factory=lambda: os.cpu_count() or 1)
     # The most intra-op threads one step may use; 0: the engine's choice (every core).
     threads: int = 0
+    # More keyword arguments for the engine's constructor (PiperEngine(split=False), say).
+    engine_options: dict = field(default_factory=dict)
     start_timeout: float = 60.0
     # The first unit is sent after this long even without a clause boundary.
     first_unit_timeout: float = 0.35
@@ -109,7 +111,12 @@ class EngineClient:
         assert self._loop is not None
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
-        options = {"voice": self.config.voice, "device": self.config.device, "threads": self.config.threads}
+        options = {
+            **self.config.engine_options,
+            "voice": self.config.voice,
+            "device": self.config.device,
+            "threads": self.config.threads,
+        }
         process = ctx.Process(
             target=run_worker,
             args=(child, self.config.engine, options, self.config.parallel),

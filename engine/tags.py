@@ -253,7 +253,7 @@ class RenderJob(SynthesisJob):
             if isinstance(piece, Pause):
                 return _silence(self.engine, piece, self.options, unit_end=not self.pieces)
             self.inner = self.engine.start(piece.text, _piece_options(self.options, piece))
-        self.inner.slack_s = self.slack_s
+        self.inner.slack_s, self.inner.load = self.slack_s, self.load
         chunk = self.engine.step([self.inner], threads, stop)[0]
         if self.inner.done:
             self.inner = None

@@ -140,6 +140,7 @@ class TorchJob(SynthesisJob):
     current: _Sentence | None = None
     chunks: int = 0
     slack_s: float | None = None
+    load: float = 1.0
 
     @property
     def done(self) -> bool:
@@ -401,7 +402,7 @@ class TorchEngine(Engine):
 
     def _plan_window(self, job: TorchJob, s: _Sentence) -> _Window:
         slack = None if job.slack_s is None else job.slack_s * job.voice.sample_rate / job.voice.hop
-        span = self.schedule.next(s.decoded, s.frames, s.windows, job.voice.dec_context, slack)
+        span = self.schedule.next(s.decoded, s.frames, s.windows, job.voice.dec_context, slack, job.load)
         src_start, src_end = span.src_start, span.src_end
         # Round the input up to the model's length bucket with real frames where the
         # sentence has them: extra context costs the same as padding and never hurts.

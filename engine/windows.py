@@ -15,6 +15,7 @@ Both the ONNX engine and the torch engine plan their windows here.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .base import WordTiming
@@ -24,10 +25,14 @@ from .base import WordTiming
 FIRST_WINDOW_FRAMES = 12
 # About 3 s of audio, some 0.3 s of one core: a step no longer than that.
 MAX_WINDOW_FRAMES = 256
-# A later window may hold this many times the frames the listener has
-# buffered. Decoding runs some 8-10x faster than real time on one core, so
-# even with 3-4 steps queued per core the window is ready before the audio ahead of it runs out.
-GROWTH = 2
+# Each window of a sentence may be this many times the one before. Every seam
+# costs the decoder's context twice over (24 frames, as much work as a 24-frame
+# window), so windows must grow fast; decoding runs 8-10x faster than real time
+# on one core, so a window 4x the last is ready before the last has played.
+GROWTH = 4
+# A window may also hold this many times the frames the listener already has
+# buffered: a stream with half a second to spare gets its sentence in one window.
+COVER = 6
 
 
 @dataclass(frozen=True)
@@ -50,24 +55,27 @@ class WindowSchedule:
     first: int = FIRST_WINDOW_FRAMES
     largest: int = MAX_WINDOW_FRAMES
 
-    def size(self, index: int, slack_frames: float | None) -> int:
+    def size(self, index: int, slack_frames: float | None, load: float = 1.0) -> int:
         """Frames of the `index`-th window of a sentence.
 
-        With the listener's buffered audio known (`slack_frames`), the window
-        grows with it; without (a direct call, nobody listening live), windows
-        double from the first.
+        Windows grow by GROWTH from the first; and, when the listener's
+        buffered audio is known (`slack_frames`), to COVER times that. A direct
+        call (nobody listening live, `None`) just grows. Under `load` (streams
+        per core with steps to run), every window is that many times larger:
+        each stream's next step comes that much later, so each chunk must
+        cover that much more time, and fewer seams leave more of the cores for
+        the audio itself.
         """
-        if slack_frames is None:
-            size = self.first << min(index, 16)
-        else:
-            size = int(GROWTH * max(slack_frames, 0.0))
+        size = self.first * max(1, math.ceil(load - 1e-9)) * GROWTH ** min(index, 8)
+        if slack_frames is not None:
+            size = max(size, int(COVER * max(slack_frames, 0.0)))
         return max(self.first, min(self.largest, size))
 
     def next(
-        self, done: int, total: int, index: int, context: int, slack_frames: float | None = None
+        self, done: int, total: int, index: int, context: int, slack_frames: float | None = None, load: float = 1.0
     ) -> Window:
         """The window after `done` of `total` frames, with `context` frames each side."""
-        end = min(total, done + self.size(index, slack_frames))
+        end = min(total, done + self.size(index, slack_frames, load))
         if 0 < total - end < self.first // 2:
             end = total  # fold a sliver of a tail into this window
         return Window(done, end, max(0, done - context), min(total, end + context))

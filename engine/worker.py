@@ -243,8 +243,10 @@ class Scheduler:
                 self.counters["largest_batch"] = max(self.counters["largest_batch"], len(group))
             else:
                 group = [stream]
+            active = sum(1 for s in self.streams.values() if s.busy or s.runnable())
             for member in group:
                 member.job.slack_s = max(0.0, member.deadline() - now)
+                member.job.load = active / self.parallel
                 member.busy = True
                 member.credit -= 1
                 self.trace.append((member.sid, "first" if member.chunks_sent == 0 else "later"))
