@@ -200,7 +200,8 @@ class Scheduler:
             # While a listener waits for first audio, streams with audio to
             # spare wait too: they would only share its cores. Their running
             # steps are stopped, to be redone later.
-            first_pending = any(s.waiting_for_first(now) and (s.busy or s.runnable()) for s in self.streams.values())
+            waiting = [s for s in self.streams.values() if s.waiting_for_first(now) and (s.busy or s.runnable())]
+            first_pending = bool(waiting)
             if first_pending and any(s.waiting_for_first(now) for s in ready):
                 self._preempt(now)
             eligible = [s for s in ready if not first_pending or s.waiting_for_first(now) or self._urgent(s, now)]
@@ -218,8 +219,15 @@ class Scheduler:
                     self.streams.pop(stream.sid, None)
                     self.send(("error", stream.sid, str(exc)))
                     continue
+            # Every core for a step that runs alone and is urgent; one thread each
+            # when steps run side by side: more audio per second from the cores.
+            # Never every core beside a running step: each op of a many-thread
+            # run waits for its slowest thread, and a thread that shares its core
+            # makes every op that slow (a first chunk took up to 3x as long).
+            # With one step at a time (parallel=1), every core.
             alone = self.in_flight == 0 and len(eligible) == 1
-            threads = self.max_threads if (alone and self._urgent(stream, now) and self.stepwise) else 1
+            every_core = self.parallel == 1 or (alone and self._urgent(stream, now))
+            threads = self.max_threads if (every_core and self.stepwise) else 1
             if self.max_batch > 1 and not isinstance(stream.job, RenderJob):
                 # One batched pass for several streams' next windows. Streams still
                 # waiting for their first audio are batched only with each other,
