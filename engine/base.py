@@ -2,15 +2,20 @@
 
 An engine runs inside the worker process. It turns one speakable unit of text
 (a clause or sentence chosen by the segmenter) into a sequence of audio chunks.
-Engines that can stream inside a unit (the torch engine) yield several chunks
-per unit; engines that cannot (Piper on onnxruntime) yield one.
+
+Engines that stream inside a unit (Piper on onnxruntime, the torch port) are
+`stepwise`: `start()` makes a job for a unit and `step(jobs)` advances jobs by
+one bounded step each (an encoder pass over one capped sentence, or one window
+of frames), so the worker can order steps by playout deadline. The others (the
+tone engine, CosyVoice) are driven through `synthesize()`, one chunk per call.
 """
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -69,6 +74,57 @@ class SynthesisOptions:
         )
 
 
+class SynthesisJob:
+    """One unit of text on its way to audio; `Engine.step` advances it."""
+
+    # Seconds of audio the listener has buffered ahead of this job's next
+    # chunk, set by the worker before each step (0: someone is waiting now).
+    # None: nobody listens live (a direct call), windows just grow.
+    slack_s: float | None = None
+    # Streams per core with steps to run, set by the worker with slack_s.
+    load: float = 1.0
+
+    @property
+    def done(self) -> bool:
+        raise NotImplementedError
+
+
+class StopSignal:
+    """Lets the worker stop a running step whose audio is not needed yet.
+
+    When a listener starts waiting for first audio, steps of streams with
+    seconds of audio buffered are stopped and redone later, so that the new
+    listener's steps have the cores. Engines check `requested` between model
+    calls, or hook `on_request` to abort a call in progress, and then raise
+    `StepStopped` with the job as it was before the step.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requested = False
+        self._hooks: list = []
+
+    def request(self) -> None:
+        with self._lock:
+            if self.requested:
+                return
+            self.requested = True
+            hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook()
+
+    def on_request(self, hook) -> None:
+        with self._lock:
+            if not self.requested:
+                self._hooks.append(hook)
+                return
+        hook()
+
+
+class StepStopped(Exception):
+    """A step was stopped by its StopSignal; its job is unchanged and can step again."""
+
+
 class EngineError(RuntimeError):
     """Raised by an engine for a problem the user can fix (unknown voice, bad option)."""
 
@@ -80,6 +136,8 @@ class Engine(ABC):
     # Tags (from the inline speech-tag set) this engine renders itself; others are
     # rendered by the stream (breaks, spelling) or dropped.
     supported_tags: frozenset[str] = frozenset()
+    # True for engines with start()/step(): see the module's docstring.
+    stepwise: bool = False
 
     @abstractmethod
     def load(self) -> None:
@@ -100,6 +158,22 @@ class Engine(ABC):
         The worker calls next() once per scheduling step, so a generator that
         yields often lets other streams in and lets cancel act between chunks.
         """
+
+    def start(self, text: str, options: SynthesisOptions) -> SynthesisJob:
+        """A job for one unit of text (stepwise engines); no model work yet."""
+        raise NotImplementedError(f"the {self.name} engine is not stepwise")
+
+    def step(
+        self, jobs: Sequence[SynthesisJob], threads: int = 1, stop: StopSignal | None = None
+    ) -> list[AudioChunk | None]:
+        """Advance each job by one bounded step (stepwise engines).
+
+        Returns one entry per job: its next chunk, or None when the step made
+        no audio (an encoder pass; or the job is done: see `job.done`).
+        `threads` is how many cores this call may use; `stop` may end it early
+        (StepStopped), for engines that support that.
+        """
+        raise NotImplementedError(f"the {self.name} engine is not stepwise")
 
     def close(self) -> None:
         """Release models and devices."""

@@ -89,9 +89,12 @@ class EngineConfig:
     voice: str | None = None
     voice_dir: str | None = None  # more voices, chosen by the operator; clients see their names
     device: str = "auto"
-    # Synthesis steps run at once in the worker; one intra-op thread each.
+    # Synthesis steps run at once in the worker.
     parallel: int = field(default_factory=lambda: os.cpu_count() or 1)
-    threads: int = 1
+    # The most intra-op threads one step may use; 0: the engine's choice (every core).
+    threads: int = 0
+    # More keyword arguments for the engine's constructor (PiperEngine(split=False), say).
+    engine_options: dict = field(default_factory=dict)
     start_timeout: float = 60.0
     # The first unit is sent after this long even without a clause boundary.
     first_unit_timeout: float = 0.35
@@ -125,8 +128,13 @@ class EngineClient:
         assert self._loop is not None
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
-        options = {"voice": self.config.voice, "device": self.config.device, "threads": self.config.threads,
-                   "voice_dir": self.config.voice_dir}
+        options = {
+            **self.config.engine_options,
+            "voice": self.config.voice,
+            "device": self.config.device,
+            "threads": self.config.threads,
+            "voice_dir": self.config.voice_dir,
+        }
         process = ctx.Process(
             target=run_worker,
             args=(child, self.config.engine, options, self.config.parallel),
@@ -191,13 +199,22 @@ class EngineClient:
         finally:
             self._pongs.pop(token, None)
 
-    def stream(self, options: SynthesisOptions | None = None, segmenter: SegmenterConfig | None = None) -> "TTSStream":
+    def stream(
+        self,
+        options: SynthesisOptions | None = None,
+        segmenter: SegmenterConfig | None = None,
+        start_in_s: float = 0.0,
+    ) -> "TTSStream":
+        """A new stream. `start_in_s`: seconds until its listener needs the first
+        audio (0: someone is waiting now; more for an utterance queued behind
+        others). The worker orders steps by it; it travels as a plain duration
+        so that it means the same on another machine."""
         if not self.ready:
             raise EngineUnavailable("the engine worker is restarting; try again in a moment")
         sid = next(self._ids)
         stream = TTSStream(self, sid, options or SynthesisOptions(), segmenter)
         self._streams[sid] = stream
-        self._send(("open", sid, stream.options.to_dict(), STREAM_WINDOW))
+        self._send(("open", sid, stream.options.to_dict(), STREAM_WINDOW, max(0.0, float(start_in_s))))
         return stream
 
     # Pipe plumbing

@@ -1,8 +1,15 @@
 """Turning a token stream into speakable units.
 
-The first unit is short (the first clause, or a few words once a timeout
-fires), because time to first audio matters most. Later units are whole
-sentences or long clauses, for natural prosody. Every unit keeps the exact
+The first unit is the first sentence when its text is already there (a whole
+`speak`): the engine streams inside a sentence, so a longer first unit costs
+little first audio and keeps the sentence's prosody. In a token stream, where
+the rest has not arrived, the first unit is short (the first clause, or a few
+words once a timeout fires), because time to first audio matters most. Later
+units are whole sentences or long clauses, for natural prosody.
+
+No unit is longer than `MAX_UNIT_CHARS` (engine/units.py): text without
+punctuation is cut at the last space before it, and so is an unfinished
+`<...>` tag, which could otherwise hold everything after it. Every unit keeps the exact
 input span it came from (`raw`), so joining the raw spans gives back the input:
 nothing is lost, duplicated or reordered. What the engine is asked to say
 (`speak`) is the raw span cleaned of markdown, emoji and markup.
@@ -13,6 +20,8 @@ from __future__ import annotations
 import re
 import unicodedata
 from dataclasses import dataclass
+
+from .units import MAX_UNIT_CHARS, last_gap
 
 SENTENCE_END = ".!?…"
 CLOSERS = "\"')]}”’»*_"
@@ -42,7 +51,10 @@ class SegmenterConfig:
     # Later units end at a comma only once this long.
     comma_min_chars: int = 120
     # Text without punctuation is split at the last space before this length.
-    max_chars: int = 220
+    max_chars: int = MAX_UNIT_CHARS
+    # The first unit is the whole first sentence when its end is already in the
+    # buffer, rather than its first clause (see docs/engines.md for the figures).
+    first_whole_sentence: bool = True
 
 
 class Segmenter:
@@ -104,10 +116,12 @@ class Segmenter:
         while i < n:
             c = buf[i]
             if c == "<":
-                close = buf.find(">", i)
+                close = buf.find(">", i, cfg.max_chars + 1)
                 if close < 0:
-                    # An unfinished tag: nothing after it can be decided yet.
-                    return self._hard_cut(i) if i >= cfg.max_chars else None
+                    # An unfinished tag: nothing after it can be decided yet, but
+                    # a unit never grows past max_chars waiting for its ">". The
+                    # tag is given up on, so its spaces are fair places to cut.
+                    return last_gap(buf, cfg.max_chars, str.isspace) if n >= cfg.max_chars else None
                 i = close + 1
                 continue
             if i >= cfg.max_chars:
@@ -133,7 +147,8 @@ class Segmenter:
                         need = cfg.first_min_chars if first else cfg.comma_min_chars
                     else:
                         need = cfg.first_min_chars if first else cfg.min_chars
-                    if length + 1 >= need:
+                    whole = first and cfg.first_whole_sentence and _sentence_end_ahead(buf, j, cfg.max_chars)
+                    if length + 1 >= need and not whole:
                         return _past_spaces(buf, j)
                 i = j
                 continue
@@ -151,6 +166,16 @@ class Segmenter:
         if cut is None or cut < self.config.max_chars // 2:
             cut = limit
         return cut
+
+
+def _sentence_end_ahead(buf: str, start: int, limit: int) -> bool:
+    """Whether the buffer holds a sentence end after `start` and before `limit` (the text is already there)."""
+    for k in range(start, min(len(buf), limit)):
+        if buf[k] in SENTENCE_END and not _is_abbreviation(buf, k):
+            after = k + 1
+            if after >= len(buf) or buf[after].isspace() or buf[after] in CLOSERS:
+                return True
+    return False
 
 
 def _past_spaces(buf: str, j: int) -> int:

@@ -8,7 +8,8 @@ A stream keeps one `TagState`. Each unit's raw text (as the segmenter cut it)
 goes through `TagState.pieces()`, which returns what to render: text with a
 rate factor, breaks (silence), and nothing else. Open tags carry over from one
 unit to the next, so a `<prosody>` that spans sentences keeps applying. The
-engine worker renders the pieces with `render()`: breaks become silence at the
+engine worker renders the pieces with `render()` (`RenderJob` on a stepwise
+engine, step by step): breaks become silence at the
 engine's rate, text goes to the engine with the rate multiplied in.
 
 Tags outside the set are never spoken: the engine's own `supported_tags` are
@@ -26,7 +27,7 @@ from typing import Iterator, Union
 
 import numpy as np
 
-from .base import AudioChunk, Engine, SynthesisOptions
+from .base import AudioChunk, Engine, StopSignal, SynthesisJob, SynthesisOptions
 from .segmenter import speakable
 
 # Tags this module renders itself, whatever the engine.
@@ -242,6 +243,50 @@ def from_wire(items: list[tuple]) -> list[Piece]:
     return [Speech(i[1], float(i[2])) if i[0] == "speech" else Pause(int(i[1])) for i in items]
 
 
+def _piece_options(options: SynthesisOptions, piece: Speech) -> SynthesisOptions:
+    if piece.rate == 1.0:
+        return options
+    return dataclasses.replace(options, rate=min(max(options.rate * piece.rate, MIN_RATE), MAX_RATE))
+
+
+def _silence(engine: Engine, piece: Pause, options: SynthesisOptions, unit_end: bool) -> AudioChunk:
+    rate = engine.sample_rate(options.voice)
+    pcm = np.zeros(int(round(piece.ms * rate / 1000.0)), dtype=np.int16)
+    return AudioChunk(pcm=pcm, sample_rate=rate, text="", words=[], unit_end=unit_end)
+
+
+class RenderJob(SynthesisJob):
+    """One unit's pieces on a stepwise engine, one bounded step at a time.
+
+    A pause is one step (its silence); a speech piece is an engine job, stepped
+    until done. Only the last piece's last chunk keeps unit_end.
+    """
+
+    def __init__(self, engine: Engine, pieces: list[Piece], options: SynthesisOptions) -> None:
+        self.engine = engine
+        self.pieces = list(pieces)
+        self.options = options
+        self.inner: SynthesisJob | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.inner is None and not self.pieces
+
+    def step(self, threads: int = 1, stop: StopSignal | None = None) -> AudioChunk | None:
+        if self.inner is None:
+            piece = self.pieces.pop(0)
+            if isinstance(piece, Pause):
+                return _silence(self.engine, piece, self.options, unit_end=not self.pieces)
+            self.inner = self.engine.start(piece.text, _piece_options(self.options, piece))
+        self.inner.slack_s, self.inner.load = self.slack_s, self.load
+        chunk = self.engine.step([self.inner], threads, stop)[0]
+        if self.inner.done:
+            self.inner = None
+        if chunk is not None and self.pieces:
+            chunk.unit_end = False
+        return chunk
+
+
 def render(engine: Engine, pieces: list[Piece], options: SynthesisOptions) -> Iterator[AudioChunk]:
     """One unit's audio from its pieces, in the worker: pauses are silence, rates multiply.
 
@@ -251,14 +296,9 @@ def render(engine: Engine, pieces: list[Piece], options: SynthesisOptions) -> It
     last = len(pieces) - 1
     for i, piece in enumerate(pieces):
         if isinstance(piece, Pause):
-            rate = engine.sample_rate(options.voice)
-            pcm = np.zeros(int(round(piece.ms * rate / 1000.0)), dtype=np.int16)
-            yield AudioChunk(pcm=pcm, sample_rate=rate, text="", words=[], unit_end=i == last)
+            yield _silence(engine, piece, options, unit_end=i == last)
             continue
-        opts = options
-        if piece.rate != 1.0:
-            opts = dataclasses.replace(options, rate=min(max(options.rate * piece.rate, MIN_RATE), MAX_RATE))
-        for chunk in engine.synthesize(piece.text, opts):
+        for chunk in engine.synthesize(piece.text, _piece_options(options, piece)):
             if i != last:
                 chunk.unit_end = False
             yield chunk

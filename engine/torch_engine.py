@@ -27,8 +27,10 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .base import AudioChunk, Engine, EngineError, SynthesisOptions, WordTiming
+from .base import AudioChunk, Engine, EngineError, SynthesisJob, SynthesisOptions, WordTiming
 from .piper_engine import DEFAULT_VOICE, PiperEngine, split_words_over, word_timings
+from .units import cap_phonemes, cap_text
+from .windows import FIRST_WINDOW_FRAMES, Window, WindowSchedule, words_in_window
 
 try:
     import torch
@@ -41,8 +43,9 @@ from .torch_vits import Aligned, Vits, _bucket
 
 log = logging.getLogger(__name__)
 
-FIRST_WINDOW_FRAMES = 16  # ~190 ms at 22050 Hz / hop 256: small, so the first audio is early
-MAX_WINDOW_FRAMES = 64  # later windows double up to this; bigger amortises context
+# Later windows grow up to this (the shared schedule allows more): batched
+# windows are padded to the longest, so on a GPU many short ones beat a few long.
+BATCH_WINDOW_FRAMES = 64
 FLOW_SEGMENT_FRAMES = 128  # the flow runs ahead of the vocoder in segments at least this long
 # Jobs per forward pass. A GPU wants wide batches; on a CPU the convolutions
 # already use every core, and a wide batch only adds padding and cache misses.
@@ -123,7 +126,7 @@ class _Sentence:
 
 
 @dataclass
-class SynthesisJob:
+class TorchJob(SynthesisJob):
     """One unit of text on its way to audio; advance it with TorchEngine.step()."""
 
     text: str
@@ -136,6 +139,8 @@ class SynthesisJob:
     generator: "torch.Generator | None" = None
     current: _Sentence | None = None
     chunks: int = 0
+    slack_s: float | None = None
+    load: float = 1.0
 
     @property
     def done(self) -> bool:
@@ -153,16 +158,30 @@ class _FlowTask:
 
 @dataclass
 class _Window:
-    job: SynthesisJob
+    job: TorchJob
     sentence: _Sentence
-    start: int
-    end: int
-    src_start: int
-    src_end: int
+    span: Window
+
+    @property
+    def start(self) -> int:
+        return self.span.start
+
+    @property
+    def end(self) -> int:
+        return self.span.end
+
+    @property
+    def src_start(self) -> int:
+        return self.span.src_start
+
+    @property
+    def src_end(self) -> int:
+        return self.span.src_end
 
 
 class TorchEngine(Engine):
     name = "torch"
+    stepwise = True
 
     def __init__(
         self,
@@ -170,7 +189,7 @@ class TorchEngine(Engine):
         device: str = "auto",
         threads: int | None = None,
         first_window: int = FIRST_WINDOW_FRAMES,
-        max_window: int = MAX_WINDOW_FRAMES,
+        max_window: int = BATCH_WINDOW_FRAMES,
         max_batch: int | None = None,
         **_: object,
     ) -> None:
@@ -179,6 +198,7 @@ class TorchEngine(Engine):
         self.threads = threads or int(os.environ.get("VOXGATE_ENGINE_THREADS", "0")) or (os.cpu_count() or 1)
         self.first_window = max(1, int(first_window))
         self.max_window = max(self.first_window, int(max_window))
+        self.schedule = WindowSchedule(self.first_window, self.max_window)
         self.max_batch = max_batch
         self.device: torch.device | None = None
         self._voices: dict[str, _TorchVoice] = {}
@@ -227,19 +247,26 @@ class TorchEngine(Engine):
 
     # Batched API
 
-    def start(self, text: str, options: SynthesisOptions, seed: int | None = None) -> SynthesisJob:
+    def start(self, text: str, options: SynthesisOptions, seed: int | None = None) -> TorchJob:
         """Phonemize a unit of text into a job; no model work happens yet."""
         loaded = self._voice(options.voice)
         config = loaded.voice.config
+        # Capped like the ONNX engine's units, so no encoder pass grows with the text.
         with loaded.phonemize_lock:
-            sentences = [p for p in loaded.voice.phonemize(text) if p]
+            sentences = [
+                part
+                for piece in cap_text(text)
+                for p in loaded.voice.phonemize(piece)
+                if p
+                for part in cap_phonemes(p)
+            ]
         pieces = split_words_over(text, sentences)
         pending = [
             _Sentence(text=piece, phonemes=ph, ids=loaded.voice.phonemes_to_ids(ph), last_of_unit=i == len(sentences) - 1)
             for i, (ph, piece) in enumerate(zip(sentences, pieces))
         ]
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        return SynthesisJob(
+        return TorchJob(
             text=text,
             options=options,
             voice=loaded,
@@ -250,12 +277,14 @@ class TorchEngine(Engine):
             generator=generator,
         )
 
-    def step(self, jobs: Sequence[SynthesisJob]) -> list[AudioChunk | None]:
+    def step(self, jobs: Sequence[TorchJob], threads: int = 1, stop: object = None) -> list[AudioChunk | None]:
         """Advance every job by one chunk in as few forward passes as possible.
 
         Returns one entry per job, in order: its next chunk, or None once the
         job has no more audio. Jobs may use different voices (one batch per
-        voice). A job must not be stepped from two threads at once.
+        voice). A job must not be stepped from two threads at once. `threads`
+        is ignored: torch runs every pass on all its threads (set at load);
+        so is `stop`: a batched pass serves several streams and runs to its end.
         """
         results: list[AudioChunk | None] = [None] * len(jobs)
         by_voice: dict[int, list[int]] = {}
@@ -302,7 +331,7 @@ class TorchEngine(Engine):
                     self._voices[name] = loaded
         return loaded
 
-    def _step_voice(self, jobs: list[SynthesisJob]) -> list[AudioChunk | None]:
+    def _step_voice(self, jobs: list[TorchJob]) -> list[AudioChunk | None]:
         voice = jobs[0].voice
         model = voice.model
 
@@ -362,7 +391,7 @@ class TorchEngine(Engine):
             results.append(None if w is None else self._emit(w, next(it)))
         return results
 
-    def _aligned(self, job: SynthesisJob, aligned: Aligned) -> None:
+    def _aligned(self, job: TorchJob, aligned: Aligned) -> None:
         s = job.current
         s.aligned = aligned
         voice = job.voice
@@ -371,20 +400,17 @@ class TorchEngine(Engine):
         # Same mapping from phoneme spans to written words as the ONNX engine.
         s.words = word_timings(s.text, s.phonemes, s.ids, id_samples, voice, duration)
 
-    def _plan_window(self, job: SynthesisJob, s: _Sentence) -> _Window:
-        size = min(self.max_window, self.first_window << min(s.windows, 16))
-        end = min(s.frames, s.decoded + size)
-        if s.frames - end < self.first_window // 2:
-            end = s.frames  # fold a sliver of a tail into this window
-        ctx = job.voice.dec_context
-        src_start, src_end = max(0, s.decoded - ctx), min(s.frames, end + ctx)
+    def _plan_window(self, job: TorchJob, s: _Sentence) -> _Window:
+        slack = None if job.slack_s is None else job.slack_s * job.voice.sample_rate / job.voice.hop
+        span = self.schedule.next(s.decoded, s.frames, s.windows, job.voice.dec_context, slack, job.load)
+        src_start, src_end = span.src_start, span.src_end
         # Round the input up to the model's length bucket with real frames where the
         # sentence has them: extra context costs the same as padding and never hurts.
         short = _bucket(src_end - src_start) - (src_end - src_start)
         grow = min(short, s.frames - src_end)
         src_end += grow
         src_start = max(0, src_start - (short - grow))
-        return _Window(job, s, s.decoded, end, src_start, src_end)
+        return _Window(job, s, Window(span.start, span.end, src_start, src_end))
 
     def _emit(self, w: _Window, wave: "torch.Tensor") -> AudioChunk:
         s, job, voice = w.sentence, w.job, w.job.voice
@@ -398,11 +424,7 @@ class TorchEngine(Engine):
         # Words belong to the window in which they start; times from this chunk's start.
         t0 = w.start * hop / voice.sample_rate
         t1 = w.end * hop / voice.sample_rate
-        words = [
-            WordTiming(x.text, x.start - t0, x.end - t0)
-            for x in s.words
-            if (t0 <= x.start < t1) or (last_window and x.start >= t1)
-        ]
+        words = words_in_window(s.words, t0, t1, last_window)
         text = " ".join(x.text for x in words)
         if last_window:
             job.current = None

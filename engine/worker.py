@@ -1,11 +1,21 @@
 """The engine worker process: owns the model and the device, serves many streams.
 
-The gateway sends, per stream: open, text units, end, credit and cancel. The
-worker's scheduler steps one chunk at a time per stream, so a stream's cancel
-takes effect within one chunk, and a new stream's first chunk goes ahead of
-streams that are already speaking (they have audio buffered; it has none).
-Synthesis steps run on a small thread pool; onnxruntime and torch release the
-GIL, so steps of different streams overlap on the cores.
+The gateway sends, per stream: open (with when its listener needs the first
+audio), text units, end, credit and cancel. The scheduler runs one bounded
+step at a time per stream: for stepwise engines one encoder pass over a capped
+sentence or one window of frames, for the others one chunk. So a cancel takes
+effect within one step, and no stream's text can hold a core for long.
+
+Steps go by playout deadline, the moment a stream's listener would run out of
+audio: first a stream still waiting for its first audio (its listener is
+waiting now), then the one that would run dry soonest. A stream with seconds
+already buffered waits.
+
+Steps run on a small thread pool; onnxruntime and torch release the GIL, so
+steps of different streams overlap on the cores. A step that runs alone and is
+urgent gets every core; under load each step gets one thread and steps run
+side by side, which gets more audio per second out of the cores (see
+docs/engines.md for the measurements behind the switch).
 """
 
 from __future__ import annotations
@@ -22,28 +32,76 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from . import wire
-from .base import AudioChunk, Engine, EngineError, SynthesisOptions
+from .base import AudioChunk, Engine, EngineError, StepStopped, StopSignal, SynthesisJob, SynthesisOptions
 from .registry import create_engine
-from .tags import from_wire, render
+from .tags import RenderJob, from_wire, render
 
 log = logging.getLogger(__name__)
+
+# A stream with less audio than this buffered ahead of its listener is urgent:
+# when its step is the only one to run, it gets every core.
+URGENT_SLACK_S = 0.5
+# A running step of a stream with at least this much audio buffered is stopped
+# (and redone later) when a listener starts waiting for first audio. Stopping
+# costs the work done so far; this much slack leaves room to redo it.
+PREEMPT_SLACK_S = 1.5
+# Marks a stopped step's result.
+_STOPPED = object()
+
+
+class _GeneratorJob(SynthesisJob):
+    """A unit on an engine that is not stepwise: one chunk of its generator per step."""
+
+    def __init__(self, chunks: Iterator[AudioChunk]) -> None:
+        self.chunks = chunks
+        self.finished = False
+
+    @property
+    def done(self) -> bool:
+        return self.finished
+
+    def step(self, threads: int = 1, stop: StopSignal | None = None) -> AudioChunk | None:
+        chunk = next(self.chunks, None)
+        self.finished = chunk is None
+        return chunk
+
+    def close(self) -> None:
+        _close(self.chunks)
 
 
 @dataclass
 class _Stream:
     sid: int
     options: SynthesisOptions
+    # When the listener needs this stream's first audio, on this process's clock.
+    start_at: float
     units: deque = field(default_factory=deque)  # (unit_index, text)
-    current: Iterator[AudioChunk] | None = None
+    job: SynthesisJob | None = None
     current_index: int = 0
     credit: int = 0
     ended: bool = False
     busy: bool = False
     chunks_sent: int = 0
-    last_served: float = 0.0
+    audio_s: float = 0.0
+    # When its first chunk went out: playout starts then (or at start_at, if later).
+    first_sent_at: float | None = None
 
     def runnable(self) -> bool:
-        return not self.busy and self.credit > 0 and (self.current is not None or bool(self.units))
+        return not self.busy and self.credit > 0 and (self.job is not None or bool(self.units))
+
+    def waiting_for_first(self, now: float) -> bool:
+        """Its listener is waiting now and has heard nothing yet."""
+        return self.chunks_sent == 0 and self.start_at <= now
+
+    def deadline(self) -> float:
+        """When its listener runs out of audio unless another chunk arrives."""
+        if self.first_sent_at is None:
+            return self.start_at
+        return max(self.start_at, self.first_sent_at) + self.audio_s
+
+    def priority(self, now: float) -> tuple:
+        # A first window beats any later window; then earliest deadline first.
+        return (not self.waiting_for_first(now), self.deadline(), self.sid)
 
 
 class Scheduler:
@@ -55,17 +113,27 @@ class Scheduler:
         self.inbox: "queue.Queue[tuple]" = queue.Queue()
         self.pool = ThreadPoolExecutor(self.parallel, thread_name_prefix="synth")
         self.in_flight = 0
-        # Engines with start()/step() (the torch engine) advance many streams in one pass.
-        self.batching = hasattr(engine, "step") and hasattr(engine, "start")
-        self.max_batch = int(engine.info().get("max_batch", 8)) if self.batching else 1
-        self.counters = {"steps": 0, "batches": 0, "batched_streams": 0, "largest_batch": 0}
+        self.all_cores_in_flight = 0
+        self.stepwise = engine.stepwise
+        # The most threads one step may use (every core the worker has).
+        self.max_threads = max(1, int(getattr(engine, "threads", 1) or 1))
+        # Engines whose step() takes many jobs at once (torch) advance several streams per pass.
+        self.max_batch = int(engine.info().get("max_batch", 1)) if self.stepwise else 1
+        self.counters = {
+            "steps": 0, "batches": 0, "batched_streams": 0, "largest_batch": 0, "all_core_steps": 0, "stopped_steps": 0,
+        }
+        # The stop signal of each stream's running step.
+        self.running: dict[int, StopSignal] = {}
+        # (sid, kind) per dispatched step, kind "first" or "later"; tests read the order.
+        self.trace: deque = deque(maxlen=4096)
 
     # Messages from the gateway
     def handle(self, msg: tuple) -> bool:
         kind = msg[0]
         if kind == "open":
-            _, sid, options, credit = msg
-            self.streams[sid] = _Stream(sid, SynthesisOptions.from_dict(options), credit=credit)
+            _, sid, options, credit, start_in = msg
+            start_at = time.monotonic() + max(0.0, float(start_in))
+            self.streams[sid] = _Stream(sid, SynthesisOptions.from_dict(options), start_at, credit=credit)
         elif kind == "text":
             _, sid, index, text = msg
             stream = self.streams.get(sid)
@@ -83,144 +151,195 @@ class Scheduler:
         elif kind == "cancel":
             stream = self.streams.pop(msg[1], None)
             if stream is not None:
-                self._close_generator(stream)
+                self._drop_job(stream)
         elif kind == "ping":
             self.send(("pong", msg[1], dict(self.counters, streams=len(self.streams), in_flight=self.in_flight)))
         elif kind == "shutdown":
             return False
-        elif kind == "_step":
+        elif kind == "_done":
+            _, members, threads = msg
             self.in_flight -= 1
-            self._step_done(*msg[1:])
-        elif kind == "_batch":
-            self.in_flight -= 1
-            for member in msg[1]:
+            if threads > 1:
+                self.all_cores_in_flight -= 1
+            for member in members:
                 self._step_done(*member)
         return True
 
     def _maybe_finish(self, stream: _Stream) -> None:
-        if stream.ended and not stream.busy and stream.current is None and not stream.units:
+        if stream.ended and not stream.busy and stream.job is None and not stream.units:
             self.streams.pop(stream.sid, None)
             self.send(("done", stream.sid))
 
-    def _close_generator(self, stream: _Stream) -> None:
-        gen, stream.current = stream.current, None
-        if gen is not None and not stream.busy:
-            _close(gen)
-
-    def _ready(self) -> list[_Stream]:
-        # Streams with no audio out yet go first (they have nothing buffered;
-        # the others do); then the longest-waiting.
-        ready = [s for s in self.streams.values() if s.runnable()]
-        ready.sort(key=lambda s: (s.chunks_sent > 0, s.last_served))
-        return ready
+    def _drop_job(self, stream: _Stream) -> None:
+        job, stream.job = stream.job, None
+        if job is not None and not stream.busy:
+            _close(job)
 
     def _begin_unit(self, stream: _Stream) -> None:
-        index, text = stream.units.popleft()
-        stream.current_index = index
+        index, text = stream.units[0]
         if isinstance(text, list):  # speech-tag pieces: pauses, rate spans
-            stream.current = iter(render(self.engine, from_wire(text), stream.options))
-        elif self.batching:
-            stream.current = self.engine.start(text, stream.options)
+            pieces = from_wire(text)
+            if self.stepwise:
+                job: SynthesisJob = RenderJob(self.engine, pieces, stream.options)
+            else:
+                job = _GeneratorJob(iter(render(self.engine, pieces, stream.options)))
+        elif self.stepwise:
+            job = self.engine.start(text, stream.options)
         else:
-            stream.current = iter(self.engine.synthesize(text, stream.options))
+            job = _GeneratorJob(iter(self.engine.synthesize(text, stream.options)))
+        stream.units.popleft()
+        stream.job, stream.current_index = job, index
 
     def dispatch(self) -> None:
         while self.in_flight < self.parallel:
-            ready = self._ready()
+            now = time.monotonic()
+            ready = [s for s in self.streams.values() if s.runnable()]
             if not ready:
                 return
-            for stream in ready:
-                if stream.current is None:
+            ready.sort(key=lambda s: s.priority(now))
+            # While a listener waits for first audio, streams with audio to
+            # spare wait too: they would only share its cores. Their running
+            # steps are stopped, to be redone later.
+            waiting = [s for s in self.streams.values() if s.waiting_for_first(now) and (s.busy or s.runnable())]
+            first_pending = bool(waiting)
+            if first_pending and any(s.waiting_for_first(now) for s in ready):
+                self._preempt(now)
+            eligible = [s for s in ready if not first_pending or s.waiting_for_first(now) or self._urgent(s, now)]
+            if not eligible:
+                return
+            stream = eligible[0]
+            if self.all_cores_in_flight and not stream.waiting_for_first(now):
+                # Every core is taken by an urgent step; only a listener who is
+                # waiting for first audio may share them, the rest waits.
+                return
+            if stream.job is None:
+                try:
                     self._begin_unit(stream)
-            stream = ready[0]
-            if not _is_job(stream.current):
-                group = [stream]
-                self.pool.submit(self._run_step, stream.sid, stream.current)
-            else:
+                except Exception as exc:  # a bad voice name, say: this stream's error alone
+                    self.streams.pop(stream.sid, None)
+                    self.send(("error", stream.sid, str(exc)))
+                    continue
+            # Every core for a step that runs alone and is urgent; one thread each
+            # when steps run side by side: more audio per second from the cores.
+            # Never every core beside a running step: each op of a many-thread
+            # run waits for its slowest thread, and a thread that shares its core
+            # makes every op that slow (a first chunk took up to 3x as long).
+            # With one step at a time (parallel=1), every core.
+            alone = self.in_flight == 0 and len(eligible) == 1
+            every_core = self.parallel == 1 or (alone and self._urgent(stream, now))
+            threads = self.max_threads if (every_core and self.stepwise) else 1
+            if self.max_batch > 1 and not isinstance(stream.job, RenderJob):
                 # One batched pass for several streams' next windows. Streams still
                 # waiting for their first audio are batched only with each other,
                 # so a new stream's first window never waits behind a full batch.
-                fresh = stream.chunks_sent == 0
-                group = [
-                    s for s in ready
-                    if _is_job(s.current) and (s.chunks_sent == 0) == fresh
-                ][: self.max_batch]
-                self.pool.submit(self._run_batch, [(s.sid, s.current) for s in group])
+                fresh = stream.waiting_for_first(now)
+                group = [stream]
+                for s in eligible[1:]:
+                    if len(group) >= self.max_batch:
+                        break
+                    if s.waiting_for_first(now) != fresh:
+                        continue
+                    if s.job is None:
+                        try:
+                            self._begin_unit(s)
+                        except Exception:
+                            continue  # it fails on its own turn, with its own error
+                    if not isinstance(s.job, RenderJob):
+                        group.append(s)
                 self.counters["batches"] += 1
                 self.counters["batched_streams"] += len(group)
                 self.counters["largest_batch"] = max(self.counters["largest_batch"], len(group))
-            self.counters["steps"] += 1
+            else:
+                group = [stream]
+            active = sum(1 for s in self.streams.values() if s.busy or s.runnable())
             for member in group:
+                member.job.slack_s = max(0.0, member.deadline() - now)
+                member.job.load = active / self.parallel
                 member.busy = True
                 member.credit -= 1
+                self.trace.append((member.sid, "first" if member.chunks_sent == 0 else "later"))
+            self.counters["steps"] += 1
+            if threads > 1:
+                self.counters["all_core_steps"] += 1
+                self.all_cores_in_flight += 1
             self.in_flight += 1
+            stop = StopSignal()
+            if len(group) == 1:
+                self.running[stream.sid] = stop
+            self.pool.submit(self._run, [(s.sid, s.job) for s in group], threads, stop)
 
-    def _run_step(self, sid: int, gen: Iterator[AudioChunk]) -> None:
+    def _preempt(self, now: float) -> None:
+        for sid, stop in self.running.items():
+            stream = self.streams.get(sid)
+            if stream is None or stop.requested or stream.waiting_for_first(now):
+                continue
+            if stream.deadline() - now >= PREEMPT_SLACK_S:
+                stop.request()
+                self.counters["stopped_steps"] += 1
+
+    @staticmethod
+    def _urgent(stream: _Stream, now: float) -> bool:
+        return stream.deadline() - now < URGENT_SLACK_S
+
+    def _run(self, members: list[tuple[int, SynthesisJob]], threads: int, stop: StopSignal) -> None:
         started = time.monotonic()  # CLOCK_MONOTONIC: comparable with the gateway's clock
         t0 = time.perf_counter()
+        jobs = [job for _, job in members]
         try:
-            chunk = next(gen, None)
-            result: object = chunk
+            if self.stepwise and not isinstance(jobs[0], RenderJob):
+                results: list[object] = list(self.engine.step(jobs, threads, stop))
+            else:
+                results = [jobs[0].step(threads, stop)]
+        except StepStopped:
+            results = [_STOPPED] * len(jobs)
         except EngineError as exc:
-            result = exc
+            results = [exc] * len(jobs)
         except Exception as exc:  # an engine bug must not take down other streams
             log.error("synthesis failed: %s", traceback.format_exc())
-            result = RuntimeError(f"{type(exc).__name__}: {exc}")
-        self.inbox.put(("_step", sid, gen, result, time.perf_counter() - t0, started))
-
-    def _run_batch(self, members: list[tuple[int, object]]) -> None:
-        started = time.monotonic()
-        t0 = time.perf_counter()
-        try:
-            results: list[object] = list(self.engine.step([job for _, job in members]))
-        except EngineError as exc:
-            results = [exc] * len(members)
-        except Exception as exc:
-            log.error("batched synthesis failed: %s", traceback.format_exc())
-            results = [RuntimeError(f"{type(exc).__name__}: {exc}")] * len(members)
+            results = [RuntimeError(f"{type(exc).__name__}: {exc}")] * len(jobs)
         seconds = time.perf_counter() - t0
-        self.inbox.put(("_batch", [(sid, job, result, seconds, started) for (sid, job), result in zip(members, results)]))
+        self.inbox.put(("_done", [(sid, job, result, seconds, started) for (sid, job), result in zip(members, results)], threads))
 
-    def _step_done(self, sid: int, gen, result, seconds: float, started: float) -> None:
+    def _step_done(self, sid: int, job: SynthesisJob, result, seconds: float, started: float) -> None:
+        self.running.pop(sid, None)
         stream = self.streams.get(sid)
-        if stream is None or stream.current is not gen:
+        if stream is None or stream.job is not job:
             # Cancelled while the step ran: discard its audio.
-            _close(gen)
+            _close(job)
             return
         stream.busy = False
-        stream.last_served = time.monotonic()
+        if result is _STOPPED:
+            stream.credit += 1  # the job is as it was; the step runs again later
+            return
         if isinstance(result, Exception):
             self.streams.pop(sid, None)
             self.send(("error", sid, str(result)))
             return
         if result is None:
-            stream.current = None
             stream.credit += 1  # nothing was sent for this step
+        else:
+            chunk: AudioChunk = result
+            stream.chunks_sent += 1
+            if stream.first_sent_at is None:
+                stream.first_sent_at = time.monotonic()
+            stream.audio_s += chunk.duration
+            meta = {
+                "sample_rate": chunk.sample_rate,
+                "text": chunk.text,
+                "words": [(w.text, float(w.start), float(w.end)) for w in chunk.words],
+                "unit_index": stream.current_index,
+                "unit_end": chunk.unit_end,
+                "synth_s": seconds,
+                "synth_started_at": started,
+            }
+            self.send(("chunk", sid, meta), chunk.pcm)
+        if job.done:
+            stream.job = None
             self._maybe_finish(stream)
-            return
-        chunk: AudioChunk = result
-        stream.chunks_sent += 1
-        meta = {
-            "sample_rate": chunk.sample_rate,
-            "text": chunk.text,
-            "words": [(w.text, float(w.start), float(w.end)) for w in chunk.words],
-            "unit_index": stream.current_index,
-            "unit_end": chunk.unit_end,
-            "synth_s": seconds,
-            "synth_started_at": started,
-        }
-        self.send(("chunk", sid, meta), chunk.pcm)
-        if _is_job(stream.current) and stream.current.done:
-            stream.current = None
-            self._maybe_finish(stream)
 
 
-def _is_job(current: object) -> bool:
-    return current is not None and not hasattr(current, "__next__")
-
-
-def _close(current: object) -> None:
-    close = getattr(current, "close", None)
+def _close(job: object) -> None:
+    close = getattr(job, "close", None)
     if close is not None:
         try:
             close()

@@ -140,9 +140,12 @@ class Settings:
 
     @property
     def threads(self) -> int:
+        # The most threads one synthesis step may use. Every core: torch runs each
+        # batched pass on all of them; piper uses all of them for a step that runs
+        # alone and urgent (a first window) and one per step under load.
         if self.engine_threads:
             return self.engine_threads
-        return (os.cpu_count() or 1) if self.engine == "torch" else 1
+        return os.cpu_count() or 1
 
 
 _HELP = {
@@ -157,7 +160,8 @@ _HELP = {
     "voice_dir": "directory of Piper .onnx voices (with their .onnx.json) clients may choose by name",
     "device": "where the engine runs: auto, cpu or cuda",
     "engine_parallel": "synthesis steps the worker runs at once (0: one per core; 1 for torch, which batches)",
-    "engine_threads": "intra-op threads per synthesis step (0: 1; every core for torch)",
+    "engine_threads": "most intra-op threads one synthesis step may use (0: every core; piper gives them to a "
+    "step that runs alone and one each to steps under load)",
     "first_unit_timeout_ms": "speak the first words after this long even without a clause boundary",
     "opus_bitrate": "outbound Opus bitrate in bit/s",
     "opus_fec": "Opus in-band forward error correction",

@@ -1,6 +1,5 @@
 """Inline speech tags: parsed across units and deltas, rendered as silence, rate and spelling, never spoken."""
 
-import asyncio
 import io
 import wave
 

@@ -7,7 +7,7 @@ re-pointed at 127.0.0.1, was "same origin" for a keyless local gateway.
 
 from __future__ import annotations
 
-from sec_helpers import host_port, raw_request
+from sec_helpers import host_port
 
 
 def get(url: str, path: str, host: str, origin: str | None = None, method: str = "GET") -> tuple[int, bytes, bytes]:

@@ -10,7 +10,6 @@ below those seconds.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import aiohttp

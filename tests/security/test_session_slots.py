@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 
 import aiohttp
-import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection
 
 from voxgate.gateway.ice import restrict_host_addresses

@@ -13,7 +13,6 @@ import asyncio
 import json
 import time
 
-import aiohttp
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 
 from voxgate.gateway.ice import restrict_host_addresses

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
-import pytest
 
 from voxgate.engine.tags import Pause, TagState
 

@@ -9,7 +9,6 @@ from the Piper voice, μ-law encoded, sent as media.
 from __future__ import annotations
 
 import asyncio
-import base64
 import time
 
 import aiohttp

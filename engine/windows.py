@@ -1,0 +1,90 @@
+"""The window schedule: which frames of a sentence to turn into audio next.
+
+A convolutional stage (VITS's flow, its HiFi-GAN decoder) can run on any span
+of frames and give exactly the samples a whole-sentence run gives, as long as
+the span is fed `context` real frames on each side (its receptive field) and
+those are cut off afterwards ("discard and stitch").
+
+The first window is small because a listener is waiting for it. Later windows
+grow with the audio the listener already has: a bigger window wastes less on
+context, and the audio already sent covers the time it takes. A cap keeps
+every step bounded, so a long sentence never holds a core for long.
+
+Both the ONNX engine and the torch engine plan their windows here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .base import WordTiming
+
+# About 140 ms of audio at 22,050 Hz and 256 samples per frame: little work,
+# and enough audio to cover the next window's time on a busy core.
+FIRST_WINDOW_FRAMES = 12
+# About 3 s of audio, some 0.3 s of one core: a step no longer than that.
+MAX_WINDOW_FRAMES = 256
+# Each window of a sentence may be this many times the one before. Every seam
+# costs the decoder's context twice over (24 frames, as much work as a 24-frame
+# window), so windows must grow fast; decoding runs 8-10x faster than real time
+# on one core, so a window 4x the last is ready before the last has played.
+GROWTH = 4
+# A window may also hold this many times the frames the listener already has
+# buffered: a stream with half a second to spare gets its sentence in one window.
+COVER = 6
+
+
+@dataclass(frozen=True)
+class Window:
+    """Frames [start, end) to emit, computed from frames [src_start, src_end)."""
+
+    start: int
+    end: int
+    src_start: int
+    src_end: int
+
+    @property
+    def keep(self) -> slice:
+        """The emitted frames' place inside the computed ones."""
+        return slice(self.start - self.src_start, self.end - self.src_start)
+
+
+@dataclass(frozen=True)
+class WindowSchedule:
+    first: int = FIRST_WINDOW_FRAMES
+    largest: int = MAX_WINDOW_FRAMES
+
+    def size(self, index: int, slack_frames: float | None, load: float = 1.0) -> int:
+        """Frames of the `index`-th window of a sentence.
+
+        Windows grow by GROWTH from the first; and, when the listener's
+        buffered audio is known (`slack_frames`), to COVER times that. A direct
+        call (nobody listening live, `None`) just grows. Under `load` (streams
+        per core with steps to run), every window is that many times larger:
+        each stream's next step comes that much later, so each chunk must
+        cover that much more time, and fewer seams leave more of the cores for
+        the audio itself.
+        """
+        size = self.first * max(1, math.ceil(load - 1e-9)) * GROWTH ** min(index, 8)
+        if slack_frames is not None:
+            size = max(size, int(COVER * max(slack_frames, 0.0)))
+        return max(self.first, min(self.largest, size))
+
+    def next(
+        self, done: int, total: int, index: int, context: int, slack_frames: float | None = None, load: float = 1.0
+    ) -> Window:
+        """The window after `done` of `total` frames, with `context` frames each side."""
+        end = min(total, done + self.size(index, slack_frames, load))
+        if 0 < total - end < self.first // 2:
+            end = total  # fold a sliver of a tail into this window
+        return Window(done, end, max(0, done - context), min(total, end + context))
+
+
+def words_in_window(words: list[WordTiming], t0: float, t1: float, last: bool) -> list[WordTiming]:
+    """The words that start in [t0, t1) (and any after, in a sentence's last window), timed from t0."""
+    return [
+        WordTiming(w.text, w.start - t0, w.end - t0)
+        for w in words
+        if (t0 <= w.start < t1) or (last and w.start >= t1)
+    ]

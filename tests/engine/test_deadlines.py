@@ -1,0 +1,157 @@
+"""The worker's step order: first windows first, then earliest playout deadline.
+
+The scheduler runs in this process on the real voice, one step at a time
+(parallel=1), so the order it dispatches steps in is deterministic and read
+from its trace: no timing is asserted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+
+from voxgate.engine.base import SynthesisOptions
+from voxgate.engine.client import EngineClient, EngineConfig
+from voxgate.engine.piper_engine import PiperEngine
+from voxgate.engine.worker import Scheduler
+
+BIG_CREDIT = 1000  # no backpressure: the order is the scheduler's alone
+
+
+@pytest.fixture(scope="module")
+def engine() -> PiperEngine:
+    e = PiperEngine(threads=1)
+    e.load()
+    return e
+
+
+class Run:
+    """A scheduler and what it sent, driven the way run_worker drives it."""
+
+    def __init__(self, engine: PiperEngine) -> None:
+        self.sent: list[tuple] = []
+        self.scheduler = Scheduler(engine, lambda header, pcm=None: self.sent.append(header), parallel=1)
+
+    def open(self, sid: int, text: str, start_in: float = 0.0) -> None:
+        handle = self.scheduler.handle
+        handle(("open", sid, SynthesisOptions().to_dict(), BIG_CREDIT, start_in))
+        handle(("text", sid, 0, text))
+        handle(("end", sid))
+
+    def until(self, done) -> None:
+        for _ in range(10000):
+            if done():
+                return
+            self.scheduler.dispatch()
+            self.scheduler.handle(self.scheduler.inbox.get(timeout=60))
+        raise AssertionError("the scheduler did not get there")
+
+    def chunks(self, sid: int) -> int:
+        return sum(1 for h in self.sent if h[0] == "chunk" and h[1] == sid)
+
+    def finished(self, *sids: int) -> bool:
+        return all(("done", sid) in self.sent for sid in sids)
+
+    def order(self) -> list[int]:
+        """Stream ids in step order, runs of one stream collapsed."""
+        return [sid for sid, _ in itertools.groupby(sid for sid, _ in self.scheduler.trace)]
+
+    def close(self) -> None:
+        self.scheduler.pool.shutdown(wait=True)
+
+
+def test_a_new_streams_first_audio_goes_before_a_speaking_streams_next_window(engine):
+    run = Run(engine)
+    try:
+        run.open(1, "This first stream is reading a long answer. It has three sentences. Here is the last one.")
+        run.until(lambda: run.chunks(1) >= 2)
+        before = len(run.scheduler.trace)
+        run.open(2, "Hi there.")
+        run.until(lambda: run.finished(1, 2))
+        after = list(run.scheduler.trace)[before:]
+        # At most the step of stream 1 already running when stream 2 opened was
+        # dispatched in between (parallel=1 dispatches only when nothing runs).
+        steps_of_2 = [i for i, (sid, kind) in enumerate(after) if sid == 2 and kind == "first"]
+        assert steps_of_2 and steps_of_2 == list(range(len(steps_of_2)))
+        # Its encoder pass and first window: two steps before its first chunk.
+        assert len(steps_of_2) == 2
+        assert run.chunks(2) >= 1 and run.chunks(1) >= 3
+    finally:
+        run.close()
+
+
+def test_first_audio_beats_even_a_stream_that_has_run_dry(engine):
+    """Earliest deadline alone would serve a stream whose listener already ran
+    dry before a new one; a first window still goes first."""
+    run = Run(engine)
+    try:
+        handle = run.scheduler.handle
+        handle(("open", 1, SynthesisOptions().to_dict(), 2, 0.0))  # two chunks, then it waits for credit
+        handle(("text", 1, 0, "This stream gets two windows and then waits for its reader."))
+        handle(("end", 1))
+        run.until(lambda: run.chunks(1) == 2 and not run.scheduler.streams[1].busy)
+        # Real work, no sleeping, until stream 1's listener has run out of audio.
+        filler = 100
+        while run.scheduler.streams[1].deadline() >= time.monotonic():
+            run.open(filler, "Some other stream speaks a sentence meanwhile.")
+            run.until(lambda: run.finished(filler))
+            filler += 1
+        before = len(run.scheduler.trace)
+        run.open(2, "Hi there.")
+        handle(("credit", 1, BIG_CREDIT))
+        run.until(lambda: run.finished(1, 2))
+        after = [sid for sid, _ in list(run.scheduler.trace)[before:]]
+        assert after[:2] == [2, 2], after  # its encoder pass and first window
+    finally:
+        run.close()
+
+
+def test_steps_go_by_earliest_playout_deadline(engine):
+    """Three streams open at once; their listeners need audio now, in 3 s and in 6 s.
+
+    Each says a short sentence (well under 3 s of audio), so the order must be
+    whole streams: the waiting listener, then the 3 s one, then the 6 s one.
+    """
+    run = Run(engine)
+    try:
+        run.open(10, "Hello there.", start_in=6.0)
+        run.open(11, "Hello there.", start_in=3.0)
+        run.open(12, "Hello there.", start_in=0.0)
+        run.until(lambda: run.finished(10, 11, 12))
+        assert run.order() == [12, 11, 10]
+        # The waiting listener got a small first window; the others, with
+        # seconds to spare, got their sentence in one window (less context work).
+        assert run.chunks(12) >= 2
+        assert run.chunks(11) == run.chunks(10) == 1
+    finally:
+        run.close()
+
+
+def test_a_stream_with_seconds_buffered_waits_for_one_about_to_run_dry(engine):
+    """Stream 20 opens 4 s ahead of its listener; 21 is needed now. Even though
+    20 is older, every step of 21 goes first."""
+    run = Run(engine)
+    try:
+        run.open(20, "The older stream has time to spare before anyone listens.", start_in=4.0)
+        run.open(21, "The newer stream is needed right now.")
+        run.until(lambda: run.finished(20, 21))
+        assert run.order() == [21, 20]
+    finally:
+        run.close()
+
+
+async def test_the_client_sends_the_deadline_as_an_explicit_field_of_the_open_request():
+    client = EngineClient(EngineConfig(engine="tone", parallel=1))
+    await client.start()
+    sent: list[tuple] = []
+    real = client._send
+    client._send = lambda header: (sent.append(header), real(header))  # type: ignore[method-assign]
+    try:
+        client.stream(start_in_s=2.5).cancel()
+        client.stream().cancel()
+    finally:
+        await client.close()
+    opens = [h for h in sent if h[0] == "open"]
+    assert [h[4] for h in opens] == [2.5, 0.0]
