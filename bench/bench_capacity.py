@@ -8,8 +8,8 @@ Voxgate against a plain aiortc server in the same run (issue 15).
 
 What runs (every process is started and stopped by this script):
 - The product, exactly as users run it, untouched:
-  `python -m voxgate.cli serve --engine tone --ice-host 127.0.0.1 --port P
-  --max-sessions 1000 --no-web --log-level WARNING` plus --product-args (pass
+  `python -m voxgate.cli serve --engine tone --host 127.0.0.1 --ice-host
+  127.0.0.1 --port P --max-sessions 1000 --no-web` plus --product-args (pass
   --opus-complexity and the like through here; repeat --product-args to
   compare several settings in one run). The tone engine makes synthesis cost
   nothing, so what is measured is the media path. Its engine worker is found
@@ -276,8 +276,7 @@ class ProductServer(Server):
         self.port = free_port()
         self.extra = extra
         cmd = [sys.executable, "-m", "voxgate.cli", "serve", "--engine", "tone", "--host", "127.0.0.1",
-               "--ice-host", "127.0.0.1", "--port", str(self.port), "--max-sessions", "1000", "--no-web",
-               "--log-level", "WARNING", *extra]
+               "--ice-host", "127.0.0.1", "--port", str(self.port), "--max-sessions", "1000", "--no-web", *extra]
         super().__init__(name, cmd)
         self.url = f"http://127.0.0.1:{self.port}"
         self._worker: int | None = None
