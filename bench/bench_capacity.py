@@ -297,30 +297,50 @@ class ProductServer(Server):
         return int(json.loads(text)["sessions"])
 
     async def figures(self) -> dict:
-        from prometheus_client.parser import text_string_to_metric_families
-
         _, text = await self.get("/metrics")
-        samples: dict = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-        prefix = "voxgate_pacer_departure_jitter_seconds"
-        buckets = sorted(
-            ((float(dict(labels)["le"]), v) for (name, labels), v in samples.items() if name == prefix + "_bucket"),
-        )
-        lag = sorted(
-            ((float(dict(labels)["le"]), v) for (name, labels), v in samples.items() if name == "voxgate_event_loop_lag_seconds_bucket"),
-        )
-        return {
-            "frames": samples.get((prefix + "_count", ()), 0.0),
-            "late": samples.get(("voxgate_pacer_late_frames_total", ()), 0.0),
-            "underruns": samples.get(("voxgate_pacer_underruns_total", ()), 0.0),
-            "jitter_le": [b for b, _ in buckets],
-            "jitter_cumulative": [v for _, v in buckets],
-            "loop_lag_le": [b for b, _ in lag],
-            "loop_lag_cumulative": [v for _, v in lag],
-            "utterances_interrupted": samples.get(("voxgate_utterances_total", (("outcome", "interrupted"),)), 0.0),
-        }
+        return parse_product_metrics(text)
+
+
+# What the benchmark reads from the product's GET /metrics. A missing one is an error, not a zero:
+# if the product renames a metric, the benchmark must say so rather than report no late frames.
+LATE_COUNTER = "voxgate_pacer_late_frames_total"
+JITTER_HISTOGRAM = "voxgate_pacer_departure_jitter_seconds"
+UNDERRUN_COUNTER = "voxgate_pacer_underruns_total"
+LOOP_LAG_HISTOGRAM = "voxgate_event_loop_lag_seconds"
+
+
+def parse_product_metrics(text: str) -> dict:
+    """Cumulative figures from the product's Prometheus text: frames with a measured interval,
+    late frames, underruns, and the jitter and event-loop-lag histograms' buckets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples: dict = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+
+    def value(name: str) -> float:
+        if (name, ()) not in samples:
+            raise KeyError(f"the product's /metrics has no {name}; bench/bench_capacity.py reads it (update one or the other)")
+        return samples[(name, ())]
+
+    def buckets(name: str) -> tuple[list[float], list[float]]:
+        found = sorted((float(dict(labels)["le"]), v) for (n, labels), v in samples.items() if n == name + "_bucket")
+        if not found:
+            raise KeyError(f"the product's /metrics has no histogram {name}; bench/bench_capacity.py reads it")
+        return [b for b, _ in found], [v for _, v in found]
+
+    jitter_le, jitter_cumulative = buckets(JITTER_HISTOGRAM)
+    lag_le, lag_cumulative = buckets(LOOP_LAG_HISTOGRAM)
+    return {
+        "frames": value(JITTER_HISTOGRAM + "_count"),
+        "late": value(LATE_COUNTER),
+        "underruns": value(UNDERRUN_COUNTER),
+        "jitter_le": jitter_le,
+        "jitter_cumulative": jitter_cumulative,
+        "loop_lag_le": lag_le,
+        "loop_lag_cumulative": lag_cumulative,
+    }
 
 
 class BaselineServer(Server):
