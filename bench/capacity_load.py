@@ -6,9 +6,11 @@ holding its share of the sessions' clients.
 
 Clients are `voxgate.rtc_client.RtcClient` aiortc peers on 127.0.0.1 with no
 ICE servers, made cheap so that the generator is not what runs out of CPU:
-- received Opus is not decoded: aiortc's decoder is replaced, in this process
-  only, by a stand-in that returns no frames; every RTP packet is timed as it
-  reaches the client's event loop (before aiortc's jitter buffer);
+- received Opus is not decoded: once a client is connected its receiver's
+  decoder thread is ended (a stand-in decoder that returns no frames covers
+  the packets before that); RTP handling, the jitter buffer, NACKs and RTCP
+  receiver reports stay. Every RTP packet is timed as it reaches the client's
+  event loop (before aiortc's jitter buffer);
 - the microphone sends Opus packets encoded once by the orchestrator
   (`prepare_mic`): aiortc's sender packs an `av.Packet` without encoding it.
 
@@ -79,6 +81,17 @@ def _patch_client_side() -> None:
         await original(self, packet, arrival_time_ms)
 
     RTCRtpReceiver._handle_rtp_packet = timed
+
+
+def _stop_decoder_thread(receiver) -> None:
+    """End the receiver's decoder thread: with nothing to decode, its hand-off per packet
+    (queue, thread wake-up, GIL) was a quarter of a receive-only client's CPU. RTP handling,
+    the jitter buffer, NACKs and RTCP reports stay as they are. (aiortc 1.x private names;
+    if they change, the thread simply stays.)"""
+    queue = getattr(receiver, "_RTCRtpReceiver__decoder_queue", None)
+    if queue is not None and getattr(receiver, "_RTCRtpReceiver__decoder_thread", None) is not None:
+        queue.put(None)  # the worker ends, and ends the remote track
+        receiver._RTCRtpReceiver__decoder_thread = None
 
 
 def _packet_mic_class():
@@ -160,6 +173,7 @@ class LoadClient:
         for transceiver in self.rtc.pc.getTransceivers():
             if transceiver.kind == "audio":
                 transceiver.receiver._capacity_client = self
+                _stop_decoder_thread(transceiver.receiver)
         self._tasks.append(asyncio.ensure_future(self._pump()))
         behaviour = self._conversation if self.scenario.conversation else self._continuous
         self._tasks.append(asyncio.ensure_future(behaviour()))
