@@ -753,7 +753,7 @@ async def ramp(bench: Bench, product: Server, scenario: Scenario, deadline: floa
         if bad is None:
             n = int(round((good or args.sessions[0]) * 1.5 / 2.0) * 2)
         elif good is None:
-            n = max(2, bad // 2) if bad > 2 else None
+            n = max(1, bad // 2) if bad > 1 else None
         elif bad - good > max(2, 0.15 * good):
             n = (good + bad) // 2
         else:
@@ -971,6 +971,18 @@ async def run(args) -> dict:
         for s in servers:
             if s.kind == "product":
                 results["servers"][s.name]["worker_pid_found"] = s.worker_pid() is not None
+        # Idle cost, every server at once with no session: what per-session figures at small counts could carry.
+        await asyncio.sleep(1.0)
+        before = {s.name: (cpu_s(s.pid), cpu_s(s.worker_pid())) for s in servers}
+        t0 = time.monotonic()
+        await asyncio.sleep(3.0)
+        dt = time.monotonic() - t0
+        for s in servers:
+            main0, worker0 = before[s.name]
+            results["servers"][s.name]["idle_cores"] = {"main": round((cpu_s(s.pid) - main0) / dt, 4),
+                                                        "worker": round((cpu_s(s.worker_pid()) - worker0) / dt, 4)}
+        print("idle, no session (cores): " + ", ".join(
+            f"{name} {v['idle_cores']['main']:.3f} + worker {v['idle_cores']['worker']:.3f}" for name, v in results["servers"].items()))
         step = 0
         results["skipped"] = []
         for sc in scenarios:
