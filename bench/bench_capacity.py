@@ -122,7 +122,6 @@ import os
 import pickle
 import shlex
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -133,6 +132,7 @@ from _common import (
     ARTIFACTS,
     ROOT,
     _clean,
+    free_port,
     machine,
     percentile,
     print_machine,
@@ -162,12 +162,6 @@ ISSUE_BASELINE_PCT = (4.0, 4.5)
 
 # ---------------------------------------------------------------------------
 # The orchestrator: servers, generators, windows, figures.
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def children_of(pid: int) -> list[int]:

@@ -8,7 +8,6 @@ clients are aiortc peers decoding real Opus.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,8 +23,9 @@ from voxgate.rtc_client import RtcClient
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
 sys.path.insert(0, BENCH)
 
-import baseline_aiortc  # noqa: E402
-import bench_capacity  # noqa: E402
+import baseline_aiortc
+import bench_capacity
+from _common import free_port
 
 
 def test_histogram_arithmetic() -> None:
@@ -84,15 +84,9 @@ def test_a_renamed_product_metric_is_an_error() -> None:
         bench_capacity.parse_product_metrics(text)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def baseline_url():
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, os.path.join(BENCH, "baseline_aiortc.py"), "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
