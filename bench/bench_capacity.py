@@ -90,7 +90,8 @@ every count so far was good, half the smallest count while none was, then
 between the last good and the first bad count. Good: server late frames +
 stalls under 0.1 % of frames, no failed connection, no generator process
 near a full core. Capacity windows last long enough for 4000 frames (up to
-24 s), so that 0.1 % is 4 frames. Reported: the highest good count, the
+24 s), so that 0.1 % is 4 frames; the matrix's windows of that scenario
+count too, with the frames they had (the JSON lists late/frames per count). Reported: the highest good count, the
 generators' CPU there (each process and their share of the machine), why the
 next count failed (server late frames, the machine's cores all busy, or the
 generators), and an estimate of how many sessions the generators could drive
