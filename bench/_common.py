@@ -54,6 +54,15 @@ def ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a server this benchmark starts."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:

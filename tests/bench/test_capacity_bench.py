@@ -1,0 +1,163 @@
+"""The capacity benchmark's own parts (bench/bench_capacity.py, bench/baseline_aiortc.py):
+what it reads from the product, the same-run baseline it compares against, and its arithmetic.
+
+Real components: the product and the baseline run as processes on loopback,
+clients are aiortc peers decoding real Opus.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import aiohttp
+import numpy as np
+import pytest
+
+from voxgate.engine import tone
+from voxgate.rtc_client import RtcClient
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
+sys.path.insert(0, BENCH)
+
+import baseline_aiortc
+import bench_capacity
+from _common import free_port
+
+
+def test_histogram_arithmetic() -> None:
+    le = [0.001, 0.005, 0.05, float("inf")]
+    before = [5.0, 5.0, 5.0, 5.0]
+    after = [15.0, 103.0, 104.0, 105.0]  # window: 10 <= 1 ms, 88 in (1, 5], 1 in (5, 50], 1 over 50 ms
+    assert bench_capacity.histogram_bound(le, before, after, 0.5) == 0.005
+    assert bench_capacity.histogram_bound(le, before, after, 0.98) == 0.005
+    assert bench_capacity.histogram_bound(le, before, after, 0.99) == 0.05
+    assert bench_capacity.histogram_bound(le, before, after, 1.0) == float("inf")
+    assert bench_capacity.over_bound(le, before, after, 0.005) == 2
+    assert bench_capacity.over_bound(le, before, after, 0.05) == 1
+    assert bench_capacity.histogram_bound(le, before, before, 0.99) is None
+    assert bench_capacity.split(41, 2) == [21, 20]
+
+
+async def test_reads_the_products_metrics(tone_server) -> None:
+    """The figures the benchmark takes from a real gateway's /metrics move with the frames it sends."""
+    async with aiohttp.ClientSession() as http:
+
+        async def figures() -> dict:
+            async with http.get(tone_server.url + "/metrics") as resp:
+                return bench_capacity.parse_product_metrics(await resp.text())
+
+        before = await figures()
+        async with RtcClient(tone_server.url) as client:
+            client.send({"type": "speak", "text": "frames", "id": "f"})
+            done = await client.wait_for("utterance.done", id="f")
+        after = await figures()
+    frames = after["frames"] - before["frames"]
+    assert frames >= done["audio_ms"] // 20 - 1  # the utterance's frames (less the first, sent by a wake)
+    # The histogram's +Inf bucket holds every interval: buckets and count are read consistently.
+    assert after["jitter_cumulative"][-1] == after["frames"]
+    assert after["jitter_le"][-1] == float("inf")
+    assert after["late"] >= before["late"]
+    assert bench_capacity.histogram_bound(after["jitter_le"], before["jitter_cumulative"], after["jitter_cumulative"], 0.5) is not None
+
+
+def test_a_renamed_product_metric_is_an_error() -> None:
+    text = (
+        "# TYPE voxgate_pacer_departure_jitter_seconds histogram\n"
+        'voxgate_pacer_departure_jitter_seconds_bucket{le="0.005"} 3.0\n'
+        'voxgate_pacer_departure_jitter_seconds_bucket{le="+Inf"} 4.0\n'
+        "voxgate_pacer_departure_jitter_seconds_count 4.0\n"
+        "voxgate_pacer_departure_jitter_seconds_sum 0.01\n"
+        "# TYPE voxgate_event_loop_lag_seconds histogram\n"
+        'voxgate_event_loop_lag_seconds_bucket{le="0.001"} 1.0\n'
+        'voxgate_event_loop_lag_seconds_bucket{le="+Inf"} 1.0\n'
+        "voxgate_event_loop_lag_seconds_count 1.0\n"
+        "voxgate_event_loop_lag_seconds_sum 0.0\n"
+        "# TYPE voxgate_pacer_underruns_total counter\n"
+        "voxgate_pacer_underruns_total 0.0\n"
+    )
+    assert bench_capacity.parse_product_metrics(text + "# TYPE voxgate_pacer_late_frames_total counter\nvoxgate_pacer_late_frames_total 1.0\n")["late"] == 1
+    with pytest.raises(KeyError, match="voxgate_pacer_late_frames_total"):
+        bench_capacity.parse_product_metrics(text)
+
+
+@pytest.fixture(scope="module")
+def baseline_url():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, os.path.join(BENCH, "baseline_aiortc.py"), "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/stats", timeout=1):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the baseline server did not start") from None
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+async def test_baseline_speaks_the_tone_audio_and_the_protocol_subset(baseline_url) -> None:
+    """The plain aiortc server says exactly the text it is given, with the events the load generator needs."""
+    async with RtcClient(baseline_url) as client:
+        assert client.ready["session_id"]
+        text = "same audio"
+        t_send = client.send({"type": "speak", "text": text, "id": "s"})
+        await client.wait_for("audio.started", id="s")
+        done = await client.wait_for("utterance.done", id="s")
+        assert done["audio_ms"] == len(tone.encode(text, 48000)) * 1000 // 48000
+        await client.wait_tail(done)
+        assert tone.decode(client.audio.pcm(t_send), client.audio.sample_rate) == text
+
+        client.send({"type": "speak", "text": "cancelled " * 20, "id": "c"})
+        await client.wait_for("audio.started", id="c")
+        client.send({"type": "cancel"})
+        interrupted = await client.wait_for("utterance.interrupted", id="c")
+        assert interrupted["reason"] == "cancel" and 0 < interrupted["played_ms"] < 8000
+    async with aiohttp.ClientSession() as http, http.get(baseline_url + "/stats") as resp:
+        stats = await resp.json(content_type=None)
+    assert stats["frames"] > 0 and stats["jitter_cumulative"][-1] == stats["intervals"]
+
+
+def _packet_bytes() -> int:
+    """Bytes aiortc's Opus encoder makes of 0.8 s of tone speech."""
+    import fractions
+
+    import av
+    from aiortc.codecs.opus import OpusEncoder
+
+    encoder = OpusEncoder()
+    pcm = tone.encode("twenty characters...", 48000)  # 20 characters: 0.8 s, 40 frames
+    total = 0
+    for i in range(len(pcm) // 960):
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm[i * 960 : (i + 1) * 960]).reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate, frame.pts, frame.time_base = 48000, i * 960, fractions.Fraction(1, 48000)
+        payloads, _ = encoder.encode(frame)
+        total += sum(len(p) for p in payloads)
+    return total
+
+
+def test_matched_baseline_encodes_with_the_products_settings() -> None:
+    """--opus matched turns aiortc's 96 kbit/s stereo into the product's mono 32 kbit/s."""
+    from aiortc.codecs import opus
+
+    default = _packet_bytes()
+    original = opus.OpusEncoder.__init__
+    try:
+        baseline_aiortc.match_opus(bitrate=32000, complexity=5, fec=True, dtx=False)
+        encoder = opus.OpusEncoder()
+        assert encoder.codec.layout.name == "mono" and encoder.codec.bit_rate == 32000
+        matched = _packet_bytes()
+    finally:
+        opus.OpusEncoder.__init__ = original
+    # 32 against 96 kbit/s: about a third of the bytes (far from the 0.6 bound).
+    assert matched < 0.6 * default
