@@ -18,6 +18,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARTIFACTS = os.path.join(ROOT, "artifacts")
+# Committed raw output behind the figures quoted in README.md and docs/ (small files).
+RESULTS = os.path.join(ROOT, "bench", "results")
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -42,6 +44,30 @@ def summary_ms(xs_s: list[float]) -> dict:
         "max": round(max(ms), 2),
         "mean": round(sum(ms) / len(ms), 2),
     }
+
+
+def bootstrap_ci(xs: list[float], stat=None, q: float = 50.0, n: int = 2000, seed: int = 1) -> tuple[float, float]:
+    """95 % bootstrap interval of a percentile (the median by default) of the samples."""
+    import random
+
+    if len(xs) < 2:
+        return (float("nan"), float("nan"))
+    rng = random.Random(seed)
+    stat = stat or (lambda ys: percentile(ys, q))
+    values = sorted(stat([rng.choice(xs) for _ in xs]) for _ in range(n))
+    return values[int(0.025 * n)], values[int(0.975 * n) - 1]
+
+
+def summary_ci_ms(xs_s: list[float]) -> dict:
+    """summary_ms plus the 95 % bootstrap interval of the median, in ms."""
+    out = summary_ms(xs_s)
+    if out.get("n", 0) >= 2:
+        lo, hi = bootstrap_ci([x * 1000.0 for x in xs_s])
+        out["p50_ci95"] = [round(lo, 2), round(hi, 2)]
+        import statistics
+
+        out["stdev"] = round(statistics.stdev(x * 1000.0 for x in xs_s), 2)
+    return out
 
 
 def fmt_ms(s: dict, keys: tuple[str, ...] = ("p50", "p95", "max")) -> str:
@@ -145,20 +171,21 @@ def print_machine(info: dict, label: str) -> None:
         print(f"    busy: {p['cpu_pct']:5.1f}% pid {p['pid']} {p['cmd']}")
 
 
-def write_json(name: str, data: dict) -> str:
-    os.makedirs(ARTIFACTS, exist_ok=True)
-    path = os.path.join(ARTIFACTS, f"bench-{name}.json")
+def write_json(name: str, data: dict, out: str | None = None) -> str:
+    """artifacts/bench-<name>.json, or `out` (e.g. bench/results/<name>.json, committed)."""
+    path = out or os.path.join(ARTIFACTS, f"bench-{name}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(_clean(data), f, indent=2)
     return path
 
 
-def finish(name: str, results: dict, started: float) -> None:
+def finish(name: str, results: dict, started: float, out: str | None = None) -> None:
     """Record the machine's state at the end and the run's length, print them, write the JSON."""
     results["machine_end"] = machine()
     results["elapsed_s"] = round(time.perf_counter() - started, 1)
     print_machine(results["machine_end"], "\nmachine at end")
-    print(f"elapsed {results['elapsed_s']:.0f} s; figures in {write_json(name, results)}")
+    print(f"elapsed {results['elapsed_s']:.0f} s; figures in {write_json(name, results, out)}")
 
 
 def run_recorded(name: str, coroutine, args) -> dict:
@@ -170,7 +197,8 @@ def run_recorded(name: str, coroutine, args) -> dict:
     data = asyncio.run(coroutine)
     data["machine"] = info
     data["args"] = vars(args)
-    print("wrote", write_json(name, data))
+    data["machine_end"] = machine()
+    print("wrote", write_json(name, data, getattr(args, "out", None)))
     return data
 
 
@@ -192,6 +220,7 @@ def _clean(x):
 def arg_parser(doc: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and shorter windows (under ~2 minutes)")
+    parser.add_argument("--out", default=None, help="JSON path (default artifacts/bench-<name>.json; bench/results/ for figures quoted in docs)")
     return parser
 
 

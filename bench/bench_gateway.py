@@ -14,28 +14,34 @@ machine's cores).
 
 1. Time to first audio (Piper, the embedded voice). Server side: the
    `audio.started.ttfa_ms` the server reports (data-channel message in to the
-   first Opus packet handed to RTP), paired per utterance with the engine
-   first-chunk time the server itself measured for that utterance, and set
-   against the engine's own first-chunk time from an `EngineClient` in this
-   process with the server's engine settings, measured in the same run.
-   Targets: server p50 within 10 ms of the engine's first chunk; at most 50 ms
-   for a short first clause. Client side: send time to the first decoded
-   non-silent frame, and the same minus the receive-side delay, which is
-   estimated with the tone engine (whose synthesis takes ~0 ms): client time
-   to sound - server ttfa = data channel + network + aiortc's jitter buffer
-   (capacity 16, prefetch 4: about 80 ms) + decode.
+   first Opus packet handed to RTP). The gateway's share is settled by an A/B
+   in the same server process: the server's own engine worker driven directly
+   by its `EngineClient` (route /bench/engine_first_chunk: no session, no
+   media), interleaved round by round with the utterances (direct before or
+   after the utterance in turn), same text. Gateway share = server ttfa p50 -
+   direct first chunk p50, with a 95 % bootstrap interval, and per round.
+   This counts any delay the gateway causes its engine, which "server ttfa -
+   the server's own first-chunk time for that utterance" (also printed) hides.
+   Client side: send time to the first decoded non-silent frame, and the same
+   minus the receive-side delay, which is estimated with the tone engine
+   (whose synthesis takes ~0 ms): client time to sound - server ttfa = data
+   channel + network + aiortc's jitter buffer + decode.
 2. Pacer (light load: one Piper session speaking continuously, 60 s; 15 s
    with --quick). Inter-departure intervals at the pacer (stdev, p99, max),
    late frames (> 5 ms after their deadline) and stalls, the same intervals
    measured where packets enter SRTP (wire), and event-loop lag sampled every
    10 ms in the server. Target: p99 within 2 ms of 20 ms.
-3. Cancel to silence (Piper). Server side: the session's own measurement,
-   cancel message handled to the next (silent) packet leaving, the samples
-   behind the `voxgate_cancel_to_silence_seconds` histogram. Client side:
-   send time of cancel to the arrival of the last non-silent decoded frame
-   (this includes the receive-side delay of 1., reported beside it).
+3. Cancel to silence (Piper), at a random point 0.3-0.9 s into speech.
+   Wire: the client's cancel send time to the first silent RTP packet (the
+   session's silence payload) handed to the server's DTLS transport; the
+   server's clock and the client's are the same CLOCK_MONOTONIC
+   (time.perf_counter on Linux). Client: send time of cancel to the first
+   decoded frame at the aiortc client from which every later frame is silent
+   (this includes aiortc's jitter buffer, see 1.). Also printed: the
+   session's own `voxgate_cancel_to_silence_seconds` samples (interrupt() to
+   the pacer's next departure, at most one tick).
 
-Figures go to stdout and to artifacts/bench-gateway.json; the child's log to
+Figures go to stdout and to artifacts/bench-gateway.json (or --out); the child's log to
 artifacts/bench-gateway-server-*.log.
 """
 
@@ -67,6 +73,7 @@ from _common import (  # noqa: E402
     print_machine,
     proc_cpu_s,
     section,
+    summary_ci_ms,
     summary_ms,
 )
 
@@ -96,11 +103,14 @@ class WireClock:
     def __init__(self) -> None:
         self.last: float | None = None
         self.intervals: deque = deque(maxlen=3000)
+        # (perf_counter, RTP payload) of the latest packets, to find the first silent one after a cancel.
+        self.log: deque = deque(maxlen=500)
         self.packets = 0
         self.gaps_over_25ms = 0
 
-    def tick(self, now: float) -> None:
+    def tick(self, now: float, payload: bytes = b"") -> None:
         self.packets += 1
+        self.log.append((now, payload))
         if self.last is not None:
             gap = now - self.last
             self.intervals.append(gap)
@@ -112,7 +122,7 @@ class WireClock:
 def run_server(engine: str, port: int) -> None:
     from aiohttp import web
     from aiortc.rtcdtlstransport import RTCDtlsTransport
-    from aiortc.rtp import is_rtcp
+    from aiortc.rtp import RtpPacket, is_rtcp
 
     from voxgate.config import Settings
     from voxgate.gateway.playout import Playout
@@ -133,13 +143,15 @@ def run_server(engine: str, port: int) -> None:
 
         session_module._encode_pool = ThreadPoolExecutor(int(encode_threads), thread_name_prefix="encode")
 
-    # Where each RTP packet leaves: just before SRTP protection.
+    # Where each RTP packet leaves: handed to the DTLS transport, just before SRTP
+    # protection and the socket. perf_counter is CLOCK_MONOTONIC on Linux, one clock
+    # for every process, so these times compare with the clients' in the parent.
     clocks: dict[int, WireClock] = {}
     original_send_rtp = RTCDtlsTransport._send_rtp
 
     async def timed_send_rtp(self, data: bytes) -> None:
         if not is_rtcp(data):
-            clocks.setdefault(id(self), WireClock()).tick(time.monotonic())
+            clocks.setdefault(id(self), WireClock()).tick(time.perf_counter(), RtpPacket.parse(data).payload)
         await original_send_rtp(self, data)
 
     RTCDtlsTransport._send_rtp = timed_send_rtp
@@ -193,6 +205,16 @@ def run_server(engine: str, port: int) -> None:
         original_push(self, utt, frames)
 
     Playout.push = timed_push
+
+    # When the session handled the cancel (the start of its own cancel-to-silence figure).
+    raw["interrupt_at"] = []
+    original_interrupt = Session.interrupt
+
+    def timed_interrupt(self, reason: str) -> None:
+        raw["interrupt_at"].append(time.perf_counter())
+        original_interrupt(self, reason)
+
+    Session.interrupt = timed_interrupt
     original_started = Session._on_audio_started
 
     def timed_started(self, play, at: float) -> None:
@@ -264,6 +286,39 @@ def run_server(engine: str, port: int) -> None:
     async def raw_samples(request: web.Request) -> web.Response:
         return web.json_response(raw)
 
+    async def engine_first_chunk(request: web.Request) -> web.Response:
+        """The server's own engine worker, driven directly by its EngineClient (no session, no
+        media): push the text, end input, time to the first chunk; the rest is drained."""
+        from voxgate.engine.base import SynthesisOptions
+
+        text = (await request.json())["text"]
+        stream = gw.engine.stream(SynthesisOptions())
+        t0 = time.perf_counter()
+        stream.push_text(text)
+        stream.end_input()
+        first = None
+        async for _chunk in stream:
+            if first is None:
+                first = time.perf_counter() - t0
+        return web.json_response({"first_chunk_s": first})
+
+    async def wire_silence(request: web.Request) -> web.Response:
+        """The first silent RTP packet handed to a transport at or after `after` (perf_counter),
+        and the last non-silent one before it, over the transports that sent packets since."""
+        after = float(request.query["after"])
+        silent = {s.playout.silence for s in gw.sessions.values()}
+        found = None
+        for wire in list(clocks.values()):
+            log = [(t, p) for t, p in wire.log if t >= after]
+            if not log:
+                continue
+            first_silent = next((t for t, p in log if p in silent), None)
+            last_sound = max((t for t, p in log if p not in silent and (first_silent is None or t < first_silent)), default=None)
+            found = {"first_silent_at": first_silent, "last_sound_at": last_sound, "packets": len(log)}
+        return web.json_response(found or {})
+
+    app.router.add_post("/bench/engine_first_chunk", engine_first_chunk)
+    app.router.add_get("/bench/wire_silence", wire_silence)
     app.router.add_get("/bench/stats", stats)
     app.router.add_post("/bench/reset", reset)
     app.router.add_get("/bench/raw", raw_samples)
@@ -279,6 +334,19 @@ def run_server(engine: str, port: int) -> None:
 
     app.on_startup.append(start_lag)
     web.run_app(app, host="127.0.0.1", port=port, print=None, handle_signals=True)
+
+
+def median_difference_ci(a_s: list[float], b_s: list[float], n: int = 2000) -> tuple[float, float]:
+    """95 % bootstrap interval of median(a) - median(b), in ms (a and b resampled apart)."""
+    a = [x * 1000.0 for x in a_s if not math.isnan(x)]
+    b = [x * 1000.0 for x in b_s if not math.isnan(x)]
+    if len(a) < 2 or len(b) < 2:
+        return (float("nan"), float("nan"))
+    rng = random.Random(1)
+    diffs = sorted(
+        percentile([rng.choice(a) for _ in a], 50) - percentile([rng.choice(b) for _ in b], 50) for _ in range(n)
+    )
+    return round(diffs[int(0.025 * n)], 1), round(diffs[int(0.975 * n) - 1], 1)
 
 
 def _interval_stats(xs: list[float]) -> dict:
@@ -376,52 +444,34 @@ async def connect(url: str):
 # 1. Time to first audio
 
 
-async def start_engine_here():
-    """An EngineClient in this process with the server's engine defaults."""
-    from voxgate.config import Settings
-    from voxgate.engine.client import EngineClient, EngineConfig
-
-    s = Settings()
-    client = EngineClient(
-        EngineConfig(engine="piper", parallel=s.parallel, threads=s.engine_threads, first_unit_timeout=s.first_unit_timeout_ms / 1000.0)
-    )
-    await client.start()
-    return client
+async def server_engine_first_chunk(server: BenchServer, text: str) -> float:
+    """The server's own engine worker driven directly (no session): first chunk, seconds."""
+    async with server.http.post(server.url + "/bench/engine_first_chunk", json={"text": text}) as resp:
+        return (await resp.json())["first_chunk_s"]
 
 
-async def engine_first_chunk(engine, text: str) -> float:
-    from voxgate.engine.base import SynthesisOptions
-
-    stream = engine.stream(SynthesisOptions())
-    t0 = time.perf_counter()
-    stream.push_text(text)
-    stream.end_input()
-    first = None
-    async for _chunk in stream:
-        if first is None:
-            first = time.perf_counter() - t0
-    return first or float("nan")
-
-
-async def ttfa_runs(client, server: BenchServer, texts: tuple[str, ...], reps: int, engine=None) -> dict:
+async def ttfa_runs(client, server: BenchServer, texts: tuple[str, ...], reps: int, direct: bool = False) -> dict:
     """speak each text reps times; server ttfa, server first chunk, client time to sound.
-    With an engine here, its first chunk for the same text is measured just before each one."""
+    With `direct`, the server's own engine worker is also driven directly for the same text
+    in each round (the A/B of the gateway's share), before or after the utterance in turn."""
     await server.reset()
     rows: dict[str, dict[str, list[float]]] = {t: {"server": [], "client": [], "engine": [], "order": []} for t in texts}
     n = 0
     for rep in range(reps):
         for text in texts:
-            if engine is not None:
-                rows[text]["engine"].append(await engine_first_chunk(engine, text))
+            if direct and (rep + n) % 2 == 0:
+                rows[text]["engine"].append(await server_engine_first_chunk(server, text))
             uid = f"t{rep}-{texts.index(text)}-{random.randrange(1 << 30)}"
             t_send = client.send({"type": "speak", "text": text, "id": uid})
             started = await client.wait_for("audio.started", id=uid, timeout=30)
-            await client.wait_for("utterance.done", id=uid, timeout=60)
-            await asyncio.sleep(0.3)  # let the tail and the jitter buffer drain
+            done = await client.wait_for("utterance.done", id=uid, timeout=60)
+            await client.wait_tail(done)  # the tail and the jitter buffer have drained
             heard = client.audio.first_sound_after(t_send)
             rows[text]["server"].append(started["ttfa_ms"] / 1000.0)
             rows[text]["client"].append((heard - t_send) if heard else float("nan"))
             rows[text]["order"].append(n)
+            if direct and (rep + n) % 2 == 1:
+                rows[text]["engine"].append(await server_engine_first_chunk(server, text))
             n += 1
     raw = await server.raw()
     for text in texts:
@@ -454,14 +504,10 @@ async def time_to_first_audio(reps: int) -> dict:
 
     server = await BenchServer("piper").start()
     out: dict = {"receive_delay_ms": summary_ms(rx), "tone_server_ttfa_ms": summary_ms(r["server"]), "texts": {}}
-    engine = await start_engine_here()
-    try:
-        client = await connect(server.url)
-        await asyncio.sleep(0.5)
-        rows = await ttfa_runs(client, server, TTFA_TEXTS, reps, engine)
-        await client.close()
-    finally:
-        await engine.close()
+    client = await connect(server.url)
+    await asyncio.sleep(0.5)
+    rows = await ttfa_runs(client, server, TTFA_TEXTS, reps, direct=True)
+    await client.close()
     for text in TTFA_TEXTS:
         row = rows[text]
         e = summary_ms(row["engine"])
@@ -473,11 +519,14 @@ async def time_to_first_audio(reps: int) -> dict:
         client_ms = summary_ms([c for c in row["client"] if not math.isnan(c)])
         adjusted = summary_ms([c - rx_p50 for c in row["client"] if not math.isnan(c)])
         delta = round(s["p50"] - e["p50"], 1)
+        lo, hi = median_difference_ci(row["server"], row["engine"])
         out["texts"][text] = {
             "engine_first_chunk_ms": e,
+            "engine_first_chunk_what": "the server's own engine worker, driven directly by its EngineClient in the server process, interleaved with the utterances",
             "server_ttfa_ms": s,
             "server_p50_minus_engine_p50_ms": delta,
-            "server_minus_engine_paired_ms": summary_ms(paired),
+            "server_p50_minus_engine_p50_ci95_ms": [lo, hi],
+            "server_minus_engine_paired_ms": summary_ci_ms(paired),
             "within_10ms_of_engine": delta <= 10.0,
             "at_most_50ms": s["p50"] <= 50.0,
             "server_engine_first_chunk_ms": sfc,
@@ -488,10 +537,10 @@ async def time_to_first_audio(reps: int) -> dict:
             "client_minus_receive_delay_ms": adjusted,
         }
         print(f"{text!r}")
-        print(f"   engine first chunk (EngineClient here)    {fmt_ms(e)}")
+        print(f"   engine first chunk (server's worker, direct) {fmt_ms(e)}")
         print(f"   server ttfa (audio.started.ttfa_ms)       {fmt_ms(s)}   p50 - engine p50 = {delta:+.1f} ms "
-              f"({'within' if delta <= 10 else 'OVER'} 10 ms; {'<=' if s['p50'] <= 50 else 'OVER'} 50 ms)")
-        print(f"   server ttfa - engine here, run by run     {fmt_ms(summary_ms(paired))}")
+              f"[95% CI {lo:+.1f}, {hi:+.1f}] ({'within' if delta <= 10 else 'OVER'} 10 ms; {'<=' if s['p50'] <= 50 else 'OVER'} 50 ms)")
+        print(f"   server ttfa - direct engine, same round   {fmt_ms(summary_ms(paired))}")
         print(f"   server's own first chunk, same utterance  {fmt_ms(sfc)}")
         print(f"   server ttfa - that first chunk            {fmt_ms(summary_ms(gap))}")
         print(f"     of which resample+encode+queue          {fmt_ms(summary_ms(encode))}")
@@ -505,31 +554,77 @@ async def time_to_first_audio(reps: int) -> dict:
 # 4. Cancel to silence
 
 
+def _rms(pcm) -> float:
+    import numpy as np
+
+    return float(np.sqrt(np.mean(pcm.astype(np.float64) ** 2))) if len(pcm) else 0.0
+
+
+def lasting_silence_after(frames: list, since: float, threshold: float = 300.0) -> float | None:
+    """Arrival of the first decoded frame after `since` from which every later frame is silent
+    (RMS at most `threshold`, the same threshold as `first_sound_after`)."""
+    after = [(t, p) for t, p in frames if t >= since]
+    last_loud = max((i for i, (_, p) in enumerate(after) if _rms(p) > threshold), default=-1)
+    if last_loud + 1 >= len(after):
+        return None
+    return after[last_loud + 1][0]
+
+
 async def cancel_runs(server: BenchServer, reps: int, rx_p50_ms: float) -> dict:
     section("3. cancel to silence (Piper)")
     client = await connect(server.url)
     await asyncio.sleep(0.5)
     await server.reset()
-    observed = []
+    wire, wire_handled, dc, client_silent, client_last = [], [], [], [], []
     try:
         for rep in range(reps):
             uid = f"c{rep}"
             client.send({"type": "speak", "text": CANCEL_TEXT, "id": uid})
             await client.wait_for("audio.started", id=uid, timeout=30)
-            await asyncio.sleep(random.uniform(0.3, 0.9))
+            await asyncio.sleep(random.uniform(0.3, 0.9))  # cancel at a random point of the speech
             t_cancel = client.send({"type": "cancel"})
-            await client.wait_for("utterance.interrupted", id=uid, timeout=10)
-            await asyncio.sleep(0.5)
+            event = await client.wait_for("utterance.interrupted", id=uid, timeout=10)
+            await client.wait_tail(event)  # everything sent before the event has been decoded
+            async with server.http.get(server.url + "/bench/wire_silence", params={"after": repr(t_cancel)}) as resp:
+                w = await resp.json()
+            handled = [t for t in (await server.raw())["interrupt_at"] if t >= t_cancel]
+            if w.get("first_silent_at") is not None:
+                wire.append(w["first_silent_at"] - t_cancel)
+                if handled:
+                    wire_handled.append(w["first_silent_at"] - handled[0])
+            if handled:
+                dc.append(handled[0] - t_cancel)
+            silent_at = lasting_silence_after(client.audio.frames, t_cancel)
+            if silent_at is not None:
+                client_silent.append(silent_at - t_cancel)
             last = client.audio.last_sound()
-            observed.append((last - t_cancel) if last else float("nan"))
+            if last is not None and last >= t_cancel:
+                client_last.append(last - t_cancel)
     finally:
         await client.close()
     raw = await server.raw()
-    server_side = summary_ms(raw["cancel_to_silence"])
-    client_side = summary_ms([x for x in observed if not math.isnan(x)])
-    print(f"server: cancel handled to next (silent) packet   {fmt_ms(server_side, ('p50', 'max'))}")
-    print(f"client: cancel sent to last non-silent frame     {fmt_ms(client_side, ('p50', 'max'))}  (receive-side delay p50 {rx_p50_ms:.0f} ms)")
-    return {"server_ms": server_side, "client_ms": client_side, "receive_delay_p50_ms": rx_p50_ms}
+    out = {
+        "reps": reps,
+        "wire_ms": summary_ms(wire),
+        "wire_what": "client sends cancel -> first silent RTP packet (the session's silence payload) handed to the server's DTLS transport, one monotonic clock",
+        "wire_from_cancel_handled_ms": summary_ms(wire_handled),
+        "data_channel_ms": summary_ms(dc),
+        "data_channel_what": "client sends cancel -> Session.interrupt runs in the server",
+        "server_metric_ms": summary_ms(raw["cancel_to_silence"]),
+        "server_metric_what": "voxgate_cancel_to_silence_seconds: interrupt() -> the pacer's next departure (at most one 20 ms tick)",
+        "client_ms": summary_ms(client_silent),
+        "client_what": "client sends cancel -> first decoded frame (aiortc client) from which every later frame is silent (RMS <= 300)",
+        "client_last_sound_ms": summary_ms(client_last),
+        "receive_delay_p50_ms": rx_p50_ms,
+    }
+    keys = ("p50", "p95", "max")
+    print(f"wire: cancel sent -> first silent RTP packet to transport   {fmt_ms(out['wire_ms'], keys)}")
+    print(f"   of which data channel (cancel sent -> interrupt())      {fmt_ms(out['data_channel_ms'], keys)}")
+    print(f"   interrupt() -> first silent RTP packet                  {fmt_ms(out['wire_from_cancel_handled_ms'], keys)}")
+    print(f"server metric: interrupt() -> pacer's next departure       {fmt_ms(out['server_metric_ms'], keys)}")
+    print(f"client: cancel sent -> first frame of lasting silence       {fmt_ms(out['client_ms'], keys)}  (receive-side delay p50 {rx_p50_ms:.0f} ms)")
+    print(f"client: cancel sent -> last non-silent frame                {fmt_ms(out['client_last_sound_ms'], keys)}")
+    return out
 
 
 # 2. Pacer
@@ -594,7 +689,7 @@ async def main(args: argparse.Namespace) -> None:
     before = machine()
     print_machine(before, "machine at start")
     results: dict = {"quick": quick, "machine_start": before}
-    reps = 6 if quick else 20
+    reps = args.reps or (6 if quick else 20)
     ttfa = await time_to_first_audio(reps)
     server: BenchServer = ttfa.pop("_server")
     results["ttfa"] = ttfa
@@ -604,11 +699,12 @@ async def main(args: argparse.Namespace) -> None:
         results["pacer"] = await pacer_run(server, 15.0 if quick else 60.0)
     finally:
         await server.stop()
-    finish("gateway", results, started)
+    finish("gateway", results, started, args.out)
 
 
 if __name__ == "__main__":
     parser = arg_parser(__doc__)
+    parser.add_argument("--reps", type=int, default=0, help="rounds of each first-audio text (default 20; 6 with --quick)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--engine", default="tone", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
