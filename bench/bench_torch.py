@@ -1,14 +1,27 @@
-"""Torch engine vs the ONNX engine: first-chunk latency, batched throughput, memory.
+"""Torch engine vs the ONNX engine: first-chunk latency, parity, batched throughput, memory.
 
-    python bench/bench_torch.py                 # CPU, about 2 minutes on 2 cores
+    python bench/bench_torch.py                 # CPU, about 2-3 minutes on 2 cores
     python bench/bench_torch.py --device cuda   # the same on a GPU
     python bench/bench_torch.py --streams 1 4   # fewer throughput points
+    python bench/bench_torch.py --out bench/results/torch.json
 
 First chunk: wall time from asking for a unit until its first audio chunk,
-median of --repeats runs, with the voice's default noise. The ONNX engine's
-first chunk is its whole sentence. Throughput: seconds of audio per second of
-wall time for N streams speaking at once, batched through TorchEngine.step()
-vs one stream's call at a time (what a scheduler without batching does).
+median of --repeats runs (engines interleaved run by run), with the voice's
+default noise, in this process (no worker, no gateway). The units timed are
+the ones the gateway sends: each reply goes through the segmenter
+(`engine/segmenter.py`) and its first unit is timed, so a sentence with an
+early comma is timed on its first clause. Three engines: the ONNX engine as
+the gateway runs it (split graph, windows inside the sentence), the ONNX
+engine on whole units (`split=False`: the same-run baseline for "the whole
+unit"), and the torch engine (windows, its own schedule). Ratios are torch
+over each ONNX figure.
+
+Parity: with noise scales at 0, the torch whole-sentence output against
+onnxruntime's whole graph on the same phoneme ids: SNR in dB.
+
+Throughput: seconds of audio per second of wall time for N streams speaking at
+once, batched through TorchEngine.step() vs one stream's call at a time (what
+a scheduler without batching does).
 """
 
 from __future__ import annotations
@@ -20,15 +33,31 @@ import statistics
 import sys
 import time
 
-from voxgate.engine.base import SynthesisOptions
-from voxgate.engine.piper_engine import PiperEngine
-from voxgate.engine.torch_engine import TorchEngine
+import numpy as np
 
-SENTENCES = {
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import machine, print_machine, write_json  # noqa: E402
+
+from voxgate.engine.base import SynthesisOptions  # noqa: E402
+from voxgate.engine.piper_engine import PiperEngine, embedded_voice_path  # noqa: E402
+from voxgate.engine.segmenter import Segmenter  # noqa: E402
+from voxgate.engine.torch_engine import TorchEngine  # noqa: E402
+
+# Replies as the gateway receives them; the first unit the segmenter cuts is timed.
+REPLIES = {
     "1 word": "Hello.",
     "1 clause": "Please hold the line for a moment.",
-    "3 s sentence": "The weather today is sunny, with a light breeze from the west.",
+    # The old figure timed this whole sentence; the gateway sends "The weather today is sunny, " first.
+    "sentence with a comma": "The weather today is sunny, with a light breeze from the west.",
+    "3 s sentence, no comma": "Your package left our warehouse this morning and will arrive tomorrow.",
 }
+PARITY_TEXT = "Parity matters: the quick brown fox jumps over the lazy dog."
+
+
+def first_unit(text: str) -> str:
+    seg = Segmenter()
+    return next(u.speak for u in seg.push(text) + seg.end() if u.speak)
 THROUGHPUT_TEXTS = [
     "Please hold the line for a moment.",
     "Your call is important to us.",
@@ -83,6 +112,27 @@ def whole_time(engine, text: str, repeats: int) -> float:
     return statistics.median(times)
 
 
+def parity_snr_db(torch_engine: TorchEngine) -> dict:
+    """Torch whole-sentence output vs onnxruntime's whole graph, noise scales 0, same ids."""
+    import onnxruntime
+    import torch
+
+    job = torch_engine.start(PARITY_TEXT, SynthesisOptions(noise_scale=0.0, noise_w_scale=0.0))
+    ids = job.pending[0].ids
+    session = onnxruntime.InferenceSession(str(embedded_voice_path()), providers=["CPUExecutionProvider"])
+    ref = session.run(None, {
+        "input": np.array([ids], dtype=np.int64),
+        "input_lengths": np.array([len(ids)], dtype=np.int64),
+        "scales": np.array([0.0, 1.0, 0.0], dtype=np.float32),
+    })[0].reshape(-1).astype(np.float64)
+    with torch.inference_mode():
+        out = torch_engine._voice(None).model.synthesize(ids, noise_scale=0.0, length_scale=1.0, noise_w=0.0).numpy()
+    out = out.reshape(-1).astype(np.float64)
+    same = out.shape == ref.shape
+    snr = float(10 * np.log10((ref**2).sum() / max(((ref - out) ** 2).sum(), 1e-20))) if same else float("nan")
+    return {"text": PARITY_TEXT, "same_length": same, "samples": int(ref.size), "snr_db": round(snr, 1)}
+
+
 def throughput(engine: TorchEngine, streams: int, batched: bool) -> tuple[float, float]:
     """Audio seconds per wall second and wall seconds, for `streams` units at once."""
     requests = [(THROUGHPUT_TEXTS[i % len(THROUGHPUT_TEXTS)], SynthesisOptions()) for i in range(streams)]
@@ -110,14 +160,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--streams", type=int, nargs="*", default=[1, 4, 16, 64], help="stream counts for throughput; none to skip it")
     parser.add_argument("--max-batch", type=int, default=None, help="jobs per forward pass (default: 4 on CPU, 64 on CUDA)")
+    parser.add_argument("--out", default=None, help="JSON path (default artifacts/bench-torch.json)")
     args = parser.parse_args()
 
+    info = machine()
+    print_machine(info, "machine at start")
+    results: dict = {"args": vars(args), "machine_start": info}
     t0 = time.perf_counter()
     onnx = PiperEngine(device=args.device, threads=args.threads)
     onnx.load()
+    onnx_whole = PiperEngine(device=args.device, threads=args.threads, split=False)
+    onnx_whole.load()
     rss_onnx = peak_mb()
     torch_engine = TorchEngine(device=args.device, threads=args.threads, max_batch=args.max_batch)
     torch_engine.load()
@@ -125,36 +181,57 @@ def main() -> int:
 
     print(f"torch {torch.__version__}, device {torch_engine.device}, threads {args.threads}, "
           f"windows {torch_engine.first_window}->{torch_engine.max_window} frames, "
-          f"max batch {torch_engine.info()['max_batch']}, load {time.perf_counter() - t0:.1f}s, "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    for engine in (onnx, torch_engine):  # warm both: first runs allocate
-        for text in SENTENCES.values():
-            whole_time(engine, text, 1)
+          f"max batch {torch_engine.info()['max_batch']}, load {time.perf_counter() - t0:.1f}s")
+    results["torch"] = {"version": torch.__version__, "device": str(torch_engine.device), "threads": args.threads,
+                        "first_window_frames": torch_engine.first_window, "max_window_frames": torch_engine.max_window}
+    engines = (onnx, onnx_whole, torch_engine)
+    for engine in engines:  # warm every engine: first runs allocate
+        for text in REPLIES.values():
+            whole_time(engine, first_unit(text), 1)
 
-    print("\nFirst chunk (median of %d, default noise)" % args.repeats)
-    print(f"{'unit':<14}{'audio s':>8}{'onnx whole s':>14}{'torch first s':>15}{'ratio':>8}{'chunks':>8}")
-    for label, text in SENTENCES.items():
-        (o, audio, _), (t, _, chunks) = first_chunk([onnx, torch_engine], text, args.repeats)
-        print(f"{label:<14}{audio:>8.2f}{o:>14.4f}{t:>15.4f}{t / o:>7.2f}x{chunks:>8}")
+    print("\nFirst chunk of the first unit the gateway sends (median of %d, engines interleaved, default noise)" % args.repeats)
+    print(f"{'reply':<24}{'audio s':>8}{'onnx stream s':>14}{'onnx whole s':>13}{'torch s':>9}{'t/stream':>9}{'t/whole':>8}  first unit")
+    rows = {}
+    for label, text in REPLIES.items():
+        unit = first_unit(text)
+        (o, audio, oc), (w, _, _), (t, _, tc) = first_chunk(engines, unit, args.repeats)
+        rows[label] = {"reply": text, "first_unit": unit, "audio_s": round(audio, 3),
+                       "onnx_stream_first_chunk_s": round(o, 4), "onnx_stream_chunks": oc,
+                       "onnx_whole_unit_s": round(w, 4), "torch_first_chunk_s": round(t, 4), "torch_chunks": tc,
+                       "torch_over_onnx_stream": round(t / o, 3), "torch_over_onnx_whole": round(t / w, 3)}
+        print(f"{label:<24}{audio:>8.2f}{o:>14.4f}{w:>13.4f}{t:>9.4f}{t / o:>8.2f}x{t / w:>7.2f}x  {unit!r}")
+    results["first_chunk"] = rows
 
     print("\nReal-time factor, one stream (compute s / audio s; lower is faster)")
-    text = SENTENCES["3 s sentence"]
+    text = REPLIES["3 s sentence, no comma"]
     audio = first_chunk([onnx], text, 1)[0][1]
-    ro = whole_time(onnx, text, args.repeats) / audio
-    rt = whole_time(torch_engine, text, args.repeats) / audio
-    print(f"onnx {ro:.3f}   torch {rt:.3f}")
+    rtf = {name: round(whole_time(e, text, args.repeats) / audio, 3) for name, e in
+           (("onnx_stream", onnx), ("onnx_whole", onnx_whole), ("torch", torch_engine))}
+    print("   ".join(f"{k} {v:.3f}" for k, v in rtf.items()))
+    results["rtf"] = {"text": text, **rtf}
+
+    results["parity"] = parity_snr_db(torch_engine)
+    p = results["parity"]
+    print(f"\nParity (noise 0, whole sentence): same length {p['same_length']}, SNR {p['snr_db']} dB against onnxruntime")
 
     print("\nThroughput (audio s per wall s), torch engine")
     print(f"{'streams':>8}{'per stream':>12}{'batched':>10}{'speedup':>9}{'batched wall s':>16}")
+    results["throughput"] = []
     for n in args.streams:
         single, _ = throughput(torch_engine, n, batched=False)
         batch, wall = throughput(torch_engine, n, batched=True)
+        results["throughput"].append({"streams": n, "per_stream": round(single, 2), "batched": round(batch, 2),
+                                      "speedup": round(batch / single, 3), "batched_wall_s": round(wall, 2)})
         print(f"{n:>8}{single:>12.1f}{batch:>10.1f}{batch / single:>8.2f}x{wall:>16.2f}")
 
-    print(f"\nPeak RSS: {rss_onnx:.0f} MB after the ONNX engine loaded, {peak_mb():.0f} MB at the end")
+    results["peak_rss_mb"] = {"after_onnx_engines": round(rss_onnx), "end": round(peak_mb())}
+    print(f"\nPeak RSS: {rss_onnx:.0f} MB after the ONNX engines loaded, {peak_mb():.0f} MB at the end")
     if torch_engine.device.type == "cuda":
         print(f"Peak CUDA memory: {torch.cuda.max_memory_allocated() / 2**20:.0f} MB")
-    print(f"Total bench time {time.perf_counter() - t0:.0f}s, load average now {os.getloadavg()[0]:.1f}")
+    results["machine_end"] = machine()
+    results["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    print_machine(results["machine_end"], "machine at end")
+    print(f"Total bench time {results['elapsed_s']:.0f}s; figures in {write_json('torch', results, args.out)}")
     return 0
 
 

@@ -3,6 +3,7 @@ watch the gateway's memory, file descriptors, threads and asyncio tasks.
 
     python bench/soak.py                    # 1,000 sessions, 4 at a time
     python bench/soak.py --sessions 200     # a shorter run
+    python bench/soak.py --sessions 200 --out bench/results/soak.json
 
 The gateway runs in this process (`create_app` + `aiohttp.web.AppRunner` on
 127.0.0.1, tone engine) so that its figures can be read directly: RSS from
@@ -18,7 +19,12 @@ and caches fill on first use); the figures after the run are taken once the
 server holds no session and a garbage collection has run. Flat means no leak:
 ratios after/baseline near 1.0 for descriptors, threads and tasks, and RSS
 growth that does not scale with the number of sessions (compare the middle
-and the end of the run).
+and the end of the run: both are taken idle, after a settle).
+
+Then `--hold` sessions (20) are opened at once, each says one short
+utterance, and RSS is read while all are open: (that - idle) / sessions is the
+memory of one open session, an upper bound for the server's share because the
+aiortc clients live in this process too.
 """
 
 from __future__ import annotations
@@ -92,8 +98,8 @@ async def one_session(url: str, n: int, results: dict) -> None:
     try:
         await client.connect(timeout=20)
         sent = client.send({"type": "speak", "text": text, "id": "u"})
-        await client.wait_for("utterance.done", id="u", timeout=20)
-        await asyncio.sleep(0.3)  # the receiver's jitter buffer still holds the tail
+        done = await client.wait_for("utterance.done", id="u", timeout=20)
+        await client.wait_tail(done)  # the receiver's jitter buffer still holds the tail
         heard = tone.decode(client.audio.pcm(sent), client.audio.sample_rate)
         results["ok" if heard == text else "wrong_audio"] += 1
         if heard != text:
@@ -135,7 +141,8 @@ async def run(args) -> dict:
         done = 0
         every = max(1, args.sessions // 10)
         peak = dict(baseline)
-        numbers = iter(range(args.sessions))
+        half = args.sessions // 2
+        numbers = iter(range(half))
 
         # A fixed pool of workers, so the task count reflects sessions, not a queue of waiting coroutines.
         async def worker() -> None:
@@ -155,28 +162,62 @@ async def run(args) -> dict:
                           f"ok {results['ok']}  wrong {results['wrong_audio']}  failed {results['failed']}", flush=True)
 
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        # Halfway, the server settles as at the end, so the two halves' growth compares idle with idle.
+        mid_idle = await settle(gw)
+        print(f"idle after {done} sessions: {mid_idle}")
+        numbers = iter(range(half, args.sessions))
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         elapsed = time.monotonic() - t0
         idle = await wait_idle(gw)
         after = await settle(gw)
+
+        held = None
+        if args.hold:
+            section(f"{args.hold} sessions open at once (server and clients in this process)")
+            clients = []
+            from voxgate.rtc_client import RtcClient
+
+            try:
+                for _ in range(args.hold):
+                    c = RtcClient(url)
+                    clients.append(c)
+                    await c.connect(timeout=20)
+                for c in clients:
+                    c.send({"type": "speak", "text": "ok.", "id": "h"})
+                for c in clients:
+                    await c.wait_for("utterance.done", id="h", timeout=30)
+                gc.collect()
+                held = snapshot(gw)
+            finally:
+                await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+            released = await settle(gw)
+            held["per_open_session_kib"] = round(1024 * (held["rss_mb"] - after["rss_mb"]) / args.hold, 1)
+            held["idle_after_release"] = released
+            print(f"held {held}\nRSS per open session (server + its in-process client): {held['per_open_session_kib']} KiB")
     finally:
         await runner.cleanup()
 
     section("result")
-    mid = samples[len(samples) // 2] if samples else after
+    mid = mid_idle
     print(f"{'':10s} {'baseline':>10s} {'peak':>10s} {'after':>10s} {'after/baseline':>15s}")
     for key in ("rss_mb", "fds", "threads", "tasks", "server_sessions", "server_peers", "engine_streams"):
         print(f"{key:16s} {baseline[key]:10} {peak[key]:10} {after[key]:10} {ratio(after[key], baseline[key]):15.3f}")
     growth_first = mid["rss_mb"] - baseline["rss_mb"]
     growth_second = after["rss_mb"] - mid["rss_mb"]
-    print(f"RSS growth: first half {growth_first:+.1f} MiB, second half {growth_second:+.1f} MiB "
-          f"({1024 * (after['rss_mb'] - baseline['rss_mb']) / max(1, args.sessions):+.1f} KiB per session)")
+    per_session_kib = 1024 * (after["rss_mb"] - baseline["rss_mb"]) / max(1, args.sessions)
+    print(f"RSS growth, idle to idle: first half {growth_first:+.1f} MiB, second half {growth_second:+.1f} MiB "
+          f"({per_session_kib:+.1f} KiB per session served)")
     print(f"sessions: {results['ok']} ok, {results['wrong_audio']} wrong audio, {results['failed']} failed "
           f"in {elapsed:.0f} s ({args.sessions / elapsed:.1f} sessions/s); server idle at the end: {idle}")
     for e in results.get("errors", [])[:5]:
         print("  error:", e)
     for e in results.get("wrong_examples", [])[:5]:
         print("  wrong audio:", e)
-    return {"baseline": baseline, "peak": peak, "after": after, "samples": samples, "results": results,
+    return {"baseline": baseline, "peak": peak, "mid_idle": mid_idle, "after": after, "samples": samples, "results": results,
+            "rss_growth_mib": {"first_half": round(growth_first, 1), "second_half": round(growth_second, 1),
+                               "what": "idle to idle: after warm-up, after half the sessions, after all (each once no session is open and gc ran)"},
+            "rss_growth_per_session_served_kib": round(per_session_kib, 1),
+            "held": held,
             "elapsed_s": elapsed, "server_idle_at_end": idle,
             "ratios": {k: ratio(after[k], baseline[k]) for k in ("rss_mb", "fds", "threads", "tasks")}}
 
@@ -186,6 +227,7 @@ def main() -> int:
     parser.add_argument("--sessions", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--hold", type=int, default=20, help="then open this many sessions at once and measure RSS per open session (0: skip)")
     args = parser.parse_args()
     if args.quick:
         args.sessions = min(args.sessions, 100)
