@@ -134,14 +134,6 @@ def run_server(engine: str, port: int) -> None:
     switch_ms = os.environ.get("VOXGATE_BENCH_SWITCH_INTERVAL_MS")
     if switch_ms:
         sys.setswitchinterval(float(switch_ms) / 1000.0)
-    # Diagnosis only: fewer encoder threads than the session module's 2.
-    encode_threads = os.environ.get("VOXGATE_BENCH_ENCODE_THREADS")
-    if encode_threads:
-        from concurrent.futures import ThreadPoolExecutor
-
-        from voxgate.gateway import session as session_module
-
-        session_module._encode_pool = ThreadPoolExecutor(int(encode_threads), thread_name_prefix="encode")
 
     # Where each RTP packet leaves: handed to the DTLS transport, just before SRTP
     # protection and the socket. perf_counter is CLOCK_MONOTONIC on Linux, one clock
