@@ -9,8 +9,10 @@ First chunk: wall time from asking for a unit until its first audio chunk,
 median of --repeats runs (engines interleaved run by run), with the voice's
 default noise, in this process (no worker, no gateway). The units timed are
 the ones the gateway sends: each reply goes through the segmenter
-(`engine/segmenter.py`) and its first unit is timed, so a sentence with an
-early comma is timed on its first clause. Three engines: the ONNX engine as
+(`engine/segmenter.py`) and its first unit is timed, both for a reply given
+whole (`speak`: the first unit is the whole first sentence when its end is
+already there) and for one streamed word by word (`text.delta`: the segmenter
+may cut at the first comma). Three engines: the ONNX engine as
 the gateway runs it (split graph, windows inside the sentence), the ONNX
 engine on whole units (`split=False`: the same-run baseline for "the whole
 unit"), and the torch engine (windows, its own schedule). Ratios are torch
@@ -55,9 +57,15 @@ REPLIES = {
 PARITY_TEXT = "Parity matters: the quick brown fox jumps over the lazy dog."
 
 
-def first_unit(text: str) -> str:
+def first_unit(text: str, streamed: bool = False) -> str:
+    """The first unit the segmenter sends: for text given whole (`speak`), or streamed
+    word by word (`text.delta`, an LLM's tokens), where it may cut at the first comma."""
+    import re
+
     seg = Segmenter()
-    return next(u.speak for u in seg.push(text) + seg.end() if u.speak)
+    pieces = re.findall(r"\s*[\w']+|\s*[^\w\s]", text) if streamed else [text]
+    units = [u for piece in pieces for u in seg.push(piece)] + seg.end()
+    return next(u.speak for u in units if u.speak)
 THROUGHPUT_TEXTS = [
     "Please hold the line for a moment.",
     "Your call is important to us.",
@@ -188,18 +196,23 @@ def main() -> int:
     for engine in engines:  # warm every engine: first runs allocate
         for text in REPLIES.values():
             whole_time(engine, first_unit(text), 1)
+            whole_time(engine, first_unit(text, streamed=True), 1)
 
     print("\nFirst chunk of the first unit the gateway sends (median of %d, engines interleaved, default noise)" % args.repeats)
-    print(f"{'reply':<24}{'audio s':>8}{'onnx stream s':>14}{'onnx whole s':>13}{'torch s':>9}{'t/stream':>9}{'t/whole':>8}  first unit")
+    print(f"{'reply (how it arrives)':<36}{'audio s':>8}{'onnx stream s':>14}{'onnx whole s':>13}{'torch s':>9}{'t/stream':>9}{'t/whole':>8}  first unit")
     rows = {}
     for label, text in REPLIES.items():
-        unit = first_unit(text)
-        (o, audio, oc), (w, _, _), (t, _, tc) = first_chunk(engines, unit, args.repeats)
-        rows[label] = {"reply": text, "first_unit": unit, "audio_s": round(audio, 3),
-                       "onnx_stream_first_chunk_s": round(o, 4), "onnx_stream_chunks": oc,
-                       "onnx_whole_unit_s": round(w, 4), "torch_first_chunk_s": round(t, 4), "torch_chunks": tc,
-                       "torch_over_onnx_stream": round(t / o, 3), "torch_over_onnx_whole": round(t / w, 3)}
-        print(f"{label:<24}{audio:>8.2f}{o:>14.4f}{w:>13.4f}{t:>9.4f}{t / o:>8.2f}x{t / w:>7.2f}x  {unit!r}")
+        for mode in ("typed", "streamed"):
+            unit = first_unit(text, streamed=(mode == "streamed"))
+            if mode == "streamed" and unit == first_unit(text):
+                continue  # the same unit either way
+            name = f"{label} ({mode})"
+            (o, audio, oc), (w, _, _), (t, _, tc) = first_chunk(engines, unit, args.repeats)
+            rows[name] = {"reply": text, "mode": mode, "first_unit": unit, "audio_s": round(audio, 3),
+                          "onnx_stream_first_chunk_s": round(o, 4), "onnx_stream_chunks": oc,
+                          "onnx_whole_unit_s": round(w, 4), "torch_first_chunk_s": round(t, 4), "torch_chunks": tc,
+                          "torch_over_onnx_stream": round(t / o, 3), "torch_over_onnx_whole": round(t / w, 3)}
+            print(f"{name:<36}{audio:>8.2f}{o:>14.4f}{w:>13.4f}{t:>9.4f}{t / o:>8.2f}x{t / w:>7.2f}x  {unit!r}")
     results["first_chunk"] = rows
 
     print("\nReal-time factor, one stream (compute s / audio s; lower is faster)")
