@@ -18,6 +18,9 @@ from typing import Callable
 
 from .frames import FRAME_MS
 
+# Preroll grows by three frames per underrun inside an utterance, up to this cap.
+MAX_PREROLL_MS = 200
+
 
 @dataclass
 class UtterancePlay:
@@ -75,8 +78,6 @@ class Playout:
         silence: bytes,
         on_audio_started: Callable[[UtterancePlay, float], None] | None = None,
         on_done: Callable[[UtterancePlay], None] | None = None,
-        initial_preroll_ms: int = 0,
-        max_preroll_ms: int = 200,
         on_underrun: Callable[[], None] | None = None,
         on_ready: Callable[[], None] | None = None,
     ) -> None:
@@ -88,8 +89,8 @@ class Playout:
         # Called when the next utterance has enough audio to start while the
         # output is idle, so the output can send it without waiting for a tick.
         self.on_ready = on_ready
-        self.preroll_ms = initial_preroll_ms
-        self.max_preroll_ms = max_preroll_ms
+        self.preroll_ms = 0
+        self.max_preroll_ms = MAX_PREROLL_MS
         self.stats = PlayoutStats()
         self._rebuffering = False
 
