@@ -100,6 +100,13 @@ class EngineConfig:
 
 
 class EngineClient:
+    """The gateway's handle on one engine worker process: starts it, talks to it, restarts it.
+
+    Synthesis runs in its own process so a model never blocks the event loop and
+    a crash costs the open streams, not the server. A reader thread hands the
+    worker's messages to the loop; streams are made with `stream()`.
+    """
+
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.info: dict = {}

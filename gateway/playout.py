@@ -73,6 +73,13 @@ class PlayoutStats:
 
 
 class Playout:
+    """The queue between the feeder and the output: encoded frames per utterance.
+
+    Encoding runs ahead of time and the output takes one frame per tick, so the
+    two meet here; keeping frames grouped by utterance is what lets a cancel drop
+    exactly the unplayed audio and say how much of an utterance was heard.
+    """
+
     def __init__(
         self,
         silence: bytes,
