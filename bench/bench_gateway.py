@@ -54,7 +54,6 @@ import math
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -68,6 +67,7 @@ from _common import (  # noqa: E402
     arg_parser,
     finish,
     fmt_ms,
+    free_port,
     machine,
     percentile,
     print_machine,
@@ -356,12 +356,6 @@ def _interval_stats(xs: list[float]) -> dict:
 
 # ---------------------------------------------------------------------------
 # The parent: clients and figures.
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class BenchServer:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import ARTIFACTS, arg_parser, finish, machine, print_machine, ratio, section  # noqa: E402
+from _common import ARTIFACTS, arg_parser, finish, free_port, machine, print_machine, ratio, section  # noqa: E402
 
 from voxgate.probe import ProbeConfig, ProbeReport, run_probe  # noqa: E402
 
@@ -34,12 +33,6 @@ TEXTS = [
     "Good morning. This is the benchmark speaking through the gateway, one symbol at a time.",
     "Every session hears its own text, and the probe decodes it to check played text exactly.",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server() -> tuple[subprocess.Popen, str]:

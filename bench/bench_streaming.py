@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -57,7 +56,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import ARTIFACTS, arg_parser, finish, fmt_ms, machine, percentile, print_machine, section, summary_ms  # noqa: E402
+from _common import ARTIFACTS, arg_parser, finish, fmt_ms, free_port, machine, percentile, print_machine, section, summary_ms  # noqa: E402
 from bench_engine import REPLY, concurrent, tokenize  # noqa: E402
 
 from voxgate.engine.base import SynthesisOptions  # noqa: E402
@@ -108,12 +107,6 @@ TOKENS_PER_S = 30.0
 
 # ---------------------------------------------------------------------------
 # The gateway in a child process: `voxgate serve`, as users run it.
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Gateway:

@@ -42,7 +42,6 @@ import asyncio
 import logging
 import os
 import random
-import socket
 import string
 import sys
 import time
@@ -50,7 +49,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import arg_parser, percentile, proc_cpu_s, ratio, run_recorded, section  # noqa: E402
+from _common import arg_parser, free_port, percentile, proc_cpu_s, ratio, run_recorded, section  # noqa: E402
 
 # A step is degraded when a listener could hear it: a pacer stall (the loop fell
 # more than 3 frames behind, so the receiver's jitter buffer runs dry), or
@@ -64,12 +63,6 @@ def degraded(row: dict) -> bool:
     # Client gaps are reported but do not stop the ramp: the clients share this
     # process and its cores, so their own decoding delays show up there too.
     return bool(row["stalls"] or row["wrong"] or row["timeouts"] or row["connect_failed"])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def start_gateway(max_sessions: int):

@@ -33,7 +33,6 @@ import asyncio
 import gc
 import logging
 import os
-import socket
 import sys
 import threading
 import time
@@ -41,7 +40,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import arg_parser, ratio, run_recorded, section  # noqa: E402
+from _common import arg_parser, free_port, ratio, run_recorded, section  # noqa: E402
 
 
 def rss_mb() -> float:
@@ -62,12 +61,6 @@ def snapshot(gw) -> dict:
         "server_peers": len(gw.peers),
         "engine_streams": gw.engine.active_streams,
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def wait_idle(gw, timeout: float = 30.0) -> bool:

@@ -70,8 +70,7 @@ class StreamChunk:
     words: list[WordTiming]
     unit_index: int
     unit_end: bool
-    # When the unit's last text reached the stream, and when the unit was sent to the worker.
-    unit_text_at: float = 0.0
+    # When the unit was sent to the worker.
     unit_sent_at: float = 0.0
     synth_s: float = 0.0
     # When the worker began the step that made this chunk (time.monotonic, which
@@ -101,6 +100,13 @@ class EngineConfig:
 
 
 class EngineClient:
+    """The gateway's handle on one engine worker process: starts it, talks to it, restarts it.
+
+    Synthesis runs in its own process so a model never blocks the event loop and
+    a crash costs the open streams, not the server. A reader thread hands the
+    worker's messages to the loop; streams are made with `stream()`.
+    """
+
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.info: dict = {}
@@ -319,13 +325,12 @@ class TTSStream:
         self.segmenter = Segmenter(segmenter)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._unit_index = 0
-        self._units: dict[int, tuple[float, float]] = {}
+        self._units: dict[int, float] = {}  # unit index -> when it was sent to the worker
         self._input_ended = False
         self._closed = False
         self._first_timer: asyncio.TimerHandle | None = None
         self.first_text_at: float | None = None
         self.first_unit_sent_at: float | None = None
-        self.units_sent: list[Unit] = []
         # Inline speech tags; open ones carry over between units.
         self.tags = TagState(engine_tags=frozenset(client.info.get("supported_tags", ())))
 
@@ -341,11 +346,11 @@ class TTSStream:
             timeout = self.client.config.first_unit_timeout
             if timeout > 0:
                 self._first_timer = asyncio.get_running_loop().call_later(timeout, self._first_timeout)
-        self._send_units(self.segmenter.push(text), now)
+        self._send_units(self.segmenter.push(text))
 
     def flush(self) -> None:
         """End of a segment: whatever text is pending is spoken now."""
-        self._send_units(self.segmenter.end(), time.perf_counter())
+        self._send_units(self.segmenter.end())
 
     def end_input(self) -> None:
         if self._input_ended or self._closed:
@@ -370,11 +375,10 @@ class TTSStream:
 
     def _first_timeout(self) -> None:
         if not self._closed and not self.segmenter.started:
-            self._send_units(self.segmenter.flush_first(), time.perf_counter())
+            self._send_units(self.segmenter.flush_first())
 
-    def _send_units(self, units: list[Unit], now: float) -> None:
+    def _send_units(self, units: list[Unit]) -> None:
         for unit in units:
-            self.units_sent.append(unit)
             pieces = self.tags.pieces(unit.raw)
             if not pieces:
                 continue
@@ -383,7 +387,7 @@ class TTSStream:
             sent = time.perf_counter()
             if self.first_unit_sent_at is None:
                 self.first_unit_sent_at = sent
-            self._units[index] = (now, sent)
+            self._units[index] = sent
             if len(pieces) == 1 and isinstance(pieces[0], Speech) and pieces[0].rate == 1.0:
                 payload: str | list = pieces[0].text  # plain text, as before tags existed
             else:
@@ -392,7 +396,7 @@ class TTSStream:
 
     # Audio out
     def _on_chunk(self, meta: dict, pcm) -> None:
-        text_at, sent_at = self._units.get(meta["unit_index"], (0.0, 0.0))
+        sent_at = self._units.get(meta["unit_index"], 0.0)
         chunk = StreamChunk(
             pcm=pcm if pcm is not None else np.zeros(0, dtype=np.int16),
             sample_rate=meta["sample_rate"],
@@ -400,7 +404,6 @@ class TTSStream:
             words=[WordTiming(*w) for w in meta["words"]],
             unit_index=meta["unit_index"],
             unit_end=meta["unit_end"],
-            unit_text_at=text_at,
             unit_sent_at=sent_at,
             synth_s=meta.get("synth_s", 0.0),
             synth_started_at=meta.get("synth_started_at", 0.0),

@@ -369,7 +369,7 @@ class PiperEngine(Engine):
         self.device = device
         # The most intra-op threads one step may use: every core by default; the
         # worker asks for that when a step runs alone and for one thread under load.
-        self.threads = threads or int(os.environ.get("VOXGATE_ENGINE_THREADS", "0")) or (os.cpu_count() or 1)
+        self.threads = threads or (os.cpu_count() or 1)  # callers pass Settings.threads (--engine-threads, VOXGATE_ENGINE_THREADS)
         self.max_loaded_voices = max(1, max_loaded_voices)
         self._voices: OrderedDict[str, _LoadedVoice] = OrderedDict()
         self._voices_lock = threading.Lock()

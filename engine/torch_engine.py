@@ -195,7 +195,7 @@ class TorchEngine(Engine):
     ) -> None:
         self.default_voice = voice or DEFAULT_VOICE
         self.device_name = device
-        self.threads = threads or int(os.environ.get("VOXGATE_ENGINE_THREADS", "0")) or (os.cpu_count() or 1)
+        self.threads = threads or (os.cpu_count() or 1)  # callers pass Settings.threads (--engine-threads, VOXGATE_ENGINE_THREADS)
         self.first_window = max(1, int(first_window))
         self.max_window = max(self.first_window, int(max_window))
         self.schedule = WindowSchedule(self.first_window, self.max_window)

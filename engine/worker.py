@@ -105,6 +105,13 @@ class _Stream:
 
 
 class Scheduler:
+    """Chooses which stream's step runs next, on how many threads, in the worker.
+
+    Many streams share one model and a few cores; running bounded steps in
+    playout-deadline order is what keeps a new listener's first audio from
+    waiting behind another stream's long text (see the module docstring).
+    """
+
     def __init__(self, engine: Engine, send, parallel: int) -> None:
         self.engine = engine
         self.send = send

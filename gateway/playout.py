@@ -18,6 +18,9 @@ from typing import Callable
 
 from .frames import FRAME_MS
 
+# Preroll grows by three frames per underrun inside an utterance, up to this cap.
+MAX_PREROLL_MS = 200
+
 
 @dataclass
 class UtterancePlay:
@@ -70,13 +73,18 @@ class PlayoutStats:
 
 
 class Playout:
+    """The queue between the feeder and the output: encoded frames per utterance.
+
+    Encoding runs ahead of time and the output takes one frame per tick, so the
+    two meet here; keeping frames grouped by utterance is what lets a cancel drop
+    exactly the unplayed audio and say how much of an utterance was heard.
+    """
+
     def __init__(
         self,
         silence: bytes,
         on_audio_started: Callable[[UtterancePlay, float], None] | None = None,
         on_done: Callable[[UtterancePlay], None] | None = None,
-        initial_preroll_ms: int = 0,
-        max_preroll_ms: int = 200,
         on_underrun: Callable[[], None] | None = None,
         on_ready: Callable[[], None] | None = None,
     ) -> None:
@@ -88,8 +96,8 @@ class Playout:
         # Called when the next utterance has enough audio to start while the
         # output is idle, so the output can send it without waiting for a tick.
         self.on_ready = on_ready
-        self.preroll_ms = initial_preroll_ms
-        self.max_preroll_ms = max_preroll_ms
+        self.preroll_ms = 0
+        self.max_preroll_ms = MAX_PREROLL_MS
         self.stats = PlayoutStats()
         self._rebuffering = False
 

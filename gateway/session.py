@@ -79,6 +79,13 @@ class SessionMetrics:
 
 
 class Session:
+    """One listener's conversation: messages in, events out, speech through one output.
+
+    It is the one place that knows an utterance's whole life (queued, spoken,
+    interrupted), so that a cancel or barge-in can stop every part of it at once
+    and report what was heard, whatever transport carries the session.
+    """
+
     def __init__(
         self,
         engine: EngineClient,

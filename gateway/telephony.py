@@ -8,7 +8,7 @@ between utterances is not sent at all (the phone side plays nothing, which is
 silence); the schedule keeps ticking so timing stays honest.
 
 Marks tell which audio was actually played: one at each engine chunk
-boundary, one every `mark_every` frames in between, and one at the end of
+boundary, one every `MARK_EVERY_FRAMES` frames in between, and one at the end of
 each utterance, named `<utterance id>:<ms sent>` (the end
 mark with a `:end` suffix). The phone side echoes a mark when the audio
 before it has played; after a `clear` it echoes the pending ones at once,
@@ -27,17 +27,19 @@ from typing import Awaitable, Callable
 from .pacer import Pacer
 from .session import Session
 
+MARK_EVERY_FRAMES = 10  # a mark every 200 ms between chunk boundaries (see above)
+
 log = logging.getLogger(__name__)
 
 Send = Callable[[dict], Awaitable[None]]
 
 
 class TwilioOutput:
-    def __init__(self, session: Session, stream_sid: str, send: Send, mark_every: int = 10, pacer: Pacer | None = None) -> None:
+    def __init__(self, session: Session, stream_sid: str, send: Send, pacer: Pacer | None = None) -> None:
         self.session = session
         self.stream_sid = stream_sid
         self._send_raw = send
-        self.mark_every = mark_every
+        self.mark_every = MARK_EVERY_FRAMES
         self.pacer = pacer or Pacer()
         self.frames_sent = 0
         self.marks_sent = 0

@@ -184,7 +184,7 @@ class Gateway:
         )
 
     def create_session(
-        self, voice: object = None, session_id: str | None = None, anonymous_from: str | None = None
+        self, voice: object = None, anonymous_from: str | None = None
     ) -> Session:
         """A new session; `voice` is a client's choice, checked against the engine's voices.
 
@@ -225,7 +225,7 @@ class Gateway:
             ):
                 self.metrics.rejected.labels("address_limit").inc()
                 raise ApiError(429, "address_limit", f"this client address holds its maximum of {per_address} sessions made without a token")
-        session = Session(self.engine, self.session_options(voice), session_id, self.metrics.for_session(self.settings.engine))
+        session = Session(self.engine, self.session_options(voice), metrics=self.metrics.for_session(self.settings.engine))
         self.sessions[session.id] = session
         if anonymous_from is not None:
             self.anonymous[session.id] = anonymous_from

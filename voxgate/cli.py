@@ -49,9 +49,9 @@ async def _say_async(args: argparse.Namespace) -> int:
     from .engine.base import SynthesisOptions
     from .engine.client import EngineClient, EngineConfig, EngineUnavailable
 
-    from .config import Settings
-
-    defaults = Settings(engine=args.engine)
+    # The engine's settings (threads, parallel steps) come from VOXGATE_* variables, as for `serve`.
+    defaults = settings_from()
+    defaults.engine = args.engine
     client = EngineClient(
         EngineConfig(
             engine=args.engine, voice=args.voice, device=args.device, parallel=defaults.parallel, threads=defaults.threads

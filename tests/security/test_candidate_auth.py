@@ -30,7 +30,7 @@ def test_translated_prefixes_are_not_public(address):
 
 async def test_candidates_need_the_sessions_token(tone_server):
     url = tone_server.url
-    async with RtcClient(url) as a, RtcClient(url) as b:
+    async with RtcClient(url) as a, RtcClient(url):  # a second live session beside a's
         path = f"{url}/v1/sessions/{a.session_id}/candidates"
         status, body, _ = await http_json("POST", path, body={"candidate": GOOD, "sdpMid": "0", "sdpMLineIndex": 0})
         assert (status, body["error"]["code"]) == (401, "token_required")
