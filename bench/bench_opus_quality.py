@@ -35,17 +35,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import soxr  # noqa: E402
 from _common import RESULTS, arg_parser, finish, machine, print_machine, section  # noqa: E402
+from bench_streaming import FIRST_SENTENCES  # noqa: E402
 
-SENTENCES = [
-    "Your order is on its way now.",
-    "I can book a table for two tonight.",
-    "The meeting has been moved to three in the afternoon.",
-    "Please hold the line while I check your account details.",
-    "Your package left our warehouse this morning and will arrive tomorrow.",
-    "The train to the city leaves from platform four in ten minutes.",
-    "I have found three flights that leave before noon on Friday next week.",
-    "The weather today is sunny with a light breeze coming from the west all day.",
-    "Thanks for waiting while I looked up the details of the order you placed last Tuesday.",
+# The streaming bench's first sentences, and three with commas and questions.
+SENTENCES = FIRST_SENTENCES + [
     "Would you like me to send the receipt to your email address as well?",
     "The doctor can see you on Monday at nine or on Wednesday after lunch.",
     "Sorry, I did not catch that, could you say the last part again?",

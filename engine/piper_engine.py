@@ -42,7 +42,7 @@ from .base import (
 )
 from .piper_split import SplitError, Stage, VoiceGraphs, split_voice
 from .units import cap_phonemes, cap_text
-from .windows import FIRST_WINDOW_FRAMES, WindowSchedule, words_in_window
+from .windows import FIRST_WINDOW_FRAMES, WindowSchedule, chunk_text, words_in_window
 
 log = logging.getLogger(__name__)
 
@@ -579,9 +579,7 @@ class PiperEngine(Engine):
     def _chunk(self, job: PiperJob, s: _Sentence, samples: np.ndarray, words: list[WordTiming], last: bool) -> AudioChunk:
         pcm = (np.clip(samples, -1.0, 1.0) * 32767.0).astype(np.int16)
         unit_end = last and s.last_of_unit
-        text = " ".join(w.text for w in words) if job.voice.graphs is not None else s.text
-        if text and not unit_end and not text.endswith(" "):
-            text += " "
+        text = chunk_text(" ".join(w.text for w in words) if job.voice.graphs is not None else s.text, unit_end)
         chunk = AudioChunk(
             pcm=pcm,
             sample_rate=job.voice.sample_rate,

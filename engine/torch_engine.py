@@ -30,7 +30,7 @@ import numpy as np
 from .base import AudioChunk, Engine, EngineError, SynthesisJob, SynthesisOptions, WordTiming
 from .piper_engine import DEFAULT_VOICE, PiperEngine, split_words_over, word_timings
 from .units import cap_phonemes, cap_text
-from .windows import FIRST_WINDOW_FRAMES, Window, WindowSchedule, words_in_window
+from .windows import FIRST_WINDOW_FRAMES, Window, WindowSchedule, chunk_text, words_in_window
 
 try:
     import torch
@@ -425,12 +425,10 @@ class TorchEngine(Engine):
         t0 = w.start * hop / voice.sample_rate
         t1 = w.end * hop / voice.sample_rate
         words = words_in_window(s.words, t0, t1, last_window)
-        text = " ".join(x.text for x in words)
         if last_window:
             job.current = None
         unit_end = last_window and s.last_of_unit
-        if text and not unit_end:
-            text += " "
+        text = chunk_text(" ".join(x.text for x in words), unit_end)
         chunk = AudioChunk(
             pcm=pcm,
             sample_rate=voice.sample_rate,

@@ -81,6 +81,14 @@ class WindowSchedule:
         return Window(done, end, max(0, done - context), min(total, end + context))
 
 
+def chunk_text(text: str, unit_end: bool) -> str:
+    """What a chunk says: with a trailing space unless it ends its unit, so that
+    a unit's chunk texts joined give its words with single spaces between."""
+    if text and not unit_end and not text.endswith(" "):
+        text += " "
+    return text
+
+
 def words_in_window(words: list[WordTiming], t0: float, t1: float, last: bool) -> list[WordTiming]:
     """The words that start in [t0, t1) (and any after, in a sentence's last window), timed from t0."""
     return [
