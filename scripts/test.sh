@@ -2,23 +2,25 @@
 # Installs everything the test suite needs on a fresh Debian machine, then runs it.
 #
 # System packages: Debian's chromium at /usr/bin/chromium (the browser tests drive
-# that exact binary; a chromium elsewhere on PATH does not count). Python: the
+# that exact binary; a chromium elsewhere on PATH does not count) and Debian's
+# redis-server (the fleet tests start their own on loopback). Python: the
 # torch engine's CPU build (torch 2.13.0+cpu: from PyTorch's CPU index on a plain
 # machine, or from a local wheel where pip is configured with one) and the
-# project with its test and gpu extras. Nothing is downloaded at test time.
+# project with its test, gpu and scale extras (Ray Serve, the Redis client).
+# Nothing is downloaded at test time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
-if [ ! -x /usr/bin/chromium ]; then
+if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/redis-server ]; then
   as_root apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium redis-server
 fi
 
 pip_install() { python3 -m pip install -q --disable-pip-version-check --retries 2 "$@"; }
 # On PyPI, plain "torch==2.13.0" is the multi-GB CUDA build; "+cpu" is only on PyTorch's CPU index.
 pip_install "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
-pip_install -e ".[test,gpu]"
+pip_install -e ".[test,gpu,scale]"
 
 exec python3 -m pytest -q -ra -p no:cacheprovider "$@"
