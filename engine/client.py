@@ -326,6 +326,10 @@ class TTSStream:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._unit_index = 0
         self._units: dict[int, float] = {}  # unit index -> when it was sent to the worker
+        # The unit of the last chunk that said something, and whether its text ended
+        # in a space: a unit's last chunk has none, so the next unit's text gets one.
+        self._text_unit = -1
+        self._text_spaced = True
         self._input_ended = False
         self._closed = False
         self._first_timer: asyncio.TimerHandle | None = None
@@ -400,7 +404,7 @@ class TTSStream:
         chunk = StreamChunk(
             pcm=pcm if pcm is not None else np.zeros(0, dtype=np.int16),
             sample_rate=meta["sample_rate"],
-            text=meta["text"],
+            text=self._joined_text(meta["text"], meta["unit_index"]),
             words=[WordTiming(*w) for w in meta["words"]],
             unit_index=meta["unit_index"],
             unit_end=meta["unit_end"],
@@ -409,6 +413,17 @@ class TTSStream:
             synth_started_at=meta.get("synth_started_at", 0.0),
         )
         self._queue.put_nowait(chunk)
+
+    def _joined_text(self, text: str, unit_index: int) -> str:
+        """The chunk's text, with a space in front when it starts a new unit right
+        after a unit whose text ended without one ("Third," + "a short one.")."""
+        if not text:
+            return text
+        if unit_index != self._text_unit and not self._text_spaced and not text[0].isspace():
+            text = " " + text
+        self._text_unit = unit_index
+        self._text_spaced = text[-1].isspace()
+        return text
 
     def _on_done(self) -> None:
         self.client._forget(self.sid)

@@ -3,8 +3,9 @@
 The first unit is short: the first clause, or a few words once a timeout
 fires in a token stream, because time to first audio matters most. The engine
 streams inside a sentence, so a first sentence without a comma costs little
-more first audio than a short one; `first_whole_sentence` (on) makes the
-whole first sentence the first unit when its text is there (see docs/engines.md). Later
+more first audio than a short one; `first_whole_sentence` (off by default, on
+the figures in docs/engines.md) makes the whole first sentence the first unit
+when its text is there. Later
 units are whole sentences or long clauses, for natural prosody.
 
 No unit is longer than `MAX_UNIT_CHARS` (engine/units.py): text without
@@ -52,13 +53,11 @@ class SegmenterConfig:
     comma_min_chars: int = 120
     # Text without punctuation is split at the last space before this length.
     max_chars: int = MAX_UNIT_CHARS
-    # The first unit is the whole first sentence when its end is already in the
-    # buffer, rather than its first clause. Measured on replies with an early
-    # comma, the first clause gave first audio ~20 ms sooner and no worse
-    # pocketsphinx WER (bench/bench_streaming.py section 6, docs/engines.md),
-    # but switching exposed a text-joining bug at clause units in the torch
-    # engine (tests/engine/test_batching.py), so this stays on until it is fixed.
-    first_whole_sentence: bool = True
+    # Whether the first unit is the whole first sentence when its end is already
+    # in the buffer, rather than its first clause. Off: measured on replies with
+    # an early comma, the first clause gave first audio ~20 ms sooner and no worse
+    # pocketsphinx WER (bench/bench_streaming.py section 6, docs/engines.md).
+    first_whole_sentence: bool = False
 
 
 class Segmenter:
