@@ -287,6 +287,52 @@ def first_chunk_section(reps: int) -> dict:
     return out
 
 
+def _spinning_engine(spin: bool) -> PiperEngine:
+    """A 2-thread engine whose onnxruntime pools spin between ops, or not.
+
+    piper_engine.SPIN_WHILE_RUNNING is read when a voice's sessions are made,
+    so it is set around load() only.
+    """
+    from voxgate.engine import piper_engine
+
+    saved = piper_engine.SPIN_WHILE_RUNNING
+    piper_engine.SPIN_WHILE_RUNNING = spin
+    try:
+        engine = PiperEngine(threads=os.cpu_count() or 1)
+        engine.load()
+    finally:
+        piper_engine.SPIN_WHILE_RUNNING = saved
+    return engine
+
+
+def spinning_section(reps: int) -> dict:
+    section("2b. onnxruntime pool threads spinning between ops or not: first chunk on every core, idle and beside one busy process")
+    engines = {"no_spin": _spinning_engine(False), "spin": _spinning_engine(True)}
+    texts = ("Hello.", LONG_SENTENCES[2])
+    out: dict = {"threads": os.cpu_count() or 1}
+    for busy in (0, 1):
+        load = start_load(busy)
+        try:
+            samples = {(k, t): [] for k in engines for t in texts}
+            for _ in range(reps + 2):  # interleaved; the first two rounds warm up
+                for key, engine in engines.items():
+                    for text in texts:
+                        samples[(key, text)].append(_first_chunk(engine, text)[0])
+        finally:
+            for proc in load:
+                proc.kill()
+                proc.wait()
+        row = {}
+        for (key, text), xs in samples.items():
+            row[f"{key} {text}"] = summary_ms(xs[2:])
+            print(f"busy processes {busy}, {key:7}, {text[:40]!r:44}: first chunk {fmt_ms(row[f'{key} {text}'])}")
+        long = texts[1]
+        row["spin_over_no_spin_p50"] = round(row[f"spin {long}"]["p50"] / row[f"no_spin {long}"]["p50"], 3)
+        print(f"busy processes {busy}: spin / no spin, long sentence p50 {row['spin_over_no_spin_p50']:.2f}x")
+        out[f"busy_{busy}"] = row
+    return out
+
+
 # ---------------------------------------------------------------------------
 # 3. Throughput against the whole-unit path; 4 concurrent replies
 
@@ -575,7 +621,7 @@ def start_load(n: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
-SECTIONS = ("ttfa", "first_chunk", "throughput", "threads", "fairness", "wer", "tokens", "page")
+SECTIONS = ("ttfa", "first_chunk", "spinning", "throughput", "threads", "fairness", "wer", "tokens", "page")
 
 
 async def main() -> None:
@@ -598,6 +644,8 @@ async def main() -> None:
             results["ttfa_with_other_sessions"] = await ttfa_section(1 if quick else 2, args.background)
         if "first_chunk" in only:
             results["first_chunk"] = first_chunk_section(3 if quick else 7)
+        if "spinning" in only:
+            results["spinning"] = spinning_section(3 if quick else 8)
         if "throughput" in only:
             results["throughput"] = await throughput_section(2 if quick else 4)
         if "threads" in only:

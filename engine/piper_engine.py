@@ -118,6 +118,15 @@ def choose_providers(device: str) -> list[str]:
     return ["CPUExecutionProvider"]
 
 
+# Whether onnxruntime's pool threads spin between ops. They do not: a spinning
+# thread burns its core, and when that core is busy with anything else (the
+# gateway's event loop and Opus encoding, another step, a browser) every op of a
+# many-thread run waits for the descheduled spinner. Spinning saves a little on
+# an idle machine and costs far more on a busy one (bench/bench_streaming.py
+# --only spinning; bench/results/streaming.json, "spinning").
+SPIN_WHILE_RUNNING = False
+
+
 class _StageSessions:
     """onnxruntime sessions for a voice's stages, all at one intra-op thread count."""
 
@@ -139,13 +148,7 @@ def _session(model: bytes, threads: int, providers: list[str]):
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
-    # A pool that spins after its run steals the core another step (or this
-    # job's next stage) is about to run on: it cost 15-35 ms of first audio.
-    # Spinning *during* a run hands the ~2,400 small ops of the encoder from
-    # thread to thread faster (8-10% off an every-core encoder pass, measured
-    # here), so the pool spins while it runs and stops when the run ends.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "1")
-    options.add_session_config_entry("session.force_spinning_stop", "1")
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if SPIN_WHILE_RUNNING else "0")
     options.log_severity_level = 3
     return onnxruntime.InferenceSession(model, sess_options=options, providers=providers)
 
