@@ -26,11 +26,12 @@ import time
 
 from aiohttp import WSMsgType, web
 
-from ..gateway.peer import OfferError, PeerConnection
+from ..gateway.peer import PeerConnection
 from ..gateway.protocol import ProtocolError, parse
 from ..engine.voices import UnknownVoice
 from ..gateway.session import Session
-from .errors import ApiError, error_response, read_json_object
+from ..gateway.errors import GatewayError
+from .errors import error_response, read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -75,22 +76,22 @@ class TokenSigner:
     def verify(self, token: object, now: float | None = None) -> str:
         """Returns the session id the token was issued for."""
         if not isinstance(token, str) or token.count(".") != 1 or len(token) > 1024:
-            raise ApiError(401, "invalid_token", "the token is malformed")
+            raise GatewayError("invalid_token", "the token is malformed", 401)
         body, sig = token.split(".")
         try:
             payload = _unb64(body)
             given = _unb64(sig)
         except (ValueError, TypeError):
-            raise ApiError(401, "invalid_token", "the token is malformed") from None
+            raise GatewayError("invalid_token", "the token is malformed", 401) from None
         if not hmac.compare_digest(given, self._sign(payload)):
-            raise ApiError(401, "invalid_token", "the token's signature does not match")
+            raise GatewayError("invalid_token", "the token's signature does not match", 401)
         try:
             data = json.loads(payload)
             sid, exp = str(data["sid"]), float(data["exp"])
         except (ValueError, KeyError, TypeError):
-            raise ApiError(401, "invalid_token", "the token is malformed") from None
+            raise GatewayError("invalid_token", "the token is malformed", 401) from None
         if (now if now is not None else time.time()) > exp:
-            raise ApiError(403, "token_expired", "the token has expired; ask the backend for a new one")
+            raise GatewayError("token_expired", "the token has expired; ask the backend for a new one", 403)
         return sid
 
     def _sign(self, payload: bytes) -> bytes:
@@ -141,9 +142,9 @@ def check_client_token(request: web.Request, token: object, session_id: str) -> 
     """The request carries a client token for `session_id` (in the body, or as a bearer token)."""
     token = token if token is not None else bearer_of(request)
     if token is None:
-        raise ApiError(401, "token_required", "this needs the session's client token: 'token' in the body, or Authorization: Bearer <token>")
+        raise GatewayError("token_required", "this needs the session's client token: 'token' in the body, or Authorization: Bearer <token>", 401)
     if request.app[SIGNER].verify(token) != session_id:
-        raise ApiError(403, "token_mismatch", "the token was issued for another session")
+        raise GatewayError("token_mismatch", "the token was issued for another session", 403)
 
 
 def check_api_key(request: web.Request) -> str | None:
@@ -196,25 +197,25 @@ def session_for_offer(app: web.Application, body: dict, voice: object, address: 
     sid, token = body.get("session_id"), body.get("token")
     if sid is None and token is None:
         if gw.settings.require_token:
-            raise OfferError("token_required", "this server needs a client token from POST /v1/sessions", 401)
+            raise GatewayError("token_required", "this server needs a client token from POST /v1/sessions", 401)
         session = gw.create_session(voice=voice, anonymous_from=address)
         track_session(app, session)
         return session, True
     if sid is not None and not isinstance(sid, str):
-        raise OfferError("invalid_field", "'session_id' must be a string")
+        raise GatewayError("invalid_field", "'session_id' must be a string")
     if token is None:
-        raise OfferError("token_required", "joining a session needs its client 'token'", 401)
+        raise GatewayError("token_required", "joining a session needs its client 'token'", 401)
     try:
         token_sid = app[SIGNER].verify(token)
-    except ApiError as exc:
-        raise OfferError(exc.code, exc.message, exc.status) from None
+    except GatewayError as exc:
+        raise GatewayError(exc.code, exc.message, exc.status) from None
     if sid is not None and sid != token_sid:
-        raise OfferError("token_mismatch", "the token was issued for another session", 403)
+        raise GatewayError("token_mismatch", "the token was issued for another session", 403)
     session = gw.sessions.get(token_sid)
     if session is None or session.closed:
-        raise OfferError("unknown_session", "no such session; it may have ended", 404)
+        raise GatewayError("unknown_session", "no such session; it may have ended", 404)
     if session.encoder is not None or token_sid in gw.peers:
-        raise OfferError("already_connected", "a listener is already attached to this session", 409)
+        raise GatewayError("already_connected", "a listener is already attached to this session", 409)
     return session, False
 
 
@@ -253,16 +254,14 @@ async def handle_create(request: web.Request) -> web.Response:
     registry = request.app[REGISTRY]
     try:
         body = await read_json_object(request, CREATE_BODY_LIMIT, "the body must be a JSON object, or empty", allow_empty=True)
-    except ApiError as exc:
-        return exc.response()
+    except GatewayError as exc:
+        return error_response(exc)
     try:
         voice = gw.engine.check_voice(body.get("voice"))
     except UnknownVoice as exc:
-        return error_response(400, exc.code, exc.message)
+        return error_response(GatewayError(exc.code, exc.message))
     if key is not None and len(registry.by_key.get(key, ())) >= gw.settings.max_sessions_per_key:
-        return error_response(
-            429, "key_limit", f"this API key holds its maximum of {gw.settings.max_sessions_per_key} sessions"
-        )
+        return error_response(GatewayError("key_limit", f"this API key holds its maximum of {gw.settings.max_sessions_per_key} sessions", 429))
     session = gw.create_session(voice=voice)
     track_session(request.app, session, owner=key)
     registry.made_ahead.add(session.id)
@@ -350,7 +349,7 @@ async def handle_ws(request: web.Request) -> web.StreamResponse:
     session = _session_or_404(request, key)
     role = request.query.get("role", "writer")
     if role not in ("writer", "watcher"):
-        return error_response(400, "invalid_field", "'role' must be 'writer' or 'watcher'")
+        return error_response(GatewayError("invalid_field", "'role' must be 'writer' or 'watcher'"))
     gw = request.app["gateway"]
     limit = gw.settings.max_message_bytes
     # decode_text=False: a text frame with invalid UTF-8 reaches the session

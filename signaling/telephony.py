@@ -31,7 +31,8 @@ from ..gateway.resample import StreamResampler
 from ..gateway.session import Session
 from ..gateway.telephony import TwilioOutput
 from ..gateway.protocol import RateLimiter
-from .errors import ApiError, error_response
+from ..gateway.errors import GatewayError
+from .errors import error_response
 from .sessions_api import REGISTRY, SIGNER, track_session
 
 log = logging.getLogger(__name__)
@@ -227,10 +228,10 @@ class TwilioCall:
             try:
                 address = self.address
                 session = gw.create_session(voice=params.get("voice"), anonymous_from=address)
-            except ApiError as exc:
-                raise CallError(exc.code, exc.message, fatal=True) from None
-            except web.HTTPException as exc:
-                raise CallError("unavailable", exc.text or "no capacity for a new session", fatal=True) from None
+            except GatewayError as exc:
+                # No room (503): the call protocol has always said "unavailable".
+                code = "unavailable" if exc.status == 503 else exc.code
+                raise CallError(code, exc.message, fatal=True) from None
             track_session(self.app, session)
             self.created = True
             return session
@@ -238,7 +239,7 @@ class TwilioCall:
             raise CallError("token_required", "joining a session needs its client token as customParameters.token", fatal=True)
         try:
             token_sid = self.app[SIGNER].verify(token)
-        except ApiError as exc:
+        except GatewayError as exc:
             raise CallError(exc.code, exc.message, fatal=True) from None
         if sid is not None and sid != token_sid:
             raise CallError("token_mismatch", "the token was issued for another session", fatal=True)
@@ -297,10 +298,7 @@ async def handle_twilio(request: web.Request) -> web.StreamResponse:
     gw = request.app["gateway"]
     settings = gw.settings
     if settings.twilio_auth_token and not signature_valid(request, settings.twilio_auth_token, settings.public_url):
-        return error_response(
-            403, "invalid_signature",
-            "X-Twilio-Signature does not match this URL; check --twilio-auth-token and --public-url",
-        )
+        return error_response(GatewayError("invalid_signature", "X-Twilio-Signature does not match this URL; check --twilio-auth-token and --public-url", 403))
     from .server import client_address  # the server module imports this one
 
     ws = web.WebSocketResponse(heartbeat=None, max_msg_size=MAX_FRAME_BYTES, decode_text=False)

@@ -1,0 +1,35 @@
+"""The one error a client is shown: a code, a message, and the HTTP status it maps to.
+
+Everything that refuses a client's request or message raises `GatewayError`:
+the session API, the offer, the data-channel protocol, a Twilio call. Each
+surface maps it one way: signaling/errors.py to a JSON response
+`{"error": {"code", "message"}}` with `status`; the data channel and the
+session WebSocket to an `error` event (`event()`).
+"""
+
+from __future__ import annotations
+
+
+class GatewayError(Exception):
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        status: int = 400,
+        *,
+        headers: dict[str, str] | None = None,
+        id: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.status = status
+        self.headers = headers or {}
+        self.id = id  # the utterance a data-channel error is about, if any
+
+    def event(self) -> dict:
+        """The error as a data-channel or WebSocket event."""
+        event = {"type": "error", "code": self.code, "message": self.message}
+        if self.id is not None:
+            event["id"] = self.id
+        return event
