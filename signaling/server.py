@@ -20,7 +20,7 @@ from ..gateway.errors import GatewayError
 from ..gateway.gateway import Gateway
 from ..gateway.peer import PeerConnection
 from .errors import error_response, read_json_object
-from . import openapi, sessions_api, telephony, tts_http
+from . import openapi, sessions_api, tts_http, twilio_stream
 
 log = logging.getLogger(__name__)
 
@@ -310,7 +310,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
     app[OPENAPI] = openapi.spec(web=settings.web)
     app.router.add_get("/openapi.json", handle_openapi)
     sessions_api.add_routes(app)
-    telephony.add_routes(app)
+    twilio_stream.add_routes(app)
     tts_http.add_routes(app)
     if settings.web:
         app.router.add_get("/", handle_index)

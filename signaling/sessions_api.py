@@ -109,7 +109,7 @@ class SessionRegistry:
         self.owner: dict[str, str | None] = {}
         self.by_key: dict[str, set[str]] = {}
         self.backends: dict[str, dict[str, str]] = {}  # session id -> listener name -> role
-        self.calls: dict[str, object] = {}  # session id -> telephony call (signaling.telephony.TwilioCall)
+        self.calls: dict[str, object] = {}  # session id -> telephony call (signaling.twilio_stream.TwilioCall)
 
     def owned_by(self, session_id: str, key: str | None) -> bool:
         return session_id in self.owner and self.owner[session_id] == key

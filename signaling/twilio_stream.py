@@ -29,7 +29,7 @@ from aiohttp import WSMsgType, web
 from ..gateway.encoder import ulaw_decode
 from ..gateway.resample import StreamResampler
 from ..gateway.session import Session
-from ..gateway.telephony import TwilioOutput
+from ..gateway.twilio_output import TwilioOutput
 from ..gateway.protocol import RateLimiter
 from ..gateway.errors import GatewayError
 from .errors import error_response
