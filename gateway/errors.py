@@ -9,6 +9,8 @@ session WebSocket to an `error` event (`event()`).
 
 from __future__ import annotations
 
+from ..engine.voices import UnknownVoice
+
 
 class GatewayError(Exception):
     def __init__(
@@ -33,3 +35,12 @@ class GatewayError(Exception):
         if self.id is not None:
             event["id"] = self.id
         return event
+
+
+def checked_voice(engine, voice: object) -> str | None:
+    """A client's choice of voice, checked against the engine's list (engine/voices.py,
+    through `engine.check_voice`): the one voice check every surface uses."""
+    try:
+        return engine.check_voice(voice)
+    except UnknownVoice as exc:
+        raise GatewayError(exc.code, exc.message) from None

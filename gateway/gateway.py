@@ -13,9 +13,8 @@ import time
 
 from ..config import Settings
 from ..engine.client import EngineClient, EngineConfig
-from ..engine.voices import UnknownVoice
 from .encoder import OpusSettings
-from .errors import GatewayError
+from .errors import GatewayError, checked_voice
 from .ice import IcePolicy, parse_ice_server, parse_networks, restrict_host_addresses
 from .metrics import GatewayMetrics
 from .peer import PeerConnection
@@ -153,10 +152,7 @@ class Gateway:
         `anonymous_from`: the client address of a session made without a key or
         token; such sessions count against their own budget and a per-address limit.
         """
-        try:
-            voice = self.engine.check_voice(voice)
-        except UnknownVoice as exc:
-            raise GatewayError(exc.code, exc.message) from None
+        voice = checked_voice(self.engine, voice)
         if not self.accepting:
             self.metrics.rejected.labels("draining").inc()
             raise GatewayError("draining", "the server is shutting down; retry on another instance", 503)

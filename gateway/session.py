@@ -154,9 +154,14 @@ class Session:
             self._start_feeder()
 
     @property
+    def has_output(self) -> bool:
+        """Whether an output (a WebRTC track, a phone call) is attached: only one may be."""
+        return self.encoder is not None
+
+    @property
     def speaking(self) -> bool:
         # Text queued with no output attached does not keep a session alive.
-        return bool(self.utterances) and self.encoder is not None
+        return bool(self.utterances) and self.has_output
 
     # Inbound messages
     def handle_message(self, raw: str | bytes, source: str = "peer") -> None:
@@ -373,7 +378,7 @@ class Session:
     def _restart_feeder(self) -> None:
         if self._feeder is not None:
             self._feeder.stop()
-        if self.encoder is not None and not self._closed:
+        if self.has_output and not self._closed:
             # A fresh encoder: the cancelled audio must not colour what comes next.
             self.encoder = create_encoder(self.output_codec or "opus", self.options.opus)
             self._start_feeder()

@@ -28,9 +28,8 @@ from aiohttp import WSMsgType, web
 
 from ..gateway.peer import PeerConnection
 from ..gateway.protocol import ProtocolError, parse
-from ..engine.voices import UnknownVoice
 from ..gateway.session import Session
-from ..gateway.errors import GatewayError
+from ..gateway.errors import GatewayError, checked_voice
 from .errors import error_response, read_json_object
 
 log = logging.getLogger(__name__)
@@ -205,18 +204,22 @@ def session_for_offer(app: web.Application, body: dict, voice: object, address: 
         raise GatewayError("invalid_field", "'session_id' must be a string")
     if token is None:
         raise GatewayError("token_required", "joining a session needs its client 'token'", 401)
-    try:
-        token_sid = app[SIGNER].verify(token)
-    except GatewayError as exc:
-        raise GatewayError(exc.code, exc.message, exc.status) from None
+    return join_session(app, sid, token), False
+
+
+def join_session(app: web.Application, sid: str | None, token: object) -> Session:
+    """The session made ahead that `token` was issued for, for a new output (a peer,
+    a call) to attach to. `sid`, when given, must name the same session."""
+    gw = app["gateway"]
+    token_sid = app[SIGNER].verify(token)
     if sid is not None and sid != token_sid:
         raise GatewayError("token_mismatch", "the token was issued for another session", 403)
     session = gw.sessions.get(token_sid)
     if session is None or session.closed:
         raise GatewayError("unknown_session", "no such session; it may have ended", 404)
-    if session.encoder is not None or token_sid in gw.peers:
+    if session.has_output or token_sid in gw.peers:
         raise GatewayError("already_connected", "a listener is already attached to this session", 409)
-    return session, False
+    return session
 
 
 async def abandon_offer(app: web.Application, peer: PeerConnection, created: bool, reason: str) -> None:
@@ -257,9 +260,9 @@ async def handle_create(request: web.Request) -> web.Response:
     except GatewayError as exc:
         return error_response(exc)
     try:
-        voice = gw.engine.check_voice(body.get("voice"))
-    except UnknownVoice as exc:
-        return error_response(GatewayError(exc.code, exc.message))
+        voice = checked_voice(gw.engine, body.get("voice"))
+    except GatewayError as exc:
+        return error_response(exc)
     if key is not None and len(registry.by_key.get(key, ())) >= gw.settings.max_sessions_per_key:
         return error_response(GatewayError("key_limit", f"this API key holds its maximum of {gw.settings.max_sessions_per_key} sessions", 429))
     session = gw.create_session(voice=voice)

@@ -22,13 +22,12 @@ import numpy as np
 from aiohttp import web
 
 from ..engine.base import SynthesisOptions
-from ..engine.voices import UnknownVoice
 from ..engine.errors import EngineCrashed, EngineStreamError, EngineUnavailable, public_engine_error
 from ..engine.stream import StreamChunk, TTSStream
 from ..gateway.encoder import ulaw_encode
 from ..gateway.resample import StreamResampler
 from ..gateway.session import TEXT_SLICE_CHARS
-from ..gateway.errors import GatewayError
+from ..gateway.errors import GatewayError, checked_voice
 from .errors import error_response, read_json_object
 from .sessions_api import check_api_key
 
@@ -195,10 +194,7 @@ def _options(request: web.Request, body: dict) -> tuple[str, str, SynthesisOptio
     fmt = body.get("format", "wav")
     if fmt not in FORMATS:
         raise GatewayError("invalid_field", f"'format' must be one of {', '.join(FORMATS)}")
-    try:
-        voice = gw.engine.check_voice(body.get("voice"))
-    except UnknownVoice as exc:
-        raise GatewayError(exc.code, exc.message) from None
+    voice = checked_voice(gw.engine, body.get("voice"))
     rate = body.get("rate", 1.0)
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.25 <= rate <= 4.0:
         raise GatewayError("invalid_field", "'rate' must be a number from 0.25 to 4.0")

@@ -33,7 +33,7 @@ from ..gateway.twilio_output import TwilioOutput
 from ..gateway.protocol import RateLimiter
 from ..gateway.errors import GatewayError
 from .errors import error_response
-from .sessions_api import REGISTRY, SIGNER, track_session
+from .sessions_api import REGISTRY, join_session, track_session
 
 log = logging.getLogger(__name__)
 
@@ -238,17 +238,9 @@ class TwilioCall:
         if token is None:
             raise CallError("token_required", "joining a session needs its client token as customParameters.token", fatal=True)
         try:
-            token_sid = self.app[SIGNER].verify(token)
+            return join_session(self.app, sid, token)
         except GatewayError as exc:
             raise CallError(exc.code, exc.message, fatal=True) from None
-        if sid is not None and sid != token_sid:
-            raise CallError("token_mismatch", "the token was issued for another session", fatal=True)
-        session = gw.sessions.get(token_sid)
-        if session is None or session.closed:
-            raise CallError("unknown_session", "no such session; it may have ended", fatal=True)
-        if session.encoder is not None or token_sid in gw.peers:
-            raise CallError("already_connected", "a listener is already attached to this session", fatal=True)
-        return session
 
     def _media(self, msg: dict) -> None:
         media = msg.get("media")
