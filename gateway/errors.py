@@ -2,9 +2,10 @@
 
 Everything that refuses a client's request or message raises `GatewayError`:
 the session API, the offer, the data-channel protocol, a Twilio call. Each
-surface maps it one way: signaling/errors.py to a JSON response
-`{"error": {"code", "message"}}` with `status`; the data channel and the
-session WebSocket to an `error` event (`event()`).
+surface maps it one way: HTTP routes to a JSON response `{"error": {"code",
+"message"}}` with `status` (signaling/errors.py, `error_response`); the data
+channel and the session WebSocket to an `error` event (`event()`); a Twilio
+stream to its `error` event, closing the stream when `fatal`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class GatewayError(Exception):
         *,
         headers: dict[str, str] | None = None,
         id: str | None = None,
+        fatal: bool = False,
     ) -> None:
         super().__init__(message)
         self.code = code
@@ -28,6 +30,8 @@ class GatewayError(Exception):
         self.status = status
         self.headers = headers or {}
         self.id = id  # the utterance a data-channel error is about, if any
+        # The connection that carried it ends after it is reported (a phone call's stream).
+        self.fatal = fatal
 
     def event(self) -> dict:
         """The error as a data-channel or WebSocket event."""

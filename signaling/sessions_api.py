@@ -27,7 +27,7 @@ import time
 from aiohttp import WSMsgType, web
 
 from ..gateway.peer import PeerConnection
-from ..gateway.protocol import ProtocolError, parse
+from ..gateway.protocol import parse
 from ..gateway.session import Session
 from ..gateway.errors import GatewayError, checked_voice
 from .errors import error_response, read_json_object
@@ -147,13 +147,13 @@ def check_client_token(request: web.Request, token: object, session_id: str) -> 
 
 
 def check_api_key(request: web.Request) -> str | None:
-    """The caller's key; raises a JSON 401 when keys are configured and this one is not among them."""
+    """The caller's key; refuses (401) when keys are configured and this one is not among them."""
     keys = request.app["gateway"].settings.api_key
     if not keys:
         return None
     given = api_key_of(request)
     if not given:
-        raise _http_error(web.HTTPUnauthorized, "unauthorized", "an API key is required: Authorization: Bearer <key> or X-API-Key")
+        raise GatewayError("unauthorized", "an API key is required: Authorization: Bearer <key> or X-API-Key", 401)
     # Header bytes that are not UTF-8 reach us as surrogates; compare raw bytes.
     given_bytes = given.encode("utf-8", "surrogateescape")
     match = None
@@ -162,11 +162,7 @@ def check_api_key(request: web.Request) -> str | None:
             match = key
     if match is not None:
         return match
-    raise _http_error(web.HTTPUnauthorized, "invalid_api_key", "the API key is not valid")
-
-
-def _http_error(cls, code: str, message: str, **kwargs) -> web.HTTPException:
-    return cls(text=json.dumps({"error": {"code": code, "message": message}}), content_type="application/json", **kwargs)
+    raise GatewayError("invalid_api_key", "the API key is not valid", 401)
 
 
 def _session_or_404(request: web.Request, key: str | None) -> Session:
@@ -175,7 +171,7 @@ def _session_or_404(request: web.Request, key: str | None) -> Session:
     sid = request.match_info["session_id"]
     session = request.app["gateway"].sessions.get(sid)
     if session is None or session.closed or not request.app[REGISTRY].owned_by(sid, key):
-        raise _http_error(web.HTTPNotFound, "unknown_session", "no such session")
+        raise GatewayError("unknown_session", "no such session", 404)
     return session
 
 
@@ -420,11 +416,11 @@ def _backend_message(session: Session, name: str, raw: str | bytes) -> None:
         # writer holds the session, so a watcher never races the writer.
         try:
             msg = parse(raw, session.options.limits)
-        except ProtocolError:
+        except GatewayError:
             msg = None  # let the session report the parse error itself
         if msg is not None and msg["type"] != "ping":
             session.emit(
-                ProtocolError("read_only", "this backend watches the session; only its writer may send text, cancel or updates", msg.get("id")).event(),
+                GatewayError("read_only", "this backend watches the session; only its writer may send text, cancel or updates", id=msg.get("id")).event(),
                 only=name,
             )
             return
