@@ -179,7 +179,7 @@ class Gateway:
             ):
                 self.metrics.rejected.labels("address_limit").inc()
                 raise GatewayError("address_limit", f"this client address holds its maximum of {per_address} sessions made without a token", 429)
-        session = Session(self.engine, self.session_options(voice), metrics=self.metrics.for_session(self.settings.engine))
+        session = Session(self.engine, options=self.session_options(voice), metrics=self.metrics.for_session(self.settings.engine))
         self.sessions[session.id] = session
         if anonymous_from is not None:
             self.anonymous[session.id] = anonymous_from

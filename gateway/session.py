@@ -45,7 +45,7 @@ Listener = Callable[[dict], None]
 TEXT_SLICE_CHARS = 256
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SessionOptions:
     voice: str | None = None
     rate: float = 1.0
@@ -91,6 +91,7 @@ class Session:
     def __init__(
         self,
         engine: EngineClient,
+        *,
         options: SessionOptions | None = None,
         session_id: str | None = None,
         metrics: SessionMetrics | None = None,
@@ -370,7 +371,7 @@ class Session:
     def _start_feeder(self) -> None:
         assert self.encoder is not None
         self._feeder = Feeder(
-            self.encoder, self.playout, self._next_to_feed, self.emit, self.metrics,
+            self.encoder, self.playout, next_utterance=self._next_to_feed, emit=self.emit, metrics=self.metrics
         )
         self._feeder.task.add_done_callback(self._feeder_done)
 

@@ -195,7 +195,7 @@ class TwilioCall:
         self.session = session
         self.app[REGISTRY].calls[session.id] = self
         session.attach_output("pcmu")
-        self.output = TwilioOutput(session, stream_sid, self.send)
+        self.output = TwilioOutput(session, stream_sid=stream_sid, send=self.send)
         self._listener = f"telephony:{stream_sid}"
         session.add_listener(self._listener, self.output.on_event)
         session.on_close.append(self._on_session_close)

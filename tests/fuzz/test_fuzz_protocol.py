@@ -159,7 +159,7 @@ def engine_loop():
 
 async def _drive(engine: EngineClient, script: list[tuple[str, object]]) -> tuple[Session, Recorder]:
     options = SessionOptions(limits=LIMITS, max_queued_utterances=4, max_utterance_chars=60)
-    session = Session(engine, options)
+    session = Session(engine, options=options)
     rec = Recorder()
     session.add_listener("peer", rec)
     session.attach_output("opus")
@@ -218,7 +218,7 @@ def test_session_survives_any_message_sequence_and_ends_each_utterance_once(engi
 
 
 async def _one(engine: EngineClient, raw: str) -> list[dict]:
-    session = Session(engine, SessionOptions(limits=LIMITS))
+    session = Session(engine, options=SessionOptions(limits=LIMITS))
     rec = Recorder()
     session.add_listener("peer", rec)
     session.handle_message(raw, "peer")
