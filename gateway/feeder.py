@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from ..engine.client import EngineCrashed, EngineStreamError, EngineUnavailable, public_engine_error
+from ..engine.errors import EngineCrashed, EngineStreamError, EngineUnavailable, public_engine_error
 from .encode_pool import FIRST, LATER, encode_pool
 from .encoder import FrameEncoder
 from .frames import FRAME_MS, Framer
@@ -55,6 +55,7 @@ class Feeder:
         self,
         encoder: FrameEncoder,
         playout: Playout,
+        *,
         next_utterance: Callable[[], "Utterance | None"],
         emit: Callable[[dict], None],
         metrics: "SessionMetrics",
