@@ -31,6 +31,7 @@ from .encoder import FrameEncoder, OpusSettings, create_encoder
 from .feeder import Feeder
 from .playout import Playout, UtterancePlay
 from .protocol import Limits, ProtocolError, RateLimiter, parse
+from .session_metrics import SessionMetrics
 from .vad import VadSettings, VoiceActivityDetector
 
 log = logging.getLogger(__name__)
@@ -63,19 +64,6 @@ class Utterance:
     chars: int = 0
     ended: bool = False
     started_sent: bool = False
-
-
-class SessionMetrics:
-    """Hooks the signaling layer points at Prometheus; no-ops by default."""
-
-    def ttfa(self, seconds: float) -> None: ...
-    def first_chunk(self, seconds: float) -> None: ...
-    def aggregation_wait(self, seconds: float) -> None: ...
-    def cancel_to_silence(self, seconds: float) -> None: ...
-    def utterance(self, outcome: str) -> None: ...
-    def frame_sent(self, interval: float, lateness: float) -> None: ...
-    def underrun(self) -> None: ...
-    def engine_chunk(self, synth_s: float, audio_s: float) -> None: ...
 
 
 class Session:
@@ -333,6 +321,7 @@ class Session:
     # Barge-in and cancel
     def interrupt(self, reason: str) -> None:
         t0 = time.perf_counter()
+        self.metrics.interrupted(reason, t0)
         dropped = self.playout.clear()
         utterances, self.utterances = self.utterances, []
         self._open_by_source.clear()
@@ -417,6 +406,8 @@ class Session:
 
     def _on_audio_started(self, play: UtterancePlay, at: float) -> None:
         ttfa = max(0.0, at - (play.ready_at or at))
+        if play.ready_at is not None and play.first_queued_at is not None:
+            self.metrics.ttfa_parts(play.first_queued_at - play.ready_at, at - play.first_queued_at)
         self.metrics.ttfa(ttfa)
         self.emit({"type": "audio.started", "id": play.id, "ttfa_ms": round(ttfa * 1000.0, 1)})
 
