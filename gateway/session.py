@@ -18,7 +18,6 @@ import logging
 import secrets
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -32,17 +31,12 @@ from .feeder import Feeder
 from .playout import Playout, UtterancePlay
 from .protocol import Limits, ProtocolError, RateLimiter, parse
 from .session_metrics import SessionMetrics
+from .text_pump import TEXT_SLICE_CHARS, TextPump  # noqa: F401  (TEXT_SLICE_CHARS: tts_http imports it from here)
 from .vad import VadSettings, VoiceActivityDetector
 
 log = logging.getLogger(__name__)
 
 Listener = Callable[[dict], None]
-
-# Text reaches the segmenter in slices of this many characters, one slice per
-# turn of the event loop, so one large message never holds the loop for long:
-# the pacers of every session get their turn between slices.
-TEXT_SLICE_CHARS = 256
-
 
 @dataclass
 class SessionOptions:
@@ -95,9 +89,8 @@ class Session:
         # append text to another's utterance.
         self._open_by_source: dict[str, str] = {}
         self._interrupted_ids: set[tuple[str, str]] = set()
-        # Text waiting to reach the engine streams, in arrival order: (utterance, text), or None text to end it.
-        self._text_queue: deque[tuple[Utterance, str | None]] = deque()
-        self._text_pump: asyncio.Handle | None = None
+        # Text waiting to reach the engine streams, in arrival order, a slice per turn of the loop.
+        self._text = TextPump()
         self.encoder: FrameEncoder | None = None
         self.output_codec: str | None = None
         self.playout = Playout(
@@ -248,7 +241,7 @@ class Session:
                 utt.id,
             )
         utt.chars += len(text)
-        self._queue_text(utt, text)
+        self._text.push(utt.stream, text)
 
     def _end(self, utt: Utterance) -> None:
         if utt.ended:
@@ -256,31 +249,7 @@ class Session:
         utt.ended = True
         if self._open_by_source.get(utt.source) == utt.id:
             del self._open_by_source[utt.source]
-        self._queue_text(utt, None)
-
-    def _queue_text(self, utt: Utterance, text: str | None) -> None:
-        self._text_queue.append((utt, text))
-        if self._text_pump is None:
-            self._text_pump = asyncio.get_running_loop().call_soon(self._pump_text)
-
-    def _pump_text(self) -> None:
-        """Hand one slice of queued text to its engine stream, then yield the loop."""
-        self._text_pump = None
-        if not self._text_queue:
-            return
-        utt, text = self._text_queue.popleft()
-        try:
-            if text is None:
-                utt.stream.end_input()
-            else:
-                if len(text) > TEXT_SLICE_CHARS:
-                    self._text_queue.appendleft((utt, text[TEXT_SLICE_CHARS:]))
-                    text = text[:TEXT_SLICE_CHARS]
-                utt.stream.push_text(text)
-        except RuntimeError:
-            pass  # the stream was cancelled or failed meanwhile: its text is dropped
-        if self._text_queue:
-            self._text_pump = asyncio.get_running_loop().call_soon(self._pump_text)
+        self._text.push(utt.stream, None)
 
     def _update(self, msg: dict) -> None:
         if "voice" in msg and msg["voice"] is not None:
@@ -325,7 +294,7 @@ class Session:
         dropped = self.playout.clear()
         utterances, self.utterances = self.utterances, []
         self._open_by_source.clear()
-        self._text_queue.clear()
+        self._text.clear()
         for utt in utterances:
             utt.stream.cancel()
             self._interrupted_ids.add((utt.source, utt.id))
@@ -421,7 +390,7 @@ class Session:
         if self._closed:
             return
         self._closed = True
-        self._text_queue.clear()
+        self._text.clear()
         for utt in self.utterances:
             utt.stream.cancel()
         self.utterances = []

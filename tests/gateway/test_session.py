@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
 from voxgate.gateway.protocol import Limits
-from voxgate.gateway.session import TEXT_SLICE_CHARS, Session, SessionOptions
+from voxgate.gateway.session import Session, SessionOptions
 from voxgate.gateway.session_metrics import SessionMetrics
+from voxgate.gateway.text_pump import TEXT_SLICE_CHARS
 
 RATE = 22050
 
