@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 Listener = Callable[[dict], None]
 
+
 @dataclass
 class SessionOptions:
     voice: str | None = None
