@@ -125,8 +125,7 @@ def run_server(engine: str, port: int) -> None:
     from aiortc.rtp import RtpPacket, is_rtcp
 
     from voxgate.config import Settings
-    from voxgate.gateway.playout import Playout
-    from voxgate.gateway.session import Session, SessionMetrics
+    from voxgate.gateway.session_metrics import SessionMetrics
     from voxgate.signaling.server import create_app
 
     logging.basicConfig(level=logging.WARNING)
@@ -138,6 +137,9 @@ def run_server(engine: str, port: int) -> None:
     # Where each RTP packet leaves: handed to the DTLS transport, just before SRTP
     # protection and the socket. perf_counter is CLOCK_MONOTONIC on Linux, one clock
     # for every process, so these times compare with the clients' in the parent.
+    # This is the one patch left, and it is aiortc's, not the product's: the moment a
+    # packet enters SRTP lies inside aiortc. The session's own samples come through
+    # the product's seam below (GatewayMetrics.observers).
     clocks: dict[int, WireClock] = {}
     original_send_rtp = RTCDtlsTransport._send_rtp
 
@@ -154,69 +156,42 @@ def run_server(engine: str, port: int) -> None:
     )
     app = create_app(settings)
     gw = app["gateway"]
-    raw: dict[str, list[float]] = {"ttfa": [], "first_chunk": [], "aggregation_wait": [], "cancel_to_silence": []}
+    raw: dict[str, list[float]] = {
+        key: []
+        for key in (
+            "ttfa", "first_chunk", "aggregation_wait", "cancel_to_silence",
+            "ready_to_first_frames_queued", "first_frames_queued_to_departure", "interrupt_at",
+        )
+    }
     lag: list[float] = []
 
-    class RecordingMetrics(SessionMetrics):
-        """Keeps each sample the session reports, then passes it on to Prometheus."""
-
-        def __init__(self, inner: SessionMetrics) -> None:
-            self.inner = inner
+    class Recorder(SessionMetrics):
+        """Keeps the samples every session reports (the product's seam: GatewayMetrics.observers;
+        Prometheus gets them as well)."""
 
         def ttfa(self, seconds: float) -> None:
             raw["ttfa"].append(seconds)
-            self.inner.ttfa(seconds)
+
+        def ttfa_parts(self, to_first_frames: float, to_departure: float) -> None:
+            # Where time to first audio goes: the first encoded frames reach the playout,
+            # then the pacer's next tick sends the first one.
+            raw["ready_to_first_frames_queued"].append(to_first_frames)
+            raw["first_frames_queued_to_departure"].append(to_departure)
 
         def first_chunk(self, seconds: float) -> None:
             raw["first_chunk"].append(seconds)
-            self.inner.first_chunk(seconds)
 
         def aggregation_wait(self, seconds: float) -> None:
             raw["aggregation_wait"].append(seconds)
-            self.inner.aggregation_wait(seconds)
+
+        def interrupted(self, reason: str, at: float) -> None:
+            # When the session handled the cancel (the start of its own cancel-to-silence figure).
+            raw["interrupt_at"].append(at)
 
         def cancel_to_silence(self, seconds: float) -> None:
             raw["cancel_to_silence"].append(seconds)
-            self.inner.cancel_to_silence(seconds)
 
-        def utterance(self, outcome: str) -> None:
-            self.inner.utterance(outcome)
-
-    for_session = gw.metrics.for_session
-    gw.metrics.for_session = lambda engine_name: RecordingMetrics(for_session(engine_name))
-
-    # Where time to first audio goes: the first encoded frames reach the playout, then
-    # the pacer's next tick sends the first one.
-    raw["ready_to_first_frames_queued"] = []
-    raw["first_frames_queued_to_departure"] = []
-    original_push = Playout.push
-
-    def timed_push(self, utt, frames) -> None:
-        if frames and not hasattr(utt, "bench_first_push"):
-            utt.bench_first_push = time.perf_counter()
-        original_push(self, utt, frames)
-
-    Playout.push = timed_push
-
-    # When the session handled the cancel (the start of its own cancel-to-silence figure).
-    raw["interrupt_at"] = []
-    original_interrupt = Session.interrupt
-
-    def timed_interrupt(self, reason: str) -> None:
-        raw["interrupt_at"].append(time.perf_counter())
-        original_interrupt(self, reason)
-
-    Session.interrupt = timed_interrupt
-    original_started = Session._on_audio_started
-
-    def timed_started(self, play, at: float) -> None:
-        pushed = getattr(play, "bench_first_push", None)
-        if pushed is not None and play.ready_at is not None:
-            raw["ready_to_first_frames_queued"].append(pushed - play.ready_at)
-            raw["first_frames_queued_to_departure"].append(at - pushed)
-        original_started(self, play, at)
-
-    Session._on_audio_started = timed_started
+    gw.metrics.observers.append(Recorder())
 
     async def sample_lag() -> None:
         while True:

@@ -290,18 +290,18 @@ def first_chunk_section(reps: int) -> dict:
 def _spinning_engine(spin: bool) -> PiperEngine:
     """A 2-thread engine whose onnxruntime pools spin between ops, or not.
 
-    piper_engine.SPIN_WHILE_RUNNING is read when a voice's sessions are made,
+    piper_voice.SPIN_WHILE_RUNNING is read when a voice's sessions are made,
     so it is set around load() only.
     """
-    from voxgate.engine import piper_engine
+    from voxgate.engine import piper_voice
 
-    saved = piper_engine.SPIN_WHILE_RUNNING
-    piper_engine.SPIN_WHILE_RUNNING = spin
+    saved = piper_voice.SPIN_WHILE_RUNNING
+    piper_voice.SPIN_WHILE_RUNNING = spin
     try:
         engine = PiperEngine(threads=os.cpu_count() or 1)
         engine.load()
     finally:
-        piper_engine.SPIN_WHILE_RUNNING = saved
+        piper_voice.SPIN_WHILE_RUNNING = saved
     return engine
 
 

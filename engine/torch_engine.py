@@ -95,7 +95,7 @@ class _TorchVoice:
             model.half_decoder()
         self.model = model
         # No onnxruntime session: only phonemize() and phonemes_to_ids() are used.
-        # The attribute names match piper_engine._LoadedVoice so its word_timings() applies.
+        # The attribute names match piper_voice.LoadedVoice so its word_timings() applies.
         self.voice = PiperVoice(session=None, config=config)  # type: ignore[arg-type]
         self.sample_rate = config.sample_rate
         self.hop = model.hop

@@ -23,9 +23,10 @@ from .encoder import FrameEncoder
 from .frames import FRAME_MS, Framer
 from .playout import Playout
 from .resample import StreamResampler
+from .session_metrics import SessionMetrics
 
 if TYPE_CHECKING:
-    from .session import SessionMetrics, Utterance
+    from .session import Utterance
 
 FIRST_SLICE_S = 0.06
 SLICE_S = 0.1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from .session import SessionMetrics
+from .session_metrics import SessionMetrics, SessionMetricsFanOut
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
 JITTER_BUCKETS = (0.0, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
@@ -29,12 +29,16 @@ class GatewayMetrics:
         self.loop_lag = Histogram("voxgate_event_loop_lag_seconds", "Event-loop lag measured by a 100 ms ticker", buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0), registry=r)
         self.rejected = Counter("voxgate_sessions_rejected_total", "Sessions refused", ["reason"], registry=r)
         self.errors = Counter("voxgate_protocol_errors_total", "Error events sent to clients", ["code"], registry=r)
+        # Whatever else wants every session's samples (a benchmark's recorder), beside Prometheus;
+        # read when a session is made.
+        self.observers: list[SessionMetrics] = []
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def for_session(self, engine: str) -> SessionMetrics:
-        return _SessionMetrics(self, engine)
+        prometheus = _SessionMetrics(self, engine)
+        return SessionMetricsFanOut(prometheus, *self.observers) if self.observers else prometheus
 
 
 class _SessionMetrics(SessionMetrics):

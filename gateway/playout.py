@@ -36,6 +36,8 @@ class UtterancePlay:
     sent_frames: int = 0
     input_done: bool = False
     started: bool = False
+    # When the first encoded frames reached the playout (perf_counter): splits TTFA in two.
+    first_queued_at: float | None = None
     first_frame_at: float | None = None
     underruns: int = 0
     # The producer waiting for the buffer to drain below `low_water_ms`.
@@ -107,6 +109,8 @@ class Playout:
         self.queue.append(utt)
 
     def push(self, utt: UtterancePlay, frames: list[bytes]) -> None:
+        if frames and utt.first_queued_at is None:
+            utt.first_queued_at = time.perf_counter()
         utt.frames.extend(frames)
         utt.queued_ms += len(frames) * FRAME_MS
         if (

@@ -18,7 +18,6 @@ import logging
 import secrets
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -33,16 +32,13 @@ from .feeder import Feeder
 from .playout import Playout, UtterancePlay
 from .errors import GatewayError, checked_voice
 from .protocol import Limits, RateLimiter, parse
+from .session_metrics import SessionMetrics
+from .text_pump import TextPump
 from .vad import VadSettings, VoiceActivityDetector
 
 log = logging.getLogger(__name__)
 
 Listener = Callable[[dict], None]
-
-# Text reaches the segmenter in slices of this many characters, one slice per
-# turn of the event loop, so one large message never holds the loop for long:
-# the pacers of every session get their turn between slices.
-TEXT_SLICE_CHARS = 256
 
 
 @dataclass(kw_only=True)
@@ -65,19 +61,6 @@ class Utterance:
     chars: int = 0
     ended: bool = False
     started_sent: bool = False
-
-
-class SessionMetrics:
-    """Hooks the signaling layer points at Prometheus; no-ops by default."""
-
-    def ttfa(self, seconds: float) -> None: ...
-    def first_chunk(self, seconds: float) -> None: ...
-    def aggregation_wait(self, seconds: float) -> None: ...
-    def cancel_to_silence(self, seconds: float) -> None: ...
-    def utterance(self, outcome: str) -> None: ...
-    def frame_sent(self, interval: float, lateness: float) -> None: ...
-    def underrun(self) -> None: ...
-    def engine_chunk(self, synth_s: float, audio_s: float) -> None: ...
 
 
 class Session:
@@ -110,9 +93,8 @@ class Session:
         # append text to another's utterance.
         self._open_by_source: dict[str, str] = {}
         self._interrupted_ids: set[tuple[str, str]] = set()
-        # Text waiting to reach the engine streams, in arrival order: (utterance, text), or None text to end it.
-        self._text_queue: deque[tuple[Utterance, str | None]] = deque()
-        self._text_pump: asyncio.Handle | None = None
+        # Text waiting to reach the engine streams, in arrival order, a slice per turn of the loop.
+        self._text = TextPump()
         self.encoder: FrameEncoder | None = None
         self.output_codec: str | None = None
         self.playout = Playout(
@@ -255,7 +237,7 @@ class Session:
         if utt.chars + len(text) > self.options.max_utterance_chars:
             raise GatewayError("utterance_too_long", f"utterance {utt.id!r} would exceed {self.options.max_utterance_chars} characters; end it and start another", id=utt.id)
         utt.chars += len(text)
-        self._queue_text(utt, text)
+        self._text.push(utt.stream, text)
 
     def _end(self, utt: Utterance) -> None:
         if utt.ended:
@@ -263,31 +245,7 @@ class Session:
         utt.ended = True
         if self._open_by_source.get(utt.source) == utt.id:
             del self._open_by_source[utt.source]
-        self._queue_text(utt, None)
-
-    def _queue_text(self, utt: Utterance, text: str | None) -> None:
-        self._text_queue.append((utt, text))
-        if self._text_pump is None:
-            self._text_pump = asyncio.get_running_loop().call_soon(self._pump_text)
-
-    def _pump_text(self) -> None:
-        """Hand one slice of queued text to its engine stream, then yield the loop."""
-        self._text_pump = None
-        if not self._text_queue:
-            return
-        utt, text = self._text_queue.popleft()
-        try:
-            if text is None:
-                utt.stream.end_input()
-            else:
-                if len(text) > TEXT_SLICE_CHARS:
-                    self._text_queue.appendleft((utt, text[TEXT_SLICE_CHARS:]))
-                    text = text[:TEXT_SLICE_CHARS]
-                utt.stream.push_text(text)
-        except RuntimeError:
-            pass  # the stream was cancelled or failed meanwhile: its text is dropped
-        if self._text_queue:
-            self._text_pump = asyncio.get_running_loop().call_soon(self._pump_text)
+        self._text.push(utt.stream, None)
 
     def _update(self, msg: dict) -> None:
         if "voice" in msg and msg["voice"] is not None:
@@ -325,10 +283,11 @@ class Session:
     # Barge-in and cancel
     def interrupt(self, reason: str) -> None:
         t0 = time.perf_counter()
+        self.metrics.interrupted(reason, t0)
         dropped = self.playout.clear()
         utterances, self.utterances = self.utterances, []
         self._open_by_source.clear()
-        self._text_queue.clear()
+        self._text.clear()
         for utt in utterances:
             utt.stream.cancel()
             self._interrupted_ids.add((utt.source, utt.id))
@@ -409,6 +368,8 @@ class Session:
 
     def _on_audio_started(self, play: UtterancePlay, at: float) -> None:
         ttfa = max(0.0, at - (play.ready_at or at))
+        if play.ready_at is not None and play.first_queued_at is not None:
+            self.metrics.ttfa_parts(play.first_queued_at - play.ready_at, at - play.first_queued_at)
         self.metrics.ttfa(ttfa)
         self.emit({"type": "audio.started", "id": play.id, "ttfa_ms": round(ttfa * 1000.0, 1)})
 
@@ -422,7 +383,7 @@ class Session:
         if self._closed:
             return
         self._closed = True
-        self._text_queue.clear()
+        self._text.clear()
         for utt in self.utterances:
             utt.stream.cancel()
         self.utterances = []

@@ -26,7 +26,7 @@ from ..engine.errors import EngineCrashed, EngineStreamError, EngineUnavailable,
 from ..engine.stream import StreamChunk, TTSStream
 from ..gateway.encoder import ulaw_encode
 from ..gateway.resample import StreamResampler
-from ..gateway.session import TEXT_SLICE_CHARS
+from ..gateway.text_pump import TEXT_SLICE_CHARS
 from ..gateway.errors import GatewayError, checked_voice
 from .errors import error_response, read_json_object
 from .sessions_api import check_api_key

