@@ -98,7 +98,6 @@ def gateway_factory(redis_server):
     started: list[FleetGateway] = []
 
     def start(*names: str) -> list[FleetGateway]:
-        # Started together, waited for together: their engines load in parallel.
         gateways = [FleetGateway(name, redis_server.url) for name in names]
         started.extend(gateways)
         for gateway in gateways:
@@ -111,6 +110,18 @@ def gateway_factory(redis_server):
 
 
 @pytest.fixture(scope="session")
-def fleet(gateway_factory):
+def gateways(gateway_factory) -> list[FleetGateway]:
+    # Started together: their engines load in parallel.
+    return gateway_factory("a", "b", "doomed")
+
+
+@pytest.fixture(scope="session")
+def fleet(gateways) -> list[FleetGateway]:
     """Gateways A and B, sharing the directory."""
-    return gateway_factory("a", "b")
+    return gateways[:2]
+
+
+@pytest.fixture(scope="session")
+def doomed(gateways) -> FleetGateway:
+    """A third gateway, for the test that kills it."""
+    return gateways[2]
