@@ -43,6 +43,9 @@ async def test_killed_gateway_records_expire_and_its_websockets_close(doomed, fl
     async with aiohttp.ClientSession() as http:
         sid = (await make_session(http, doomed))["session_id"]
         key = "voxgate:session:" + sid
+        # Killed after a refresh, so that it is the refreshed record that must expire.
+        first = redis.get(key)
+        await wait_until(lambda: redis.get(key) != first, "the record refreshed")
         async with http.ws_connect(f"{b.url}/v1/sessions/{sid}/ws", headers=AUTH) as ws:
             await next_event(ws, "session.ready")
             doomed.kill()
