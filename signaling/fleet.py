@@ -3,7 +3,8 @@
 With `--redis-url`, a request about a session this gateway does not hold is
 looked up in the directory (gateway/directory.py) and proxied to the gateway
 that holds it: `GET`/`DELETE /v1/sessions/{id}`, its ICE candidates, an offer
-that joins it, and the backend WebSocket (frame by frame, both ways). Proxied,
+that joins it, its TURN credentials (`GET /v1/ice-servers` with its client
+token), and the backend WebSocket (frame by frame, both ways). Proxied,
 never redirected: browsers' fetch and WebRTC offers, and most WebSocket
 clients, do not follow a redirect to another origin with the Authorization
 header still on (docs/scaling.md).
@@ -34,7 +35,7 @@ from ..gateway.directory import Directory, DirectoryUnavailable
 from ..gateway.session import Session
 from . import server
 from .errors import READ_AHEAD, ApiError, error_response, read_body
-from .sessions_api import TRACK_HOOKS, check_api_key
+from .sessions_api import TRACK_HOOKS, bearer_of, check_api_key
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ ROUTES = {
     ("GET", "/v1/sessions/{session_id}/ws"): "ws",
     ("POST", "/v1/sessions/{session_id}/candidates"): "candidates",
     ("POST", "/v1/offer"): "offer",
+    ("GET", "/v1/ice-servers"): "ice_servers",  # with a client token: that session's TURN credentials
 }
 # Routes whose local handler checks the API key first: the proxy checks it too,
 # so a request without a valid key never costs a lookup or a hop.
@@ -169,6 +171,8 @@ async def route(request: web.Request, handler):
             sid = _offer_session(body)
         elif label == "create":
             sid = None
+        elif label == "ice_servers":
+            sid = _token_session(request.query.get("token") or bearer_of(request))
         else:
             sid = request.match_info["session_id"]
             if label in KEYED:
@@ -178,7 +182,8 @@ async def route(request: web.Request, handler):
     except ApiError as exc:
         return exc.response()
     if sid is None:
-        return await _settle_new_session(fleet, await handler(request))
+        response = await handler(request)
+        return await _settle_new_session(fleet, response) if label in ("create", "offer") else response
     if sid in fleet.gateway.sessions or request.headers.get(HOP_HEADER):
         # Ours, or already proxied once: answered here, never sent on again.
         return await handler(request)

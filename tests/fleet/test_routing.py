@@ -73,6 +73,9 @@ async def test_session_made_on_a_is_reached_through_b(fleet, redis_server):
             assert (status, body["error"]["code"]) == (403, "candidate_refused")
             status, body = await answer(http, "POST", f"{b.url}/v1/sessions/{sid}/candidates", json={"candidate": None})
             assert (status, body["error"]["code"]) == (401, "token_required")
+            # The session's ICE servers through B: A knows the session, B alone would not.
+            status, body = await answer(http, "GET", f"{b.url}/v1/ice-servers", params={"token": token})
+            assert (status, body) == (200, {"ice_servers": []})
 
             # The backend WebSocket through B, both ways, frame by frame.
             async with http.ws_connect(f"{b.url}/v1/sessions/{sid}/ws", headers=AUTH) as ws:
