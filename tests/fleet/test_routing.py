@@ -73,6 +73,11 @@ async def test_session_made_on_a_is_reached_through_b(fleet, redis_server):
             assert (status, body["error"]["code"]) == (403, "candidate_refused")
             status, body = await answer(http, "POST", f"{b.url}/v1/sessions/{sid}/candidates", json={"candidate": None})
             assert (status, body["error"]["code"]) == (401, "token_required")
+            # Another session's token is refused by A through B, as A refuses it itself.
+            other_token = (await make_session(http, a))["client_token"]
+            for gateway in (a, b):
+                status, body = await answer(http, "POST", f"{gateway.url}/v1/sessions/{sid}/candidates", json={**refused, "token": other_token})
+                assert (status, body["error"]["code"]) == (403, "token_mismatch"), gateway.url
             # The session's ICE servers through B: A knows the session, B alone would not.
             status, body = await answer(http, "GET", f"{b.url}/v1/ice-servers", params={"token": token})
             assert (status, body) == (200, {"ice_servers": []})
