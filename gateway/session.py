@@ -17,7 +17,6 @@ import asyncio
 import logging
 import secrets
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -79,7 +78,9 @@ class Session:
         session_id: str | None = None,
         metrics: SessionMetrics | None = None,
     ) -> None:
-        self.id = session_id or uuid.uuid4().hex[:16]
+        # 128 random bits: ids stay unique across a fleet of gateways, which
+        # claim them in the session directory (gateway/directory.py) besides.
+        self.id = session_id or secrets.token_hex(16)
         self.engine = engine
         self.options = options or SessionOptions()
         self.metrics = metrics or SessionMetrics()

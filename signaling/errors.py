@@ -21,6 +21,9 @@ def error_response(error: GatewayError) -> web.Response:
 # A body that has not arrived in full after this long is refused (slow senders
 # must not hold a request open, and a connection slot with it, for ever).
 BODY_TIMEOUT_S = 30.0
+# Request key of a body a middleware has read already (the fleet router reads an
+# offer's body to find its session); handlers then read it from there.
+READ_AHEAD = "voxgate.read_ahead"
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
@@ -29,6 +32,11 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     `request.content.read(n)` returns only what is buffered so far, so one call
     cut bodies short on real networks; this reads until the end of the body.
     """
+    ahead = request.get(READ_AHEAD)
+    if ahead is not None:
+        if len(ahead) > limit:
+            raise GatewayError("too_large", f"request body is over {limit} bytes", 413)
+        return ahead
     if request.content_length is not None and request.content_length > limit:
         raise GatewayError("too_large", f"request body is over {limit} bytes", 413)
     chunks: list[bytes] = []

@@ -34,7 +34,7 @@ def _errors(*codes: int) -> dict:
     # Every route can meet the host allow-list (421) and the Origin check (403).
     names = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 405: "MethodNotAllowed",
              408: "RequestTimeout", 409: "Conflict", 413: "TooLarge", 421: "MisdirectedRequest", 429: "TooManyRequests",
-             503: "Unavailable"}
+             502: "BadGateway", 503: "Unavailable"}
     return {str(c): _error(names[c]) for c in sorted({*codes, 403, 405, 421})}
 
 
@@ -208,8 +208,13 @@ RESPONSES = {
         "headers": {"Retry-After": {"schema": _string}},
         **_error_json,
     },
+    "BadGateway": {
+        "description": "in a fleet (--redis-url): the gateway that holds the session did not answer (owner_unreachable)",
+        **_error_json,
+    },
     "Unavailable": {
-        "description": "at capacity, draining, or the engine is restarting",
+        "description": "at capacity, draining, or the engine is restarting; in a fleet, the session directory "
+        "is unreachable (directory_unavailable)",
         "headers": {"Retry-After": {"schema": _string}},
         **_error_json,
     },
@@ -235,14 +240,14 @@ PATHS: dict[str, dict] = {
     "/v1/offer": {
         "post": _op(
             "SDP offer in, answer out; makes a session, or joins one made ahead with its token",
-            {"200": _json(_ref("OfferAnswer"), "the answer"), **_errors(400, 401, 404, 408, 409, 413, 429, 503)},
+            {"200": _json(_ref("OfferAnswer"), "the answer"), **_errors(400, 401, 404, 408, 409, 413, 429, 502, 503)},
             body=_ref("OfferRequest"),
         )
     },
     "/v1/sessions/{session_id}/candidates": {
         "post": _op(
             "trickle ICE from the peer; needs the session's client token",
-            {"200": _json(_ref("Ok"), "the candidate was added"), **_errors(400, 401, 404, 408, 413)},
+            {"200": _json(_ref("Ok"), "the candidate was added"), **_errors(400, 401, 404, 408, 413, 502, 503)},
             body=_ref("Candidate"),
             params=[_session_id],
         )
@@ -250,7 +255,7 @@ PATHS: dict[str, dict] = {
     "/v1/ice-servers": {
         "get": _op(
             "STUN servers for anyone; TURN servers with credentials only against a client token",
-            {"200": _json(_ref("IceServers"), "ICE servers for RTCPeerConnection"), **_errors(401, 404)},
+            {"200": _json(_ref("IceServers"), "ICE servers for RTCPeerConnection"), **_errors(401, 404, 502, 503)},
             params=[{"name": "token", "in": "query", "required": False, "schema": _string}],
         )
     },
@@ -278,15 +283,15 @@ PATHS: dict[str, dict] = {
         ),
     },
     "/v1/sessions/{session_id}": {
-        "get": _op("one session's state", {"200": _json(_ref("SessionState"), "state"), **_errors(401, 404)},
+        "get": _op("one session's state", {"200": _json(_ref("SessionState"), "state"), **_errors(401, 404, 502, 503)},
                    params=[_session_id], security=KEYED),
-        "delete": _op("end a session for everyone", {"200": _json(_ref("SessionClosed"), "ended"), **_errors(401, 404)},
+        "delete": _op("end a session for everyone", {"200": _json(_ref("SessionClosed"), "ended"), **_errors(401, 404, 502, 503)},
                       params=[_session_id], security=KEYED),
     },
     "/v1/sessions/{session_id}/ws": {
         "get": _op(
             "the backend WebSocket: the data channel's JSON messages, both ways (see docs/protocol.md)",
-            {**_websocket, **_errors(400, 401, 404)},
+            {**_websocket, **_errors(400, 401, 404, 502, 503)},
             params=[_session_id, {"name": "role", "in": "query", "required": False, "schema": {"enum": ["writer", "watcher"]}}],
             security=KEYED,
         )

@@ -315,6 +315,12 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
     if settings.web:
         app.router.add_get("/", handle_index)
         app.router.add_get("/static/{path:.+}", handle_static)
+    if settings.redis_url:
+        # Fleet (issue 16): the session directory and routing to other gateways; its
+        # own module, so a standalone gateway imports neither it nor redis.
+        from . import fleet
+
+        fleet.setup(app)
 
     async def on_startup(app: web.Application) -> None:
         await gw.start()

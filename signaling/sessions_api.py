@@ -124,6 +124,9 @@ class SessionRegistry:
 
 SIGNER = web.AppKey("token_signer", TokenSigner)
 REGISTRY = web.AppKey("session_registry", SessionRegistry)
+# Called with (session, owner key) for every session a gateway starts to hold;
+# the fleet's session directory records them (signaling/fleet.py).
+TRACK_HOOKS = web.AppKey("track_hooks", list)
 
 
 def bearer_of(request: web.Request) -> str | None:
@@ -179,6 +182,8 @@ def track_session(app: web.Application, session: Session, owner: str | None = No
     registry = app[REGISTRY]
     registry.owner[session.id] = owner
     session.on_close.append(lambda s: registry.forget(s.id))
+    for hook in app.get(TRACK_HOOKS, ()):
+        hook(session, owner)
 
 
 # Joining from /v1/offer

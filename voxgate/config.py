@@ -15,6 +15,7 @@ import argparse
 import ipaddress
 import os
 from dataclasses import dataclass, field, fields
+from urllib.parse import urlsplit
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 # Settings that hold secrets: each also has a `<name>_file` setting.
@@ -86,6 +87,10 @@ class Settings:
     twilio_auth_token: str | None = None
     twilio_auth_token_file: str | None = None
     web: bool = True
+    # Fleet: the session directory in Redis (signaling/fleet.py); off without --redis-url.
+    redis_url: str | None = None
+    advertise_url: str | None = None
+    directory_ttl_s: float = 15.0
     log_level: str = "INFO"
     log_json: bool = False
 
@@ -124,11 +129,31 @@ class Settings:
                 "or VOXGATE_API_KEY (and consider --require-token), or pass --allow-no-auth to serve "
                 "it open on purpose."
             )
+        self._check_fleet()
         for value in self.trusted_proxy:
             try:
                 ipaddress.ip_network(value, strict=False)
             except ValueError:
                 raise ConfigError(f"--trusted-proxy {value!r} is not a network; use CIDR such as 10.0.0.0/8") from None
+
+    def _check_fleet(self) -> None:
+        if not self.redis_url:
+            return
+        if urlsplit(self.redis_url).scheme not in ("redis", "rediss", "unix"):
+            raise ConfigError(f"--redis-url {self.redis_url!r} is not a Redis URL; use redis://HOST:PORT/DB (or rediss:// for TLS)")
+        if not self.advertise_url:
+            raise ConfigError(
+                "--redis-url needs --advertise-url (VOXGATE_ADVERTISE_URL): the URL the other gateways reach this one "
+                "at, e.g. http://10.0.0.5:8080; in Kubernetes, http://$(POD_IP):8080 from the downward API"
+            )
+        url = urlsplit(self.advertise_url)
+        if url.scheme not in ("http", "https") or not url.hostname or url.path not in ("", "/") or url.query:
+            raise ConfigError(
+                f"--advertise-url {self.advertise_url!r} must be this gateway's own base URL, http(s)://HOST:PORT, "
+                "with no path; the other gateways send it the requests about its sessions"
+            )
+        if self.directory_ttl_s < 1.0:
+            raise ConfigError("--directory-ttl-s must be at least 1 second; records are refreshed every third of it")
 
     @property
     def parallel(self) -> int:
@@ -208,6 +233,11 @@ _HELP = {
     "twilio_auth_token_file": "file holding --twilio-auth-token",
     "turn_ttl_s": "lifetime of issued TURN credentials",
     "web": "serve the bundled page at /",
+    "redis_url": "Redis holding the fleet's session directory, redis://HOST:PORT/DB; any gateway then answers "
+    "about any session (default: none, a standalone gateway)",
+    "advertise_url": "this gateway's base URL as the other gateways reach it, e.g. http://10.0.0.5:8080 "
+    "(required with --redis-url)",
+    "directory_ttl_s": "a directory record outlives its gateway by at most this long; refreshed every third of it",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "log_json": "structured JSON log lines",
 }

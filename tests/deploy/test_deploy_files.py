@@ -21,6 +21,7 @@ import posixpath
 import re
 import shlex
 import tomllib
+from urllib.parse import urlsplit
 from dataclasses import dataclass, fields
 
 import jsonschema
@@ -190,12 +191,20 @@ def dockerfile_problems(text: str, cuda: bool) -> list[str]:
     needed = {"pyproject.toml", project["project"]["readme"], *package_dirs}
     gpu_extra = next(name for name, deps in project["project"]["optional-dependencies"].items()
                      if any(d.startswith("torch") for d in deps))
+    # Both images carry the fleet extra (only the Redis client of --redis-url), so that
+    # one image serves a standalone gateway and a fleet member.
+    fleet_extra = "fleet"
+    assert fleet_extra in project["project"]["optional-dependencies"]
     workdir, copied, installed_at = "/", set(), None
+    build_args: dict[str, str] = {}  # ARG defaults, substituted in RUN (the default build)
     install_stage = None
     ort_removed = ort_gpu = False
     for i in ins:
         if i.cmd == "FROM":
             workdir = "/"
+        elif i.cmd == "ARG" and "=" in i.args:
+            name, _, default = i.args.partition("=")
+            build_args[name] = default.strip('"')
         elif i.cmd == "WORKDIR":
             workdir = posixpath.join(workdir, i.args)
         elif i.cmd == "COPY" and not i.args.startswith("--from"):
@@ -206,12 +215,12 @@ def dockerfile_problems(text: str, cuda: bool) -> list[str]:
                 into = len(sources) > 1 or i.args.endswith("/")
                 copied.add(posixpath.join(dest, posixpath.basename(src.rstrip("/"))) if into else dest)
         elif i.cmd == "RUN":
-            for words in shell_commands(i.args):
+            for words in shell_commands(_substitute(i.args, build_args)):
                 for args in _pip_installs(shlex.join(words)):
                     if installed_at is None and args and args[0].split("[")[0] == ".":
                         installed_at, install_stage = workdir, i.stage
                         extras = re.findall(r"\[([^\]]*)\]", args[0])
-                        wanted_extras = {gpu_extra} if cuda else set()
+                        wanted_extras = {gpu_extra, fleet_extra} if cuda else {fleet_extra}
                         got = set(extras[0].split(",")) if extras else set()
                         if got != wanted_extras:
                             problems.append(f"`pip install .` with extras {sorted(got)}; expected {sorted(wanted_extras)}")
@@ -264,7 +273,8 @@ BROKEN_DOCKERFILES = [
     ("shell-form CMD", lambda t: t.replace('CMD ["voxgate", "serve", "--host", "0.0.0.0"]', "CMD voxgate serve --host 0.0.0.0")),
     ("loopback only", lambda t: t.replace('"0.0.0.0"]', '"127.0.0.1"]')),
     ("no expose", lambda t: t.replace("EXPOSE 8080", "EXPOSE 9090")),
-    ("installs from PyPI, not the tree", lambda t: t.replace('RUN pip install .', "RUN pip install voxgate").replace('RUN pip install ".[gpu]"', "RUN pip install voxgate[gpu]")),
+    ("installs from PyPI, not the tree", lambda t: t.replace('RUN pip install ".[${EXTRAS}]"', "RUN pip install voxgate").replace('RUN pip install ".[gpu,fleet]"', "RUN pip install voxgate[gpu]")),
+    ("no fleet extra", lambda t: t.replace("ARG EXTRAS=fleet", "ARG EXTRAS=gpu").replace('".[gpu,fleet]"', '".[gpu]"')),
     ("a package folder not copied", lambda t: t.replace("COPY engine ./engine\n", "")),
     ("copied elsewhere", lambda t: t.replace("COPY engine ./engine", "COPY engine /opt/engine")),
     ("installed elsewhere", lambda t: t.replace("COPY web ./web\n", "COPY web ./web\nWORKDIR /tmp\n")),
@@ -284,10 +294,10 @@ def test_broken_dockerfiles_fail_the_checks(name, cuda, what, breaking):
 def test_cuda_image_must_swap_onnxruntime_and_add_the_torch_extra():
     text = read("deploy", "Dockerfile.cuda")
     assert dockerfile_problems(text.replace(" && pip uninstall -y onnxruntime", ""), True)
-    assert dockerfile_problems(text.replace('".[gpu]"', "."), True)
+    assert dockerfile_problems(text.replace('".[gpu,fleet]"', '".[fleet]"'), True)
     assert dockerfile_problems(text.replace("nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04", "ubuntu:24.04"), True)
     # and the CPU image must not carry the extra
-    assert dockerfile_problems(read("deploy", "Dockerfile").replace("RUN pip install .", 'RUN pip install ".[gpu]"'), False)
+    assert dockerfile_problems(read("deploy", "Dockerfile").replace("ARG EXTRAS=fleet", "ARG EXTRAS=fleet,gpu"), False)
 
 
 def test_the_dockerfile_parser_reads_continuations_and_forms():
@@ -514,7 +524,7 @@ def k8s_problems(docs: list[dict]) -> list[str]:
             if setting_of(key) not in SETTINGS:
                 problems.append(f"ConfigMap key {key} is not a Voxgate setting")
             config[key] = value
-    dep = by_kind["Deployment"][0]
+    dep = _gateway_deployment(by_kind["Deployment"])
     pod = dep["spec"]["template"]
     labels = pod["metadata"]["labels"]
     if any(labels.get(k) != v for k, v in dep["spec"]["selector"]["matchLabels"].items()):
@@ -532,7 +542,9 @@ def k8s_problems(docs: list[dict]) -> list[str]:
         problems.append("cpu and memory requests and limits are needed")
     env = {e["name"]: e for e in container.get("env", [])}
     for name in env:
-        if setting_of(name) not in SETTINGS:
+        # A helper variable (the pod's IP) is fine when a setting's value expands it: $(NAME).
+        helper = setting_of(name) is None and any(f"$({name})" in e.get("value", "") for e in env.values())
+        if setting_of(name) not in SETTINGS and not helper:
             problems.append(f"env {name} is not a Voxgate setting")
     drain = float(config.get("VOXGATE_DRAIN_TIMEOUT_S", Settings().drain_timeout_s))
     sleep = _prestop_sleep_s(container)
@@ -548,13 +560,75 @@ def k8s_problems(docs: list[dict]) -> list[str]:
         problems.append("UDP media: hostNetwork, or the ip_local_port_range sysctl (with TURN) is needed")
     if spec.get("hostNetwork") and spec.get("dnsPolicy") != "ClusterFirstWithHostNet":
         problems.append("with hostNetwork, dnsPolicy ClusterFirstWithHostNet keeps cluster DNS")
-    port_names = {p.get("name") for p in container.get("ports", [])} | {p["containerPort"] for p in container.get("ports", [])}
     for svc in by_kind["Service"]:
-        if any(labels.get(k) != v for k, v in svc["spec"].get("selector", {}).items()):
-            problems.append(f"Service {svc['metadata']['name']} selects no gateway pod")
+        selector = svc["spec"].get("selector", {})
+        selected = [d for d in by_kind["Deployment"]
+                    if all(d["spec"]["template"]["metadata"]["labels"].get(k) == v for k, v in selector.items())]
+        if not selected:
+            problems.append(f"Service {svc['metadata']['name']} selects no pod")
+            continue
+        ports = selected[0]["spec"]["template"]["spec"]["containers"][0].get("ports", [])
+        port_names = {p.get("name") for p in ports} | {p["containerPort"] for p in ports}
         for port in svc["spec"].get("ports", []):
             if port.get("targetPort", port["port"]) not in port_names:
                 problems.append(f"Service port {port.get('name')} targets a port the container does not have")
+    for other in by_kind["Deployment"]:
+        if other is not dep:
+            problems += _side_deployment_problems(other)
+    problems += _fleet_problems({**config, **{k: e.get("value", "") for k, e in env.items()}}, container, by_kind)
+    return problems
+
+
+def _gateway_deployment(deployments: list[dict]) -> dict:
+    return next((d for d in deployments if d["metadata"]["name"] == "voxgate"), deployments[0])
+
+
+def _side_deployment_problems(dep: dict) -> list[str]:
+    """What a Deployment beside the gateway (Redis) needs: limits, a non-root user, readiness."""
+    name, spec = dep["metadata"]["name"], dep["spec"]["template"]["spec"]
+    container = spec["containers"][0]
+    problems = []
+    resources = container.get("resources", {})
+    if not all(k in resources.get(kind, {}) for kind in ("requests", "limits") for k in ("cpu", "memory")):
+        problems.append(f"{name}: cpu and memory requests and limits are needed")
+    security = {**spec.get("securityContext", {}), **container.get("securityContext", {})}
+    if not security.get("runAsNonRoot") or security.get("runAsUser", 0) == 0:
+        problems.append(f"{name}: must run as a non-root user")
+    if "readinessProbe" not in container:
+        problems.append(f"{name}: needs a readiness probe")
+    return problems
+
+
+def _fleet_problems(settings: dict[str, str], container: dict, by_kind: dict) -> list[str]:
+    """With a session directory: Redis is a Service of these manifests, and each pod
+    advertises its own address, taken from the downward API."""
+    redis_url = settings.get("VOXGATE_REDIS_URL")
+    if not redis_url:
+        return []
+    problems = []
+    url = urlsplit(redis_url)
+    services = {s["metadata"]["name"]: s for s in by_kind["Service"]}
+    if url.hostname not in services:
+        problems.append(f"VOXGATE_REDIS_URL names {url.hostname}, which is no Service here")
+    elif (url.port or 6379) not in [p["port"] for p in services[url.hostname]["spec"]["ports"]]:
+        problems.append(f"VOXGATE_REDIS_URL's port is not a port of Service {url.hostname}")
+    env = container.get("env", [])
+    names = [e["name"] for e in env]
+    if "VOXGATE_ADVERTISE_URL" not in names:
+        return problems + ["VOXGATE_REDIS_URL needs each pod's VOXGATE_ADVERTISE_URL"]
+    at = names.index("VOXGATE_ADVERTISE_URL")
+    value = env[at].get("value", "")
+    for ref in re.findall(r"\$\((\w+)\)", value):
+        # Kubernetes expands $(NAME) only from variables defined before it.
+        source = next((e for e in env[:at] if e["name"] == ref), None)
+        if source is None:
+            problems.append(f"VOXGATE_ADVERTISE_URL expands $({ref}), which is not defined before it")
+        elif source.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") not in ("status.podIP", "status.hostIP"):
+            problems.append(f"$({ref}) must be the pod's own address (fieldRef status.podIP)")
+    if not re.fullmatch(r"https?://\$\(\w+\):\d+", value):
+        problems.append("VOXGATE_ADVERTISE_URL must be http://$(POD_IP):PORT, this pod's own address")
+    elif int(value.rsplit(":", 1)[1]) != int(settings.get("VOXGATE_PORT", Settings().port)):
+        problems.append("VOXGATE_ADVERTISE_URL's port must be VOXGATE_PORT")
     return problems
 
 
@@ -574,7 +648,15 @@ def test_pod_user_is_the_images_user():
 
 
 def _dep(docs):
-    return next(d for d in docs if d["kind"] == "Deployment")
+    return _gateway_deployment([d for d in docs if d["kind"] == "Deployment"])
+
+
+def _redis(docs, kind):
+    return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"] == "voxgate-redis")
+
+
+def _env(docs, name):
+    return next(e for e in _ctr(docs)["env"] if e["name"] == name)
 
 
 def _ctr(docs):
@@ -598,6 +680,16 @@ BROKEN_K8S = [
     ("unknown setting", lambda d: next(x for x in d if x["kind"] == "ConfigMap")["data"].__setitem__("VOXGATE_MAX_SESSION", "1")),
     ("service misses pods", lambda d: next(x for x in d if x["kind"] == "Service")["spec"]["selector"].__setitem__("app.kubernetes.io/name", "vg")),
     ("service targets no port", lambda d: next(x for x in d if x["kind"] == "Service")["spec"]["ports"][0].__setitem__("targetPort", "web")),
+    ("redis url names no service", lambda d: next(x for x in d if x["kind"] == "ConfigMap")["data"].__setitem__("VOXGATE_REDIS_URL", "redis://redis:6379/0")),
+    ("redis url on a wrong port", lambda d: next(x for x in d if x["kind"] == "ConfigMap")["data"].__setitem__("VOXGATE_REDIS_URL", "redis://voxgate-redis:6380/0")),
+    ("no advertise url", lambda d: _ctr(d)["env"].remove(_env(d, "VOXGATE_ADVERTISE_URL"))),
+    ("advertise url from nowhere", lambda d: _env(d, "VOXGATE_ADVERTISE_URL").__setitem__("value", "http://$(MY_IP):8080")),
+    ("advertise url on another port", lambda d: _env(d, "VOXGATE_ADVERTISE_URL").__setitem__("value", "http://$(POD_IP):9090")),
+    ("pod IP defined after its use", lambda d: _ctr(d)["env"].append(_ctr(d)["env"].pop(_ctr(d)["env"].index(_env(d, "POD_IP"))))),
+    ("advertised address not the pod's", lambda d: _env(d, "POD_IP")["valueFrom"]["fieldRef"].__setitem__("fieldPath", "metadata.name")),
+    ("redis as root", lambda d: _redis(d, "Deployment")["spec"]["template"]["spec"]["securityContext"].__setitem__("runAsUser", 0)),
+    ("redis without limits", lambda d: _redis(d, "Deployment")["spec"]["template"]["spec"]["containers"][0].pop("resources")),
+    ("redis service misses pods", lambda d: _redis(d, "Service")["spec"]["selector"].__setitem__("app.kubernetes.io/name", "redis")),
 ]
 
 
