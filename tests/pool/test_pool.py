@@ -58,7 +58,7 @@ async def test_closing_the_response_stops_the_replica_work(pool):
 
 async def test_the_playout_deadline_travels_with_each_request(remote, pool):
     stream = remote.stream(SynthesisOptions(), start_in_s=4.0)
-    stream.push_text("First sentence, heard now.")
+    stream.push_text("First sentence heard now.")  # one unit: no clause boundary inside
     stream.flush()
     first = await stream.__anext__()
     seen = await pool.wait_stats(lambda s: s["last_start_in_s"] is not None and s["streams"] == 0)
