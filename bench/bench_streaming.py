@@ -457,7 +457,7 @@ async def wer_section(reps: int) -> dict:
         for _ in range(reps):
             for text in COMMA_REPLIES:
                 for k, cfg in policy.items():
-                    stream = client.stream(SynthesisOptions(), segmenter=cfg)
+                    stream = client.stream(SynthesisOptions(), pipeline=client.text_pipeline(cfg))
                     t0 = time.perf_counter()
                     stream.push_text(text)
                     stream.end_input()

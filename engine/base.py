@@ -37,7 +37,8 @@ class AudioChunk:
     sample_rate: int
     text: str = ""
     words: list[WordTiming] = field(default_factory=list)
-    # Position of this chunk inside its unit; the last chunk of a unit has unit_end set.
+    # Which unit of its stream this chunk speaks (the worker numbers units; engines
+    # leave it). The last chunk of a unit has unit_end set.
     unit_index: int = 0
     unit_end: bool = True
 

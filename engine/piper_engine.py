@@ -585,7 +585,6 @@ class PiperEngine(Engine):
             sample_rate=job.voice.sample_rate,
             text=text,
             words=words,
-            unit_index=job.chunks,
             unit_end=unit_end,
         )
         job.chunks += 1

@@ -434,7 +434,6 @@ class TorchEngine(Engine):
             sample_rate=voice.sample_rate,
             text=text,
             words=words,
-            unit_index=job.chunks,
             unit_end=unit_end,
         )
         job.chunks += 1

@@ -1,7 +1,7 @@
 """The engine worker process: owns the model and the device, serves many streams.
 
-The gateway sends, per stream: open (with when its listener needs the first
-audio), text units, end, credit and cancel. The scheduler runs one bounded
+The gateway sends, per stream (engine/proto.py): OpenStream (with when its
+listener needs the first audio), PushUnit, EndInput, Credit and CancelStream. The scheduler runs one bounded
 step at a time per stream: for stepwise engines one encoder pass over a capped
 sentence or one window of frames, for the others one chunk. So a cancel takes
 effect within one step, and no stream's text can hold a core for long.
@@ -31,8 +31,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from . import wire
-from .base import AudioChunk, Engine, EngineError, StepStopped, StopSignal, SynthesisJob, SynthesisOptions
+from . import proto, wire
+from .base import (
+    AudioChunk, Engine, EngineError, StepStopped, StopSignal, SynthesisJob, SynthesisOptions, WordTiming,
+)
 from .registry import create_engine
 from .tags import RenderJob, from_wire, render
 
@@ -67,6 +69,15 @@ class _GeneratorJob(SynthesisJob):
 
     def close(self) -> None:
         _close(self.chunks)
+
+
+@dataclass(slots=True)
+class StepsDone:
+    """A dispatched step has finished (posted by a pool thread to the scheduler's inbox).
+    members: (sid, job, result, seconds, started) per stream of the step."""
+
+    members: list[tuple]
+    threads: int
 
 
 @dataclass
@@ -117,7 +128,7 @@ class Scheduler:
         self.send = send
         self.parallel = max(1, parallel)
         self.streams: dict[int, _Stream] = {}
-        self.inbox: "queue.Queue[tuple]" = queue.Queue()
+        self.inbox: "queue.Queue[proto.ToWorker | StepsDone]" = queue.Queue()
         self.pool = ThreadPoolExecutor(self.parallel, thread_name_prefix="synth")
         self.in_flight = 0
         self.all_cores_in_flight = 0
@@ -134,48 +145,45 @@ class Scheduler:
         # (sid, kind) per dispatched step, kind "first" or "later"; tests read the order.
         self.trace: deque = deque(maxlen=4096)
 
-    # Messages from the gateway
-    def handle(self, msg: tuple) -> bool:
-        kind = msg[0]
-        if kind == "open":
-            _, sid, options, credit, start_in = msg
-            start_at = time.monotonic() + max(0.0, float(start_in))
-            self.streams[sid] = _Stream(sid, SynthesisOptions.from_dict(options), start_at, credit=credit)
-        elif kind == "text":
-            _, sid, index, text = msg
-            stream = self.streams.get(sid)
+    # Messages from the gateway (engine/proto.py), and this process's own StepsDone
+    def handle(self, msg: proto.ToWorker | StepsDone) -> bool:
+        """Apply one message; False once the worker should stop."""
+        if isinstance(msg, proto.OpenStream):
+            start_at = time.monotonic() + max(0.0, float(msg.start_in_s))
+            self.streams[msg.sid] = _Stream(msg.sid, SynthesisOptions.from_dict(msg.options), start_at, credit=msg.credit)
+        elif isinstance(msg, proto.PushUnit):
+            stream = self.streams.get(msg.sid)
             if stream is not None:
-                stream.units.append((index, text))
-        elif kind == "end":
-            stream = self.streams.get(msg[1])
+                stream.units.append((msg.index, msg.payload))
+        elif isinstance(msg, proto.EndInput):
+            stream = self.streams.get(msg.sid)
             if stream is not None:
                 stream.ended = True
                 self._maybe_finish(stream)
-        elif kind == "credit":
-            stream = self.streams.get(msg[1])
+        elif isinstance(msg, proto.Credit):
+            stream = self.streams.get(msg.sid)
             if stream is not None:
-                stream.credit += msg[2]
-        elif kind == "cancel":
-            stream = self.streams.pop(msg[1], None)
+                stream.credit += msg.chunks
+        elif isinstance(msg, proto.CancelStream):
+            stream = self.streams.pop(msg.sid, None)
             if stream is not None:
                 self._drop_job(stream)
-        elif kind == "ping":
-            self.send(("pong", msg[1], dict(self.counters, streams=len(self.streams), in_flight=self.in_flight)))
-        elif kind == "shutdown":
+        elif isinstance(msg, proto.Ping):
+            self.send(proto.Pong(msg.token, dict(self.counters, streams=len(self.streams), in_flight=self.in_flight)))
+        elif isinstance(msg, proto.Shutdown):
             return False
-        elif kind == "_done":
-            _, members, threads = msg
+        elif isinstance(msg, StepsDone):
             self.in_flight -= 1
-            if threads > 1:
+            if msg.threads > 1:
                 self.all_cores_in_flight -= 1
-            for member in members:
+            for member in msg.members:
                 self._step_done(*member)
         return True
 
     def _maybe_finish(self, stream: _Stream) -> None:
         if stream.ended and not stream.busy and stream.job is None and not stream.units:
             self.streams.pop(stream.sid, None)
-            self.send(("done", stream.sid))
+            self.send(proto.StreamDone(stream.sid))
 
     def _drop_job(self, stream: _Stream) -> None:
         job, stream.job = stream.job, None
@@ -224,7 +232,7 @@ class Scheduler:
                     self._begin_unit(stream)
                 except Exception as exc:  # a bad voice name, say: this stream's error alone
                     self.streams.pop(stream.sid, None)
-                    self.send(("error", stream.sid, str(exc)))
+                    self.send(proto.StreamError(stream.sid, str(exc)))
                     continue
             # Every core for a step that runs alone and is urgent; one thread each
             # when steps run side by side: more audio per second from the cores.
@@ -305,7 +313,7 @@ class Scheduler:
             log.error("synthesis failed: %s", traceback.format_exc())
             results = [RuntimeError(f"{type(exc).__name__}: {exc}")] * len(jobs)
         seconds = time.perf_counter() - t0
-        self.inbox.put(("_done", [(sid, job, result, seconds, started) for (sid, job), result in zip(members, results)], threads))
+        self.inbox.put(StepsDone([(sid, job, result, seconds, started) for (sid, job), result in zip(members, results)], threads))
 
     def _step_done(self, sid: int, job: SynthesisJob, result, seconds: float, started: float) -> None:
         self.running.pop(sid, None)
@@ -320,7 +328,7 @@ class Scheduler:
             return
         if isinstance(result, Exception):
             self.streams.pop(sid, None)
-            self.send(("error", sid, str(result)))
+            self.send(proto.StreamError(sid, str(result)))
             return
         if result is None:
             stream.credit += 1  # nothing was sent for this step
@@ -330,16 +338,18 @@ class Scheduler:
             if stream.first_sent_at is None:
                 stream.first_sent_at = time.monotonic()
             stream.audio_s += chunk.duration
-            meta = {
-                "sample_rate": chunk.sample_rate,
-                "text": chunk.text,
-                "words": [(w.text, float(w.start), float(w.end)) for w in chunk.words],
-                "unit_index": stream.current_index,
-                "unit_end": chunk.unit_end,
-                "synth_s": seconds,
-                "synth_started_at": started,
-            }
-            self.send(("chunk", sid, meta), chunk.pcm)
+            message = proto.Chunk(
+                sid=sid,
+                unit_index=stream.current_index,
+                sample_rate=chunk.sample_rate,
+                text=chunk.text,
+                # Plain floats: engines may time words in numpy scalars.
+                words=[WordTiming(w.text, float(w.start), float(w.end)) for w in chunk.words],
+                unit_end=chunk.unit_end,
+                synth_s=seconds,
+                synth_started_at=started,
+            )
+            self.send(message, chunk.pcm)
         if job.done:
             stream.job = None
             self._maybe_finish(stream)
@@ -359,8 +369,8 @@ def run_worker(conn, engine_name: str, engine_options: dict, parallel: int) -> N
     logging.basicConfig(level=os.environ.get("VOXGATE_LOG_LEVEL", "INFO"))
     send_lock = threading.Lock()
 
-    def send(header: tuple, pcm=None) -> None:
-        data = wire.pack(header, pcm)
+    def send(message: proto.FromWorker, pcm=None) -> None:
+        data = wire.pack(message, pcm)
         with send_lock:
             conn.send_bytes(data)
 
@@ -372,20 +382,20 @@ def run_worker(conn, engine_name: str, engine_options: dict, parallel: int) -> N
         info["load_s"] = time.perf_counter() - t0
         info["pid"] = os.getpid()
     except Exception as exc:
-        send(("fatal", f"{type(exc).__name__}: {exc}"))
+        send(proto.Fatal(f"{type(exc).__name__}: {exc}"))
         return
     scheduler = Scheduler(engine, send, parallel)
-    send(("ready", info))
+    send(proto.Ready(info))
 
     def reader() -> None:
         while True:
             try:
                 record = conn.recv_bytes()
             except (EOFError, OSError):
-                scheduler.inbox.put(("shutdown",))
+                scheduler.inbox.put(proto.Shutdown())
                 return
-            header, _ = wire.unpack(record)
-            scheduler.inbox.put(header)
+            message, _ = wire.unpack(record)
+            scheduler.inbox.put(message)
 
     threading.Thread(target=reader, name="worker-reader", daemon=True).start()
     running = True

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from ..engine.client import EngineCrashed, EngineStreamError, EngineUnavailable, public_engine_error
+from ..engine.errors import EngineCrashed, EngineStreamError, EngineUnavailable, public_engine_error
 from .encode_pool import FIRST, LATER, encode_pool
 from .encoder import FrameEncoder
 from .frames import FRAME_MS, Framer

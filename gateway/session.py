@@ -25,7 +25,9 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from ..engine.base import SynthesisOptions
-from ..engine.client import EngineClient, EngineUnavailable, TTSStream
+from ..engine.client import EngineClient
+from ..engine.errors import EngineUnavailable
+from ..engine.stream import TTSStream
 from ..engine.voices import UnknownVoice
 from .encoder import FrameEncoder, OpusSettings, create_encoder
 from .feeder import Feeder

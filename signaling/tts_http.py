@@ -23,10 +23,10 @@ from aiohttp import web
 
 from ..engine.base import SynthesisOptions
 from ..engine.voices import UnknownVoice
-from ..engine.client import EngineCrashed, EngineStreamError, EngineUnavailable, StreamChunk, TTSStream
+from ..engine.errors import EngineCrashed, EngineStreamError, EngineUnavailable, public_engine_error
+from ..engine.stream import StreamChunk, TTSStream
 from ..gateway.encoder import ulaw_encode
 from ..gateway.resample import StreamResampler
-from ..engine.client import public_engine_error
 from ..gateway.session import TEXT_SLICE_CHARS
 from .errors import ApiError, read_json_object
 from .sessions_api import check_api_key

@@ -16,7 +16,7 @@ def _serve(args: argparse.Namespace) -> int:
     from .logs import setup_logging
     from .signaling.server import run
 
-    from .engine.client import EngineUnavailable
+    from .engine.errors import EngineUnavailable
 
     settings = settings_from(args)
     setup_logging(settings.log_level, settings.log_json)
@@ -47,7 +47,8 @@ async def _say_async(args: argparse.Namespace) -> int:
     import numpy as np
 
     from .engine.base import SynthesisOptions
-    from .engine.client import EngineClient, EngineConfig, EngineUnavailable
+    from .engine.client import EngineClient, EngineConfig
+    from .engine.errors import EngineUnavailable
 
     # The engine's settings (threads, parallel steps) come from VOXGATE_* variables, as for `serve`.
     defaults = settings_from()

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from voxgate.engine import proto
 from voxgate.engine.base import SynthesisOptions
 from voxgate.engine.client import EngineClient, EngineConfig
 from voxgate.engine.piper_engine import PiperEngine
@@ -31,14 +32,14 @@ class Run:
     """A scheduler and what it sent, driven the way run_worker drives it."""
 
     def __init__(self, engine: PiperEngine) -> None:
-        self.sent: list[tuple] = []
-        self.scheduler = Scheduler(engine, lambda header, pcm=None: self.sent.append(header), parallel=1)
+        self.sent: list = []
+        self.scheduler = Scheduler(engine, lambda message, pcm=None: self.sent.append(message), parallel=1)
 
     def open(self, sid: int, text: str, start_in: float = 0.0) -> None:
         handle = self.scheduler.handle
-        handle(("open", sid, SynthesisOptions().to_dict(), BIG_CREDIT, start_in))
-        handle(("text", sid, 0, text))
-        handle(("end", sid))
+        handle(proto.OpenStream(sid, SynthesisOptions().to_dict(), BIG_CREDIT, start_in))
+        handle(proto.PushUnit(sid, 0, text))
+        handle(proto.EndInput(sid))
 
     def until(self, done) -> None:
         for _ in range(10000):
@@ -49,10 +50,10 @@ class Run:
         raise AssertionError("the scheduler did not get there")
 
     def chunks(self, sid: int) -> int:
-        return sum(1 for h in self.sent if h[0] == "chunk" and h[1] == sid)
+        return sum(1 for m in self.sent if isinstance(m, proto.Chunk) and m.sid == sid)
 
     def finished(self, *sids: int) -> bool:
-        return all(("done", sid) in self.sent for sid in sids)
+        return all(proto.StreamDone(sid) in self.sent for sid in sids)
 
     def order(self) -> list[int]:
         """Stream ids in step order, runs of one stream collapsed."""
@@ -88,9 +89,9 @@ def test_first_audio_beats_even_a_stream_that_has_run_dry(engine):
     run = Run(engine)
     try:
         handle = run.scheduler.handle
-        handle(("open", 1, SynthesisOptions().to_dict(), 2, 0.0))  # two chunks, then it waits for credit
-        handle(("text", 1, 0, "This stream gets two windows and then waits for its reader."))
-        handle(("end", 1))
+        handle(proto.OpenStream(1, SynthesisOptions().to_dict(), 2, 0.0))  # two chunks, then it waits for credit
+        handle(proto.PushUnit(1, 0, "This stream gets two windows and then waits for its reader."))
+        handle(proto.EndInput(1))
         run.until(lambda: run.chunks(1) == 2 and not run.scheduler.streams[1].busy)
         # Real work, no sleeping, until stream 1's listener has run out of audio.
         filler = 100
@@ -100,7 +101,7 @@ def test_first_audio_beats_even_a_stream_that_has_run_dry(engine):
             filler += 1
         before = len(run.scheduler.trace)
         run.open(2, "Hi there.")
-        handle(("credit", 1, BIG_CREDIT))
+        handle(proto.Credit(1, BIG_CREDIT))
         run.until(lambda: run.finished(1, 2))
         after = [sid for sid, _ in list(run.scheduler.trace)[before:]]
         assert after[:2] == [2, 2], after  # its encoder pass and first window
@@ -145,13 +146,13 @@ def test_a_stream_with_seconds_buffered_waits_for_one_about_to_run_dry(engine):
 async def test_the_client_sends_the_deadline_as_an_explicit_field_of_the_open_request():
     client = EngineClient(EngineConfig(engine="tone", parallel=1))
     await client.start()
-    sent: list[tuple] = []
+    sent: list = []
     real = client._send
-    client._send = lambda header: (sent.append(header), real(header))  # type: ignore[method-assign]
+    client._send = lambda message: (sent.append(message), real(message))  # type: ignore[method-assign]
     try:
         client.stream(start_in_s=2.5).cancel()
         client.stream().cancel()
     finally:
         await client.close()
-    opens = [h for h in sent if h[0] == "open"]
-    assert [h[4] for h in opens] == [2.5, 0.0]
+    opens = [m for m in sent if isinstance(m, proto.OpenStream)]
+    assert [m.start_in_s for m in opens] == [2.5, 0.0]

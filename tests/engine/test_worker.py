@@ -9,7 +9,8 @@ import pytest
 
 from voxgate.engine import tone
 from voxgate.engine.base import SynthesisOptions
-from voxgate.engine.client import STREAM_WINDOW, EngineClient, EngineConfig, EngineCrashed, EngineStreamError
+from voxgate.engine.client import STREAM_WINDOW, EngineClient, EngineConfig
+from voxgate.engine.errors import EngineCrashed, EngineStreamError
 
 
 async def collect(stream):

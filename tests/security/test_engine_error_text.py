@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from voxgate.engine.client import EngineStreamError
+from voxgate.engine.errors import EngineStreamError
 from voxgate.engine.tags import TagState, rate_factor
 
 from sec_helpers import http_json
@@ -28,7 +28,7 @@ def test_spans_never_carry_a_non_finite_rate():
 
 
 def test_engine_internals_stay_in_the_log():
-    from voxgate.engine.client import ENGINE_ERROR_TEXT, public_engine_error
+    from voxgate.engine.errors import ENGINE_ERROR_TEXT, public_engine_error
 
     exc = EngineStreamError("RuntimeError: [ONNXRuntimeError] : 2 : INVALID_ARGUMENT : /opt/voxgate/lib/model.onnx")
     assert public_engine_error(exc) == ENGINE_ERROR_TEXT

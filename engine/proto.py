@@ -1,0 +1,113 @@
+"""The messages between the gateway and the engine worker, one small class each.
+
+Every message is a typed record (in the manner of LiveKit Agents' ipc/proto.py),
+so both sides name fields instead of taking tuples apart by position. `wire.py`
+frames them; a chunk's PCM crosses next to its `Chunk` message as one raw
+int16 buffer, never inside it.
+
+Gateway to worker, per stream: `OpenStream`, `PushUnit`, `EndInput`, `Credit`,
+`CancelStream`; and for the process: `Ping`, `Shutdown`.
+Worker to gateway: `Ready` or `Fatal` once at start; per stream `Chunk`,
+`StreamDone` or `StreamError`; `Pong` for a `Ping`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+from .base import WordTiming
+
+# A unit as it travels: plain text, or speech-tag pieces (engine/tags.py, to_wire).
+UnitPayload = Union[str, list]
+
+
+# Gateway -> worker
+@dataclass(slots=True)
+class OpenStream:
+    sid: int
+    options: dict  # SynthesisOptions.to_dict()
+    credit: int  # chunks the worker may make before it waits for Credit
+    # Seconds until the listener needs the first audio: a duration, not a time,
+    # so that it means the same on another process's (or machine's) clock.
+    start_in_s: float = 0.0
+
+
+@dataclass(slots=True)
+class PushUnit:
+    sid: int
+    index: int  # the unit's place in its stream, from 0
+    payload: UnitPayload
+
+
+@dataclass(slots=True)
+class EndInput:
+    sid: int
+
+
+@dataclass(slots=True)
+class Credit:
+    sid: int
+    chunks: int = 1
+
+
+@dataclass(slots=True)
+class CancelStream:
+    sid: int
+
+
+@dataclass(slots=True)
+class Ping:
+    token: int
+
+
+@dataclass(slots=True)
+class Shutdown:
+    pass
+
+
+# Worker -> gateway
+@dataclass(slots=True)
+class Ready:
+    info: dict  # Engine.info(), plus load_s and pid
+
+
+@dataclass(slots=True)
+class Fatal:
+    message: str  # the engine could not be created or loaded
+
+
+@dataclass(slots=True)
+class Pong:
+    token: int
+    stats: dict  # the scheduler's counters
+
+
+@dataclass(slots=True)
+class Chunk:
+    """One chunk's description; its PCM travels beside it as a raw buffer."""
+
+    sid: int
+    unit_index: int
+    sample_rate: int
+    text: str
+    words: list[WordTiming] = field(default_factory=list)
+    unit_end: bool = True
+    synth_s: float = 0.0  # how long the step took
+    # When the step began (time.monotonic: the same clock in both processes).
+    synth_started_at: float = 0.0
+
+
+@dataclass(slots=True)
+class StreamDone:
+    sid: int
+
+
+@dataclass(slots=True)
+class StreamError:
+    sid: int
+    message: str  # the engine's own words: for the server log, not for clients
+
+
+ToWorker = Union[OpenStream, PushUnit, EndInput, Credit, CancelStream, Ping, Shutdown]
+FromWorker = Union[Ready, Fatal, Pong, Chunk, StreamDone, StreamError]
