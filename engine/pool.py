@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from . import proto
 from .base import SynthesisOptions
 from .pool_protocol import INFO_PATH, REPLICA_HEADER, STATS_PATH, STREAM_PATH, PoolProtocolError, StreamRequest, pack_frame
 from .registry import create_engine
@@ -71,17 +72,29 @@ class PoolConfig:
     max_ongoing_requests: int = 64
 
 
+@dataclass
+class OpenRequest:
+    """One HTTP request, as the scheduler thread takes it: a stream opened, its units, its end."""
+
+    sid: int
+    request: StreamRequest
+
+
 class PoolScheduler(Scheduler):
     """The worker's scheduler, with streams that resume playback: a request for a
     stream the listener already hears is ranked by its deadline, not as a first window."""
 
-    def open_request(self, sid: int, options: dict, start_in_s: float, playing: bool) -> None:
-        self.handle(("open", sid, options, REQUEST_WINDOW, start_in_s))
+    def open_request(self, item: OpenRequest) -> None:
+        sid, request = item.sid, item.request
+        self.handle(proto.OpenStream(sid, request.options, REQUEST_WINDOW, request.start_in_s))
         stream = self.streams[sid]
-        if playing:
+        if request.playing:
             # deadline() = first_sent_at + audio_s: when the listener runs dry.
             stream.first_sent_at = stream.start_at
             stream.chunks_sent = 1
+        for index, payload in request.units:
+            self.handle(proto.PushUnit(sid, index, payload))
+        self.handle(proto.EndInput(sid))
 
 
 class EngineHost:
@@ -109,14 +122,14 @@ class EngineHost:
         self._thread = threading.Thread(target=self._run, name="pool-scheduler", daemon=True)
         self._thread.start()
 
-    def _send(self, header: tuple, pcm=None) -> None:
-        """From the scheduler thread: a stream's chunk, done or error, to its request."""
-        target = self._outboxes.get(header[1]) if len(header) > 1 else None
+    def _send(self, message: proto.FromWorker, pcm=None) -> None:
+        """From the scheduler thread: a stream's Chunk, StreamDone or StreamError, to its request."""
+        target = self._outboxes.get(getattr(message, "sid", None))
         if target is None:
             return
         loop, box = target
         try:
-            loop.call_soon_threadsafe(box.put_nowait, (header, pcm))
+            loop.call_soon_threadsafe(box.put_nowait, (message, pcm))
         except RuntimeError:
             pass  # the request's loop is gone
 
@@ -137,13 +150,9 @@ class EngineHost:
         scheduler.pool.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
 
-    def _handle(self, item: tuple) -> bool:
-        if item[0] == "_open":
-            _, sid, request = item
-            self.scheduler.open_request(sid, request.options, request.start_in_s, request.playing)
-            for index, payload in request.units:
-                self.scheduler.handle(("text", sid, index, payload))
-            self.scheduler.handle(("end", sid))
+    def _handle(self, item) -> bool:
+        if isinstance(item, OpenRequest):
+            self.scheduler.open_request(item)
             return True
         return self.scheduler.handle(item)
 
@@ -162,35 +171,43 @@ class EngineHost:
         self.requests += 1
         self.last_start_in_s = request.start_in_s
         self.last_playing = request.playing
-        self.scheduler.inbox.put(("_open", sid, request))
+        self.scheduler.inbox.put(OpenRequest(sid, request))
         finished = False
         try:
             while True:
-                header, pcm = await box.get()
-                kind = header[0]
-                if kind == "chunk":
-                    meta = dict(header[2], kind="chunk")
-                    meta["synth_ago_s"] = max(0.0, time.monotonic() - meta.pop("synth_started_at", time.monotonic()))
-                    yield pack_frame(meta, pcm)
-                    self.scheduler.inbox.put(("credit", sid, 1))
-                elif kind == "done":
+                message, pcm = await box.get()
+                if isinstance(message, proto.Chunk):
+                    yield pack_frame(chunk_header(message), pcm)
+                    self.scheduler.inbox.put(proto.Credit(sid, 1))
+                elif isinstance(message, proto.StreamDone):
                     finished = True
                     yield pack_frame({"kind": "end"})
                     return
-                elif kind == "error":
+                elif isinstance(message, proto.StreamError):
                     finished = True
-                    log.warning("engine refused a stream: %s", header[2])
-                    yield pack_frame({"kind": "error", "message": str(header[2])[:500]})
+                    log.warning("engine refused a stream: %s", message.message)
+                    yield pack_frame({"kind": "error", "message": message.message[:500]})
                     return
         finally:
             # Closed by the gateway (Serve cancels the generator) or done: either
             # way this stream's steps stop here.
             self._outboxes.pop(sid, None)
             if not finished:
-                self.scheduler.inbox.put(("cancel", sid))
+                self.scheduler.inbox.put(proto.CancelStream(sid))
 
     def close(self) -> None:
-        self.scheduler.inbox.put(("shutdown",))
+        self.scheduler.inbox.put(proto.Shutdown())
+
+
+def chunk_header(msg: proto.Chunk) -> dict:
+    """A Chunk as a frame header. The replica's clock is not the gateway's: when
+    the step began travels as how long ago it began."""
+    return {
+        "kind": "chunk", "sample_rate": msg.sample_rate, "text": msg.text,
+        "words": [(w.text, float(w.start), float(w.end)) for w in msg.words],
+        "unit_index": msg.unit_index, "unit_end": msg.unit_end, "synth_s": msg.synth_s,
+        "synth_ago_s": max(0.0, time.monotonic() - msg.synth_started_at),
+    }
 
 
 class PoolIngress:

@@ -4,12 +4,14 @@
     await client.start()                     # fetches the pool's voices
     stream = client.stream(options)          # the same TTSStream as the local worker's
 
-Streams are the local client's `TTSStream` (segmenter, speech tags, unit
-numbering, chunk text joining); only the transport differs. Where the local
-client writes each stream message to the worker's pipe, this one hands it to
-the stream's `RemoteTransport`, which sends the units that are pending as one
-HTTP request (engine/pool_protocol.py) with the stream's playout deadline, and
-reads the response's frames into the stream, as many as the stream's credit allows.
+Streams are the local client's `TTSStream` (engine/stream.py: text pipeline,
+unit numbering, chunk text joining); only the transport differs. This client
+is the streams' `StreamTransport` (send_unit, end_input, cancel, credit), as
+the local client is; where that one writes each message to the worker's pipe,
+this one hands it to the stream's `RemoteTransport`, which sends the units that
+are pending as one HTTP request (engine/pool_protocol.py) with the stream's
+playout deadline, and reads the response's frames into the stream, as many as
+the stream's credit allows.
 
 A replica that dies mid-stream cuts its responses short (no `end` frame): those
 streams end with EngineCrashed, as with the local worker; Serve replaces the
@@ -26,11 +28,15 @@ from collections import deque
 import aiohttp
 import numpy as np
 
-from .client import STREAM_WINDOW, EngineClient, EngineConfig, EngineCrashed, EngineStreamError, EngineUnavailable, TTSStream
+from . import proto
+from .base import WordTiming
+from .client import STREAM_WINDOW, EngineClient, EngineConfig
+from .errors import EngineCrashed, EngineStreamError, EngineUnavailable
 from .pool_protocol import (
     FRAME_HEAD, INFO_PATH, MAX_UNITS_PER_REQUEST, REPLICA_HEADER, STATS_PATH, STREAM_PATH, PoolProtocolError, StreamRequest,
     frame_sizes, parse_header,
 )
+from .stream import TTSStream
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +92,7 @@ class RemoteEngineClient(EngineClient):
     async def close(self) -> None:
         self._closing = True
         self._is_ready = False
-        for stream in list(self._streams.values()):
-            stream._fail(EngineUnavailable("the engine is shutting down"))
+        self._fail_all(EngineUnavailable("the engine is shutting down"))
         for transport in list(self._transports.values()):
             transport.cancel()
         if self._http is not None:
@@ -115,30 +120,43 @@ class RemoteEngineClient(EngineClient):
             raise ValueError(f"{path} answered no object")
         return data
 
-    # The seam with TTSStream: its messages, routed to its transport instead of a pipe.
-    def _send(self, header: tuple) -> None:
-        kind, sid = header[0], header[1] if len(header) > 1 else None
-        if kind == "open":
-            _, sid, options, _credit, start_in_s = header
-            self._transports[sid] = RemoteTransport(self, sid, options, start_in_s)
-            return
-        transport = self._transports.get(sid)
-        if transport is None:
-            return
-        if kind == "text":
-            transport.push_unit(header[2], header[3])
-        elif kind == "end":
-            transport.end_input()
-        elif kind == "credit":
-            transport.add_credit(header[2])
-        elif kind == "cancel":
-            transport.cancel()
+    # EngineClient.stream() opens a stream with OpenStream: here, its transport.
+    def _send(self, message: proto.ToWorker) -> None:
+        if isinstance(message, proto.OpenStream):
+            self._transports[message.sid] = RemoteTransport(self, message.sid, message.options, message.start_in_s)
 
-    def _forget(self, sid: int) -> None:
-        super()._forget(sid)
+    # StreamTransport: what a TTSStream asks of this client
+    def send_unit(self, sid: int, index: int, payload: proto.UnitPayload) -> None:
+        transport = self._transports.get(sid)
+        if transport is not None:
+            transport.push_unit(index, payload)
+
+    def end_input(self, sid: int) -> None:
+        transport = self._transports.get(sid)
+        if transport is not None:
+            transport.end_input()
+
+    def cancel(self, sid: int) -> None:
+        self._streams.pop(sid, None)
         transport = self._transports.pop(sid, None)
         if transport is not None:
             transport.cancel()
+
+    def credit(self, sid: int, chunks: int) -> None:
+        transport = self._transports.get(sid)
+        if transport is not None:
+            transport.add_credit(chunks)
+
+    def _finish(self, sid: int, error: Exception | None) -> None:
+        """A stream's last word, from its transport: done, or failed with `error`."""
+        self._transports.pop(sid, None)
+        stream = self._streams.pop(sid, None)
+        if stream is None:
+            return
+        if error is None:
+            stream.on_done()
+        else:
+            stream.on_error(error)
 
     def _replica_lost(self, replica: str | None) -> None:
         if replica is not None and replica in self._lost_replicas:
@@ -205,16 +223,12 @@ class RemoteTransport:
                     self._wake.clear()
                     await self._wake.wait()
                 if not self.units:
-                    stream._on_done()
+                    self.client._finish(self.sid, None)
                     return
                 batch = [self.units.popleft() for _ in range(min(len(self.units), MAX_UNITS_PER_REQUEST))]
                 await self._request(stream, batch)
-        except asyncio.CancelledError:
-            raise
         except (EngineCrashed, EngineStreamError, EngineUnavailable) as exc:
-            stream._fail(exc)
-        finally:
-            self.client._transports.pop(self.sid, None)
+            self.client._finish(self.sid, exc)
 
     async def _request(self, stream: TTSStream, batch: list) -> None:
         http = self.client._http
@@ -265,11 +279,28 @@ class RemoteTransport:
             now = time.monotonic()
             if self.first_audio_at is None:
                 self.first_audio_at = now
-            rate = int(header.get("sample_rate") or 0)
-            if rate <= 0:
-                raise PoolProtocolError("chunk without a sample rate")
-            self.audio_s += (n_pcm // 2) / rate
-            # The replica's clock is not ours: when its step began, in our time.
-            header["synth_started_at"] = now - float(header.get("synth_ago_s", 0.0)) - float(header.get("synth_s", 0.0))
+            chunk = chunk_message(self.sid, header, now)
+            self.audio_s += (n_pcm // 2) / chunk.sample_rate
             self.credit -= 1
-            stream._on_chunk(header, pcm)
+            stream.on_chunk(chunk, pcm)
+
+
+def chunk_message(sid: int, header: dict, received_at: float) -> proto.Chunk:
+    """A chunk frame's header as the Chunk a TTSStream takes; shapes checked, since they came over a network."""
+    try:
+        chunk = proto.Chunk(
+            sid=sid,
+            unit_index=int(header["unit_index"]),
+            sample_rate=int(header["sample_rate"]),
+            text=str(header.get("text", "")),
+            words=[WordTiming(str(w[0]), float(w[1]), float(w[2])) for w in header.get("words", [])],
+            unit_end=bool(header.get("unit_end", True)),
+            synth_s=float(header.get("synth_s", 0.0)),
+        )
+        # The replica's clock is not ours: when its step began, in our time.
+        chunk.synth_started_at = received_at - float(header.get("synth_ago_s", 0.0)) - chunk.synth_s
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise PoolProtocolError("a chunk frame's header lacks a field or has one of the wrong type") from None
+    if chunk.sample_rate <= 0:
+        raise PoolProtocolError("chunk without a sample rate")
+    return chunk

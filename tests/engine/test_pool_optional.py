@@ -9,7 +9,8 @@ import pytest
 
 from tests.conftest import free_port
 from voxgate.config import ConfigError, PoolSettings, Settings, settings_from
-from voxgate.engine.client import EngineConfig, EngineUnavailable
+from voxgate.engine.client import EngineConfig
+from voxgate.engine.errors import EngineUnavailable
 from voxgate.engine.remote import RemoteEngineClient
 
 
