@@ -28,7 +28,7 @@ import queue
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from . import proto
 from .base import SynthesisOptions
@@ -275,6 +275,17 @@ def build_app(config: PoolConfig):
         health_check_period_s=2.0,
     )
     return deployment.bind(config)
+
+
+def app_builder(args: dict):
+    """For Serve config files (KubeRay's serveConfigV2): `import_path:
+    voxgate.engine.pool:app_builder` with `args` naming PoolConfig fields. A
+    config file's `deployments:` entry may override the replica options."""
+    known = {f.name for f in fields(PoolConfig)}
+    unknown = sorted(set(args or {}) - known)
+    if unknown:
+        raise ValueError(f"unknown engine pool args {unknown}; use {sorted(known)}")
+    return build_app(PoolConfig(**(args or {})))
 
 
 def start_local(config: PoolConfig, host: str, port: int, num_cpus: int | None = None) -> None:
