@@ -115,7 +115,7 @@ class EngineHost:
         self._ids = itertools.count(1)
         self._outboxes: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.scheduler = PoolScheduler(self.engine, self._send, config.parallel or cores)
-        # Deadlines as the replica saw them, per request, for tests and logs (bounded).
+        # The last request's deadline as the replica saw it (tests read it from /v1/stats).
         self.requests = 0
         self.last_start_in_s: float | None = None
         self.last_playing: bool | None = None
@@ -221,6 +221,9 @@ class PoolIngress:
         from starlette.responses import JSONResponse, StreamingResponse
 
         path = request.url.path.rstrip("/")
+        root = request.scope.get("root_path", "").rstrip("/")  # the app's route prefix, when it is not "/"
+        if root and path.startswith(root):
+            path = path[len(root):]
         if request.method == "GET" and path == INFO_PATH:
             return JSONResponse(self.host.info)
         if request.method == "GET" and path == STATS_PATH:
@@ -288,13 +291,14 @@ def app_builder(args: dict):
     return build_app(PoolConfig(**(args or {})))
 
 
-def start_local(config: PoolConfig, host: str, port: int, num_cpus: int | None = None) -> None:
+def start_local(config: PoolConfig, host: str, port: int, num_cpus: int | None = None,
+                name: str = APP_NAME, route_prefix: str = "/") -> None:
     """Start (or join) a local Ray, start Serve's HTTP proxy on host:port and deploy the pool."""
     ray, serve = require_ray()
     if not ray.is_initialized():
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+    serve.run(build_app(config), name=name, route_prefix=route_prefix)
 
 
 def serve_forever(config: PoolConfig, host: str, port: int, num_cpus: int | None = None) -> None:
