@@ -187,7 +187,7 @@ class RemoteTransport:
         self._credit_given = asyncio.Event()
         self._task = asyncio.ensure_future(self._run())
 
-    # From the stream (via the client's _send)
+    # From the stream (via the client's StreamTransport methods)
     def push_unit(self, index: int, payload: str | list) -> None:
         self.units.append((index, payload))
         self._wake.set()
@@ -229,6 +229,9 @@ class RemoteTransport:
                 await self._request(stream, batch)
         except (EngineCrashed, EngineStreamError, EngineUnavailable) as exc:
             self.client._finish(self.sid, exc)
+        except Exception as exc:  # a bug here must end the stream, never leave its reader waiting
+            log.exception("engine pool stream failed")
+            self.client._finish(self.sid, EngineUnavailable(f"the engine pool stream failed: {type(exc).__name__}"))
 
     async def _request(self, stream: TTSStream, batch: list) -> None:
         http = self.client._http
@@ -267,15 +270,14 @@ class RemoteTransport:
             while self.credit <= 0:  # the listener has STREAM_WINDOW chunks waiting: read no further
                 self._credit_given.clear()
                 await self._credit_given.wait()
-            read = resp.content.readexactly
-            n_head, n_pcm = frame_sizes(await asyncio.wait_for(read(FRAME_HEAD.size), self.client.read_timeout_s))
-            header = parse_header(await asyncio.wait_for(read(n_head), self.client.read_timeout_s))
+            header, data = await asyncio.wait_for(_read_frame(resp.content), self.client.read_timeout_s)
             kind = header["kind"]
             if kind == "end":
                 return
             if kind == "error":
                 raise EngineStreamError(str(header.get("message", ""))[:500])
-            pcm = np.frombuffer(await asyncio.wait_for(read(n_pcm), self.client.read_timeout_s), dtype=np.int16) if n_pcm else None
+            n_pcm = len(data)
+            pcm = np.frombuffer(data, dtype=np.int16) if n_pcm else None
             now = time.monotonic()
             if self.first_audio_at is None:
                 self.first_audio_at = now
@@ -283,6 +285,13 @@ class RemoteTransport:
             self.audio_s += (n_pcm // 2) / chunk.sample_rate
             self.credit -= 1
             stream.on_chunk(chunk, pcm)
+
+
+async def _read_frame(content: aiohttp.StreamReader) -> tuple[dict, bytes]:
+    """One frame: its sizes checked against the caps before either part is read."""
+    n_head, n_pcm = frame_sizes(await content.readexactly(FRAME_HEAD.size))
+    header = parse_header(await content.readexactly(n_head))
+    return header, (await content.readexactly(n_pcm) if n_pcm else b"")
 
 
 def chunk_message(sid: int, header: dict, received_at: float) -> proto.Chunk:

@@ -1,7 +1,8 @@
 """One real Ray Serve engine pool (tone engine, one replica, 2 CPUs) for every pool test.
 
-Ray's startup dominates these tests, so the pool is started once per test
-session and shared; tests that kill its replica wait for Serve to replace it.
+Ray's startup dominates these tests, so the pool is started once for this
+folder and shared (package scope: Ray is shut down before the rest of the suite
+runs); tests that kill its replica wait for Serve to replace it.
 Without the `[scale]` extra the tests skip, which fails the run under CI=true.
 """
 
@@ -14,7 +15,7 @@ import json
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import ServerProcess, free_port
 
 ray = pytest.importorskip("ray", reason="the engine pool tests need Ray Serve: pip install 'voxgate[scale]'")
 serve = pytest.importorskip("ray.serve")
@@ -53,7 +54,7 @@ class Pool:
         return name
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def pool():
     port = free_port()
     # parallel=1: the tone engine is instant; one step at a time keeps the order simple to reason about.
@@ -63,7 +64,9 @@ def pool():
     ray.shutdown()
 
 
-@pytest.fixture(scope="session")
-def pool_gateway(pool, server_factory):
+@pytest.fixture(scope="package")
+def pool_gateway(pool):
     """A real gateway process (`voxgate serve --engine-url`) that synthesizes on the pool."""
-    return server_factory("tone", extra=["--engine-url", pool.url])
+    server = ServerProcess("tone", extra=["--engine-url", pool.url])
+    yield server
+    server.stop()
