@@ -55,7 +55,7 @@ from voxgate.engine import tone
 from voxgate.gateway.ice import (
     restrict_host_addresses,  # aioice skips 127.0.0.1 otherwise
 )
-from voxgate.signaling.metrics import (
+from voxgate.gateway.metrics import (
     JITTER_BUCKETS,  # the product's buckets, so the figures compare
 )
 

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 STREAM_WINDOW = 3
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EngineConfig:
     engine: str = "piper"
     voice: str | None = None
@@ -179,7 +179,7 @@ class EngineClient:
         if not self.ready:
             raise EngineUnavailable("the engine worker is restarting; try again in a moment")
         sid = next(self._ids)
-        stream = TTSStream(self, sid, options or SynthesisOptions(), pipeline or self.text_pipeline())
+        stream = TTSStream(self, sid, options=options or SynthesisOptions(), pipeline=pipeline or self.text_pipeline())
         self._streams[sid] = stream
         self._send(proto.OpenStream(sid, stream.options.to_dict(), STREAM_WINDOW, max(0.0, float(start_in_s))))
         return stream

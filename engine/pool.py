@@ -114,7 +114,7 @@ class EngineHost:
         self.replica_id = f"{socket.gethostname()}:{os.getpid()}"
         self._ids = itertools.count(1)
         self._outboxes: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self.scheduler = PoolScheduler(self.engine, self._send, config.parallel or cores)
+        self.scheduler = PoolScheduler(self.engine, send=self._send, parallel=config.parallel or cores)
         # The last request's deadline as the replica saw it (tests read it from /v1/stats).
         self.requests = 0
         self.last_start_in_s: float | None = None

@@ -58,7 +58,7 @@ class StreamChunk(AudioChunk):
 class TTSStream:
     """Text in piece by piece, audio out as an async iterator."""
 
-    def __init__(self, transport: StreamTransport, sid: int, options: SynthesisOptions, pipeline: TextPipeline) -> None:
+    def __init__(self, transport: StreamTransport, sid: int, *, options: SynthesisOptions, pipeline: TextPipeline) -> None:
         self.transport = transport
         self.sid = sid
         self.options = options

@@ -123,7 +123,7 @@ class Scheduler:
     waiting behind another stream's long text (see the module docstring).
     """
 
-    def __init__(self, engine: Engine, send, parallel: int) -> None:
+    def __init__(self, engine: Engine, *, send, parallel: int) -> None:
         self.engine = engine
         self.send = send
         self.parallel = max(1, parallel)
@@ -384,7 +384,7 @@ def run_worker(conn, engine_name: str, engine_options: dict, parallel: int) -> N
     except Exception as exc:
         send(proto.Fatal(f"{type(exc).__name__}: {exc}"))
         return
-    scheduler = Scheduler(engine, send, parallel)
+    scheduler = Scheduler(engine, send=send, parallel=parallel)
     send(proto.Ready(info))
 
     def reader() -> None:

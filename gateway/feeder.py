@@ -55,6 +55,7 @@ class Feeder:
         self,
         encoder: FrameEncoder,
         playout: Playout,
+        *,
         next_utterance: Callable[[], "Utterance | None"],
         emit: Callable[[dict], None],
         metrics: "SessionMetrics",

@@ -61,7 +61,7 @@ class FrameClock:
     """Ticks every `frame_s / phases` seconds while any pacer waits for one."""
 
     def __init__(
-        self, frame_s: float = FRAME_S, phases: int = PHASES, time_source: MonotonicClock | None = None
+        self, *, frame_s: float = FRAME_S, phases: int = PHASES, time_source: MonotonicClock | None = None
     ) -> None:
         self.frame_s = frame_s
         self.phases = phases
@@ -175,7 +175,7 @@ class PacerStats:
 class Pacer:
     """Says when one track's frames leave: every frame on the frame clock's ticks of its phase."""
 
-    def __init__(self, clock: FrameClock | None = None) -> None:
+    def __init__(self, *, clock: FrameClock | None = None) -> None:
         self._clock = clock
         self.stats = PacerStats()
         self._tick: int | None = None  # the tick of the next departure

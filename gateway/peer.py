@@ -12,6 +12,7 @@ from aiortc.sdp import SessionDescription, candidate_from_sdp
 from .ice import IcePolicy
 from .mic import Microphone
 from .session import Session
+from .errors import GatewayError
 from .track import SilentOutput, SpeechTrack
 
 log = logging.getLogger(__name__)
@@ -19,25 +20,17 @@ log = logging.getLogger(__name__)
 SUPPORTED_CODECS = ("opus", "pcmu", "pcma")
 
 
-class OfferError(Exception):
-    def __init__(self, code: str, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.status = status
-
-
 def validate_offer_sdp(sdp: str) -> None:
     if "m=audio" not in sdp and "m=application" not in sdp:
-        raise OfferError("invalid_sdp", "the offer has no audio or data-channel media section")
+        raise GatewayError("invalid_sdp", "the offer has no audio or data-channel media section")
     try:
         parsed = SessionDescription.parse(sdp)
     except Exception as exc:
-        raise OfferError("invalid_sdp", f"the offer SDP could not be parsed: {type(exc).__name__}") from None
+        raise GatewayError("invalid_sdp", f"the offer SDP could not be parsed: {type(exc).__name__}") from None
     # Bundled WebRTC needs a mid per section; aiortc half-builds a peer without one.
     for media in parsed.media:
         if not media.rtp.muxId:
-            raise OfferError("invalid_sdp", f"the offer's {media.kind} section has no a=mid line")
+            raise GatewayError("invalid_sdp", f"the offer's {media.kind} section has no a=mid line")
 
 
 def negotiated_codec(answer_sdp: str) -> tuple[str, int] | None:
@@ -84,7 +77,7 @@ class PeerConnection:
         try:
             await self.pc.setRemoteDescription(offer)
         except Exception as exc:
-            raise OfferError("invalid_sdp", f"the offer was rejected: {exc}") from None
+            raise GatewayError("invalid_sdp", f"the offer was rejected: {exc}") from None
         has_audio = any(t.kind == "audio" for t in self.pc.getTransceivers())
         if has_audio:
             # addTrack takes the offer's audio transceiver, so one m-line carries
@@ -97,12 +90,12 @@ class PeerConnection:
             answer = await self.pc.createAnswer()
             await self.pc.setLocalDescription(answer)
         except Exception as exc:
-            raise OfferError("negotiation_failed", f"could not answer the offer: {exc}") from None
+            raise GatewayError("negotiation_failed", f"could not answer the offer: {exc}") from None
         local = self.pc.localDescription.sdp
         if has_audio:
             codec, payload_type = negotiated_codec(local) or ("", -1)
             if codec not in SUPPORTED_CODECS:
-                raise OfferError("no_common_codec", "the offer has no audio codec in common: offer Opus, PCMU or PCMA")
+                raise GatewayError("no_common_codec", "the offer has no audio codec in common: offer Opus, PCMU or PCMA")
             self.session.attach_output(codec)
             assert self.track is not None and self.session.encoder is not None
             self.track.set_clock_rate(self.session.encoder.clock_rate)

@@ -83,6 +83,7 @@ class Playout:
     def __init__(
         self,
         silence: bytes,
+        *,
         on_audio_started: Callable[[UtterancePlay, float], None] | None = None,
         on_done: Callable[[UtterancePlay], None] | None = None,
         on_underrun: Callable[[], None] | None = None,

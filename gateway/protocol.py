@@ -1,7 +1,7 @@
 """The session protocol: JSON objects with a `type`, the same on the data
 channel and on backend WebSockets. See docs/protocol.md.
 
-Parsing never raises anything but ProtocolError, whose code and message go
+Parsing never raises anything but GatewayError, whose code and message go
 back to the sender as an `error` event; the session carries on.
 """
 
@@ -11,22 +11,10 @@ import json
 import time
 from dataclasses import dataclass
 
+from .errors import GatewayError
+
 CLIENT_TYPES = ("speak", "text.delta", "text.end", "cancel", "session.update", "ping")
 MAX_DEPTH = 8
-
-
-class ProtocolError(Exception):
-    def __init__(self, code: str, message: str, id: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.id = id
-
-    def event(self) -> dict:
-        event = {"type": "error", "code": self.code, "message": self.message}
-        if self.id is not None:
-            event["id"] = self.id
-        return event
 
 
 @dataclass
@@ -73,53 +61,47 @@ def parse(raw: str | bytes, limits: Limits) -> dict:
     """Decode and validate one client message."""
     size = len(raw.encode("utf-8", "surrogatepass")) if isinstance(raw, str) else len(raw)
     if size > limits.max_message_bytes:
-        raise ProtocolError(
-            "message_too_large", f"message is {size} bytes; the limit is {limits.max_message_bytes}"
-        )
+        raise GatewayError("message_too_large", f"message is {size} bytes; the limit is {limits.max_message_bytes}")
     if isinstance(raw, (bytes, bytearray, memoryview)):
         try:
             raw = bytes(raw).decode("utf-8")
         except UnicodeDecodeError:
-            raise ProtocolError("invalid_utf8", "message is not valid UTF-8 text; send JSON text") from None
+            raise GatewayError("invalid_utf8", "message is not valid UTF-8 text; send JSON text") from None
     try:
         msg = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, RecursionError):
-        raise ProtocolError("invalid_json", "message is not JSON; send one JSON object with a 'type'") from None
+        raise GatewayError("invalid_json", "message is not JSON; send one JSON object with a 'type'") from None
     if not isinstance(msg, dict):
-        raise ProtocolError("invalid_message", "message must be a JSON object with a 'type'")
+        raise GatewayError("invalid_message", "message must be a JSON object with a 'type'")
     if _depth(msg) > MAX_DEPTH:
-        raise ProtocolError("invalid_message", f"message nests deeper than {MAX_DEPTH} levels")
+        raise GatewayError("invalid_message", f"message nests deeper than {MAX_DEPTH} levels")
     kind = msg.get("type")
     mid = msg.get("id")
     if mid is not None and not (isinstance(mid, str) and 0 < len(mid) <= 128):
-        raise ProtocolError("invalid_field", "'id' must be a string of 1 to 128 characters")
+        raise GatewayError("invalid_field", "'id' must be a string of 1 to 128 characters")
     if not isinstance(kind, str):
-        raise ProtocolError("invalid_message", "message needs a string 'type'", mid)
+        raise GatewayError("invalid_message", "message needs a string 'type'", id=mid)
     if kind not in CLIENT_TYPES:
-        raise ProtocolError(
-            "unknown_type", f"unknown message type {kind[:40]!r}; expected one of {', '.join(CLIENT_TYPES)}", mid
-        )
+        raise GatewayError("unknown_type", f"unknown message type {kind[:40]!r}; expected one of {', '.join(CLIENT_TYPES)}", id=mid)
     if kind in ("speak", "text.delta"):
         text = msg.get("text")
         if not isinstance(text, str):
-            raise ProtocolError("invalid_field", f"'{kind}' needs a string 'text'", mid)
+            raise GatewayError("invalid_field", f"'{kind}' needs a string 'text'", id=mid)
         if len(text) > limits.max_text_chars:
-            raise ProtocolError(
-                "text_too_long", f"text has {len(text)} characters; the limit per message is {limits.max_text_chars}", mid
-            )
+            raise GatewayError("text_too_long", f"text has {len(text)} characters; the limit per message is {limits.max_text_chars}", id=mid)
         if any(0xD800 <= ord(c) <= 0xDFFF for c in text):
-            raise ProtocolError("invalid_utf8", "text holds unpaired surrogates", mid)
+            raise GatewayError("invalid_utf8", "text holds unpaired surrogates", id=mid)
     if kind == "text.end" and mid is None and "id" in msg:
-        raise ProtocolError("invalid_field", "'id' must be a string", mid)
+        raise GatewayError("invalid_field", "'id' must be a string", id=mid)
     if kind == "session.update":
         for key in ("voice",):
             if key in msg and msg[key] is not None and not isinstance(msg[key], str):
-                raise ProtocolError("invalid_field", f"'{key}' must be a string", mid)
+                raise GatewayError("invalid_field", f"'{key}' must be a string", id=mid)
         if "rate" in msg:
             rate = msg["rate"]
             if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.25 <= rate <= 4.0:
-                raise ProtocolError("invalid_field", "'rate' must be a number from 0.25 to 4.0", mid)
+                raise GatewayError("invalid_field", "'rate' must be a number from 0.25 to 4.0", id=mid)
         vad = msg.get("vad")
         if vad is not None and not isinstance(vad, dict):
-            raise ProtocolError("invalid_field", "'vad' must be an object such as {\"enabled\": true}", mid)
+            raise GatewayError("invalid_field", "'vad' must be an object such as {\"enabled\": true}", id=mid)
     return msg

@@ -28,11 +28,11 @@ from ..engine.base import SynthesisOptions
 from ..engine.client import EngineClient
 from ..engine.errors import EngineUnavailable
 from ..engine.stream import TTSStream
-from ..engine.voices import UnknownVoice
 from .encoder import FrameEncoder, OpusSettings, create_encoder
 from .feeder import Feeder
 from .playout import Playout, UtterancePlay
-from .protocol import Limits, ProtocolError, RateLimiter, parse
+from .errors import GatewayError, checked_voice
+from .protocol import Limits, RateLimiter, parse
 from .vad import VadSettings, VoiceActivityDetector
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ Listener = Callable[[dict], None]
 TEXT_SLICE_CHARS = 256
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SessionOptions:
     voice: str | None = None
     rate: float = 1.0
@@ -91,6 +91,7 @@ class Session:
     def __init__(
         self,
         engine: EngineClient,
+        *,
         options: SessionOptions | None = None,
         session_id: str | None = None,
         metrics: SessionMetrics | None = None,
@@ -154,9 +155,14 @@ class Session:
             self._start_feeder()
 
     @property
+    def has_output(self) -> bool:
+        """Whether an output (a WebRTC track, a phone call) is attached: only one may be."""
+        return self.encoder is not None
+
+    @property
     def speaking(self) -> bool:
         # Text queued with no output attached does not keep a session alive.
-        return bool(self.utterances) and self.encoder is not None
+        return bool(self.utterances) and self.has_output
 
     # Inbound messages
     def handle_message(self, raw: str | bytes, source: str = "peer") -> None:
@@ -166,13 +172,10 @@ class Session:
             if limiter is None:
                 limiter = self._limiters[source] = RateLimiter(self.options.limits.max_messages_per_s)
             if not limiter.allow():
-                raise ProtocolError(
-                    "rate_limited",
-                    f"more than {self.options.limits.max_messages_per_s:g} messages per second; this one was refused",
-                )
+                raise GatewayError("rate_limited", f"more than {self.options.limits.max_messages_per_s:g} messages per second; this one was refused")
             msg = parse(raw, self.options.limits)
             self._dispatch(msg, source)
-        except ProtocolError as exc:
+        except GatewayError as exc:
             self.stats["errors"] += 1
             self.emit(exc.event(), only=source)
         except Exception as exc:  # a bug must cost one message, not the session
@@ -182,7 +185,7 @@ class Session:
     def _dispatch(self, msg: dict, source: str) -> None:
         kind = msg["type"]
         if source != "peer" and self.writer is not None and source != self.writer and kind != "ping":
-            raise ProtocolError("read_only", "another backend holds this session's write access; this one may only watch")
+            raise GatewayError("read_only", "another backend holds this session's write access; this one may only watch")
         if kind == "ping":
             self.emit({"type": "pong", "t": msg.get("t")}, only=source)
         elif kind == "speak":
@@ -198,7 +201,7 @@ class Session:
             if utt is None:
                 if (source, uid) in self._interrupted_ids:
                     return  # ending an interrupted utterance is fine and does nothing
-                raise ProtocolError("unknown_utterance", f"no open utterance {uid!r} to end", uid)
+                raise GatewayError("unknown_utterance", f"no open utterance {uid!r} to end", id=uid)
             self._end(utt)
         elif kind == "cancel":
             self.interrupt("cancel")
@@ -210,9 +213,7 @@ class Session:
         for utt in self.utterances:
             if utt.id == uid:
                 if utt.source != source:
-                    raise ProtocolError(
-                        "id_in_use", f"utterance {uid!r} belongs to another sender; use an id of your own", uid
-                    )
+                    raise GatewayError("id_in_use", f"utterance {uid!r} belongs to another sender; use an id of your own", id=uid)
                 return utt
         return None
 
@@ -223,17 +224,13 @@ class Session:
             utt = self._find(uid, source)
             if utt is not None:
                 if utt.ended:
-                    raise ProtocolError("utterance_ended", f"utterance {uid!r} has already ended; use a new id", uid)
+                    raise GatewayError("utterance_ended", f"utterance {uid!r} has already ended; use a new id", id=uid)
                 return utt
             if (source, uid) in self._interrupted_ids:
-                raise ProtocolError(
-                    "utterance_interrupted", f"utterance {uid!r} was interrupted; its text is not spoken", uid
-                )
+                raise GatewayError("utterance_interrupted", f"utterance {uid!r} was interrupted; its text is not spoken", id=uid)
         if len(self.utterances) >= self.options.max_queued_utterances:
-            raise ProtocolError(
-                "queue_full", f"{len(self.utterances)} utterances are queued; the limit is "
-                f"{self.options.max_queued_utterances}. Wait for utterance.done or send cancel.", uid
-            )
+            raise GatewayError("queue_full", f"{len(self.utterances)} utterances are queued; the limit is "
+                f"{self.options.max_queued_utterances}. Wait for utterance.done or send cancel.", id=uid)
         # With no output attached yet (a session made ahead through the session
         # API), text is accepted and queued; the feeder starts on attach_output.
         if uid is None:
@@ -241,7 +238,7 @@ class Session:
         try:
             stream = self.engine.stream(SynthesisOptions(voice=self.options.voice, rate=self.options.rate))
         except EngineUnavailable as exc:
-            raise ProtocolError("engine_unavailable", str(exc), uid) from None
+            raise GatewayError("engine_unavailable", str(exc), id=uid) from None
         play = UtterancePlay(id=uid, ready_at=time.perf_counter())
         utt = Utterance(id=uid, stream=stream, play=play, source=source)
         self.utterances.append(utt)
@@ -256,11 +253,7 @@ class Session:
 
     def _push(self, utt: Utterance, text: str) -> None:
         if utt.chars + len(text) > self.options.max_utterance_chars:
-            raise ProtocolError(
-                "utterance_too_long",
-                f"utterance {utt.id!r} would exceed {self.options.max_utterance_chars} characters; end it and start another",
-                utt.id,
-            )
+            raise GatewayError("utterance_too_long", f"utterance {utt.id!r} would exceed {self.options.max_utterance_chars} characters; end it and start another", id=utt.id)
         utt.chars += len(text)
         self._queue_text(utt, text)
 
@@ -298,17 +291,14 @@ class Session:
 
     def _update(self, msg: dict) -> None:
         if "voice" in msg and msg["voice"] is not None:
-            try:
-                self.options.voice = self.engine.check_voice(msg["voice"])
-            except UnknownVoice as exc:
-                raise ProtocolError(exc.code, exc.message) from None
+            self.options.voice = checked_voice(self.engine, msg["voice"])
         if "rate" in msg:
             self.options.rate = float(msg["rate"])
         if isinstance(msg.get("vad"), dict):
             try:
                 self.options.vad.update(msg["vad"])
             except (ValueError, TypeError) as exc:
-                raise ProtocolError("invalid_field", str(exc)) from None
+                raise GatewayError("invalid_field", str(exc)) from None
         self.emit({"type": "session.updated", **self.describe_options()})
 
     def describe_options(self) -> dict:
@@ -373,7 +363,7 @@ class Session:
     def _restart_feeder(self) -> None:
         if self._feeder is not None:
             self._feeder.stop()
-        if self.encoder is not None and not self._closed:
+        if self.has_output and not self._closed:
             # A fresh encoder: the cancelled audio must not colour what comes next.
             self.encoder = create_encoder(self.output_codec or "opus", self.options.opus)
             self._start_feeder()
@@ -381,7 +371,7 @@ class Session:
     def _start_feeder(self) -> None:
         assert self.encoder is not None
         self._feeder = Feeder(
-            self.encoder, self.playout, self._next_to_feed, self.emit, self.metrics,
+            self.encoder, self.playout, next_utterance=self._next_to_feed, emit=self.emit, metrics=self.metrics
         )
         self._feeder.task.add_done_callback(self._feeder_done)
 

@@ -32,7 +32,7 @@ class SpeechTrack(MediaStreamTrack):
 
     kind = "audio"
 
-    def __init__(self, playout: Playout, clock_rate: int = 48000, pacer: Pacer | None = None, dtx: bool = False) -> None:
+    def __init__(self, playout: Playout, *, clock_rate: int = 48000, pacer: Pacer | None = None, dtx: bool = False) -> None:
         super().__init__()
         self.playout = playout
         self.pacer = pacer or Pacer()
@@ -81,7 +81,7 @@ class SilentOutput:
     Between utterances it sleeps until one is ready.
     """
 
-    def __init__(self, playout: Playout, pacer: Pacer | None = None) -> None:
+    def __init__(self, playout: Playout, *, pacer: Pacer | None = None) -> None:
         self.playout = playout
         self.pacer = pacer or Pacer()
         self._ready = asyncio.Event()

@@ -1,4 +1,5 @@
-"""HTTP errors as the API reports them: JSON `{"error": {"code", "message"}}` with a status."""
+"""HTTP errors as the API reports them: JSON `{"error": {"code", "message"}}` with a status,
+and reading request bodies that may be refused with one."""
 
 from __future__ import annotations
 
@@ -7,20 +8,14 @@ import json
 
 from aiohttp import web
 
-
-class ApiError(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-
-    def response(self) -> web.Response:
-        return error_response(self.status, self.code, self.message)
+from ..gateway.errors import GatewayError
 
 
-def error_response(status: int, code: str, message: str) -> web.Response:
-    return web.json_response({"error": {"code": code, "message": message}}, status=status)
+def error_response(error: GatewayError) -> web.Response:
+    """The one mapping from an error to what an HTTP client sees."""
+    return web.json_response(
+        {"error": {"code": error.code, "message": error.message}}, status=error.status, headers=error.headers or None
+    )
 
 
 # A body that has not arrived in full after this long is refused (slow senders
@@ -35,7 +30,7 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     cut bodies short on real networks; this reads until the end of the body.
     """
     if request.content_length is not None and request.content_length > limit:
-        raise ApiError(413, "too_large", f"request body is over {limit} bytes")
+        raise GatewayError("too_large", f"request body is over {limit} bytes", 413)
     chunks: list[bytes] = []
     size = 0
 
@@ -48,12 +43,12 @@ async def read_body(request: web.Request, limit: int) -> bytes:
             chunks.append(chunk)
             size += len(chunk)
             if size > limit:
-                raise ApiError(413, "too_large", f"request body is over {limit} bytes")
+                raise GatewayError("too_large", f"request body is over {limit} bytes", 413)
 
     try:
         await asyncio.wait_for(read_all(), BODY_TIMEOUT_S)
     except asyncio.TimeoutError:
-        raise ApiError(408, "body_timeout", f"the request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
+        raise GatewayError("body_timeout", f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", 408) from None
     return b"".join(chunks)
 
 
@@ -69,12 +64,12 @@ async def read_json_object(request: web.Request, limit: int, hint: str = "", all
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
-        raise ApiError(400, "invalid_utf8", "request body is not valid UTF-8") from None
+        raise GatewayError("invalid_utf8", "request body is not valid UTF-8") from None
     try:
         # NaN and Infinity are not JSON, though Python's parser takes them.
         body = json.loads(text, parse_constant=_reject_constant)
     except (ValueError, RecursionError):
-        raise ApiError(400, "invalid_json", "request body is not JSON" + (f"; {hint}" if hint else "")) from None
+        raise GatewayError("invalid_json", "request body is not JSON" + (f"; {hint}" if hint else "")) from None
     if not isinstance(body, dict):
-        raise ApiError(400, "invalid_json", "request body must be a JSON object" + (f"; {hint}" if hint else ""))
+        raise GatewayError("invalid_json", "request body must be a JSON object" + (f"; {hint}" if hint else ""))
     return body

@@ -7,27 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
 import logging
 import signal
-import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from ..engine.client import EngineClient, EngineConfig
-from ..engine.voices import UnknownVoice
-from ..gateway.encoder import OpusSettings
-from ..gateway.ice import IcePolicy, parse_ice_server, parse_networks, restrict_host_addresses
-from ..gateway.peer import OfferError, PeerConnection
-from ..gateway.protocol import Limits
-from ..gateway.session import Session, SessionOptions
-from ..gateway.vad import VadSettings
 from ..config import Settings
-from .errors import ApiError, error_response, read_json_object
-from .metrics import GatewayMetrics
-from . import openapi, sessions_api, telephony, tts_http
+from ..engine.client import EngineClient
+from ..gateway.errors import GatewayError
+from ..gateway.gateway import Gateway
+from ..gateway.peer import PeerConnection
+from .errors import error_response, read_json_object
+from . import openapi, sessions_api, tts_http, twilio_stream
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +42,6 @@ SECURITY_HEADERS = {
 }
 
 
-def _is_loopback(address: str) -> bool:
-    # Local tools (voxgate probe, the benchmarks) are not limited per address; a
-    # reverse proxy on the same host must be named with --trusted-proxy so that
-    # its clients are told apart.
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return False
-
-
 def client_address(request: web.Request, trusted: list) -> str:
     """The client's address: the peer's, or the one a trusted reverse proxy names in
     X-Forwarded-For (the right-most address the proxies did not add themselves)."""
@@ -78,199 +61,30 @@ def client_address(request: web.Request, trusted: list) -> str:
     return chain[0]
 
 
-def _engine_client(settings: Settings) -> EngineClient:
-    """The local worker, or the engine pool that --engine-url names."""
-    config = EngineConfig(
-        engine=settings.engine,
-        voice=settings.voice,
-        voice_dir=settings.voice_dir,
-        device=settings.device,
-        parallel=settings.parallel,
-        threads=settings.threads,
-        first_unit_timeout=settings.first_unit_timeout_ms / 1000.0,
-    )
-    if settings.engine_url:
-        from ..engine.remote import RemoteEngineClient
-
-        return RemoteEngineClient(settings.engine_url, config)
-    return EngineClient(config)
-
-
-class Gateway:
-    """Everything one server process holds: settings, the engine, the sessions."""
-
-    def __init__(self, settings: Settings, engine: EngineClient | None = None) -> None:
-        self.settings = settings
-        self.metrics = GatewayMetrics()
-        self.engine = engine or _engine_client(settings)
-        self.ice = IcePolicy(
-            servers=[parse_ice_server(u) for u in settings.ice_server],
-            allowed_networks=self._allowed_networks(),
-            allow_public="public" in settings.ice_allow or not settings.ice_allow,
-            turn_secret=settings.turn_secret,
-            turn_ttl_s=settings.turn_ttl_s,
-        )
-        self.sessions: dict[str, Session] = {}
-        self.peers: dict[str, PeerConnection] = {}
-        # Sessions made without a key or token, and by which client address:
-        # they have their own budget, so anonymous offers cannot take the slots
-        # that keyed backends need.
-        self.anonymous: dict[str, str] = {}  # session id -> client address
-        self.tts_active = 0  # POST /v1/tts requests synthesizing; they take session slots too
-        self.trusted_proxies = parse_networks(settings.trusted_proxy)
-        self.accepting = True
-        self._tasks: list[asyncio.Task] = []
-
-    def _allowed_networks(self):
-        explicit = [v for v in self.settings.ice_allow if v != "public"]
-        if explicit:
-            return parse_networks(explicit)
-        # Default: the networks our own host candidates live in.
-        nets = []
-        for host in self.settings.ice_host:
-            nets.append(host + ("/8" if host.startswith("127.") else "/32" if ":" not in host else "/128"))
-        return parse_networks(nets)
-
-    async def start(self) -> None:
-        restrict_host_addresses(self.settings.ice_host or None)
-        await self.engine.start()
-        self.engine.listeners.append(self._on_engine_event)
-        self._tasks.append(asyncio.ensure_future(self._watch_loop_lag()))
-        self._tasks.append(asyncio.ensure_future(self._reap_idle()))
-        log.info("engine %s ready: %s", self.settings.engine, self.engine.info)
-
-    async def drain(self, timeout: float) -> None:
-        """Stop taking sessions, let current utterances finish, then close every session."""
-        self.accepting = False
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(s.speaking for s in self.sessions.values()):
-            await asyncio.sleep(0.1)
-        await asyncio.gather(*(s.close("server shutting down") for s in list(self.sessions.values())), return_exceptions=True)
-
-    async def stop(self) -> None:
-        self.accepting = False
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*(s.close("server shutting down") for s in list(self.sessions.values())), return_exceptions=True)
-        await self.engine.close()
-
-    def _on_engine_event(self, event: str, data: dict) -> None:
-        if event == "restart":
-            self.metrics.worker_restarts.inc()
-
-    async def _watch_loop_lag(self) -> None:
-        interval = 0.1
-        while True:
-            t0 = time.monotonic()
-            await asyncio.sleep(interval)
-            self.metrics.loop_lag.observe(max(0.0, time.monotonic() - t0 - interval))
-            self.metrics.sessions.set(len(self.sessions))
-            self.metrics.utterances_active.set(sum(len(s.utterances) for s in self.sessions.values()))
-            self.metrics.engine_streams.set(self.engine.active_streams)
-
-    async def _reap_idle(self) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            now = time.monotonic()
-            for session in list(self.sessions.values()):
-                if session.speaking:
-                    session.last_activity = now
-                if now - session.last_activity > self.settings.idle_timeout_s:
-                    await session.close("idle timeout")
-                elif now - session.created_at > self.settings.session_lifetime_s:
-                    await session.close("session lifetime reached")
-
-    def session_options(self, voice: str | None = None) -> SessionOptions:
-        s = self.settings
-        return SessionOptions(
-            voice=voice,  # None: the engine's default voice, which the operator chose
-            vad=VadSettings(enabled=s.vad, aggressiveness=s.vad_aggressiveness, min_speech_ms=s.vad_min_speech_ms),
-            opus=OpusSettings(bitrate=s.opus_bitrate, fec=s.opus_fec, dtx=s.opus_dtx, complexity=s.opus_complexity),
-            limits=Limits(max_message_bytes=s.max_message_bytes, max_text_chars=s.max_text_chars, max_messages_per_s=s.max_messages_per_s),
-            max_utterance_chars=s.max_utterance_chars,
-            max_queued_utterances=s.max_queued_utterances,
-        )
-
-    def create_session(
-        self, voice: object = None, anonymous_from: str | None = None
-    ) -> Session:
-        """A new session; `voice` is a client's choice, checked against the engine's voices.
-
-        `anonymous_from`: the client address of a session made without a key or
-        token; such sessions count against their own budget and a per-address limit.
-        """
-        try:
-            voice = self.engine.check_voice(voice)
-        except UnknownVoice as exc:
-            raise ApiError(400, exc.code, exc.message) from None
-        if not self.accepting:
-            self.metrics.rejected.labels("draining").inc()
-            raise web.HTTPServiceUnavailable(
-                text=json.dumps({"error": {"code": "draining", "message": "the server is shutting down; retry on another instance"}}),
-                content_type="application/json",
-            )
-        if len(self.sessions) + self.tts_active >= self.settings.max_sessions:
-            self.metrics.rejected.labels("capacity").inc()
-            raise web.HTTPServiceUnavailable(
-                text=json.dumps({"error": {"code": "at_capacity", "message": f"the server holds its maximum of {self.settings.max_sessions} sessions; retry later"}}),
-                content_type="application/json",
-                headers={"Retry-After": "5"},
-            )
-        if anonymous_from is not None:
-            budget = self.settings.anonymous_budget
-            if len(self.anonymous) >= budget:
-                self.metrics.rejected.labels("capacity").inc()
-                raise web.HTTPServiceUnavailable(
-                    text=json.dumps({"error": {"code": "at_capacity", "message": f"the server holds its maximum of {budget} sessions made without a token; retry later, or join a session made through POST /v1/sessions"}}),
-                    content_type="application/json",
-                    headers={"Retry-After": "5"},
-                )
-            per_address = self.settings.max_sessions_per_address
-            if (
-                per_address
-                and not _is_loopback(anonymous_from)
-                and sum(1 for a in self.anonymous.values() if a == anonymous_from) >= per_address
-            ):
-                self.metrics.rejected.labels("address_limit").inc()
-                raise ApiError(429, "address_limit", f"this client address holds its maximum of {per_address} sessions made without a token")
-        session = Session(self.engine, self.session_options(voice), metrics=self.metrics.for_session(self.settings.engine))
-        self.sessions[session.id] = session
-        if anonymous_from is not None:
-            self.anonymous[session.id] = anonymous_from
-
-        def forget(s: Session) -> None:
-            self.sessions.pop(s.id, None)
-            self.peers.pop(s.id, None)
-            self.anonymous.pop(s.id, None)
-
-        session.on_close.append(forget)
-        return session
-
-
 async def handle_offer(request: web.Request) -> web.Response:
     gw: Gateway = request.app["gateway"]
     try:
         body = await read_json_object(request, MAX_OFFER_BYTES)
         sdp, kind = body.get("sdp"), body.get("type", "offer")
         if not isinstance(sdp, str) or not sdp.strip():
-            raise OfferError("invalid_sdp", "'sdp' must be the offer's SDP text")
+            raise GatewayError("invalid_sdp", "'sdp' must be the offer's SDP text")
         if kind != "offer":
-            raise OfferError("invalid_sdp", "'type' must be 'offer'")
+            raise GatewayError("invalid_sdp", "'type' must be 'offer'")
         address = client_address(request, gw.trusted_proxies)
         session, created = sessions_api.session_for_offer(request.app, body, body.get("voice"), address)
-    except (OfferError, ApiError) as exc:
-        return error_response(exc.status, exc.code, exc.message)
+    except GatewayError as exc:
+        return error_response(exc)
     peer = PeerConnection(session, gw.ice)
     gw.peers[session.id] = peer
     try:
         answer = await peer.answer(sdp)
-    except OfferError as exc:
+    except GatewayError as exc:
         await sessions_api.abandon_offer(request.app, peer, created, "offer rejected")
-        return error_response(exc.status, exc.code, exc.message)
+        return error_response(exc)
     except Exception as exc:
         log.exception("offer failed")
         await sessions_api.abandon_offer(request.app, peer, created, "offer failed")
-        return error_response(500, "internal", f"could not answer the offer: {type(exc).__name__}")
+        return error_response(GatewayError("internal", f"could not answer the offer: {type(exc).__name__}", 500))
     _connect_deadline(request.app, peer, created)
     reply = {"sdp": answer, "type": "answer", "session_id": session.id}
     if created:
@@ -307,22 +121,22 @@ async def handle_candidate(request: web.Request) -> web.Response:
     try:
         body = await read_json_object(request, MAX_CANDIDATE_BYTES)
         sessions_api.check_client_token(request, body.get("token"), sid)
-    except ApiError as exc:
-        return exc.response()
+    except GatewayError as exc:
+        return error_response(exc)
     peer = gw.peers.get(sid)
     if peer is None:
-        return error_response(404, "unknown_session", "no such session")
+        return error_response(GatewayError("unknown_session", "no such session", 404))
     try:
         candidate = body.get("candidate")
         if candidate is not None and not isinstance(candidate, str):
-            raise OfferError("invalid_candidate", "'candidate' must be a string, or null to end the candidates")
+            raise GatewayError("invalid_candidate", "'candidate' must be a string, or null to end the candidates")
         accepted = await peer.add_candidate(candidate and body)
-    except (OfferError, ApiError) as exc:
-        return error_response(exc.status, exc.code, exc.message)
+    except GatewayError as exc:
+        return error_response(exc)
     except Exception as exc:
-        return error_response(400, "invalid_candidate", f"the candidate could not be parsed: {type(exc).__name__}")
+        return error_response(GatewayError("invalid_candidate", f"the candidate could not be parsed: {type(exc).__name__}"))
     if not accepted:
-        return error_response(403, "candidate_refused", "the candidate's address is outside the allowed networks")
+        return error_response(GatewayError("candidate_refused", "the candidate's address is outside the allowed networks", 403))
     return web.json_response({"ok": True})
 
 
@@ -336,10 +150,10 @@ async def handle_ice_servers(request: web.Request) -> web.Response:
     if token is not None:
         try:
             session_id = request.app[sessions_api.SIGNER].verify(token)
-        except ApiError as exc:
-            return exc.response()
+        except GatewayError as exc:
+            return error_response(exc)
         if session_id not in gw.sessions:
-            return error_response(404, "unknown_session", "no such session; it may have ended")
+            return error_response(GatewayError("unknown_session", "no such session; it may have ended", 404))
     servers = []
     for server in gw.ice.servers_for(session_id or "anonymous"):
         url = server.urls if isinstance(server.urls, str) else server.urls[0]
@@ -387,14 +201,14 @@ async def handle_static(request: web.Request) -> web.StreamResponse:
     except (ValueError, OSError):
         found = False
     if not found:
-        return error_response(404, "not_found", "no such file")
+        return error_response(GatewayError("not_found", "no such file", 404))
     return web.FileResponse(path)
 
 
 async def handle_index(request: web.Request) -> web.StreamResponse:
     index = WEB_DIR / "index.html"
     if not index.exists():
-        return error_response(404, "no_page", "the bundled page is not installed")
+        return error_response(GatewayError("no_page", "the bundled page is not installed", 404))
     return web.FileResponse(index)
 
 
@@ -416,7 +230,7 @@ async def host_check(request: web.Request, handler):
     allowed = request.app["gateway"].settings.allowed_hosts
     if "*" not in allowed and request.path not in HOST_CHECK_EXEMPT:
         if _host_name(request.host or "") not in allowed:
-            return error_response(421, "host_not_allowed", "this server does not answer to that Host; add it with --allowed-host")
+            return error_response(GatewayError("host_not_allowed", "this server does not answer to that Host; add it with --allowed-host", 421))
     return await handler(request)
 
 
@@ -437,12 +251,14 @@ async def json_errors(request: web.Request, handler):
         ):
             # aiohttp's own answers (the static files' 404) are not JSON; ours always are.
             reason = response.reason or "error"
-            return error_response(response.status, reason.lower().replace(" ", "_"), reason)
+            return error_response(GatewayError(reason.lower().replace(" ", "_"), reason, response.status))
         return response
+    except GatewayError as exc:
+        return error_response(exc)
     except web.HTTPException as exc:
         if exc.content_type == "application/json" or exc.status < 400:
             raise
-        response = error_response(exc.status, exc.reason.lower().replace(" ", "_"), exc.reason)
+        response = error_response(GatewayError(exc.reason.lower().replace(" ", "_"), exc.reason, exc.status))
         if "Allow" in exc.headers:
             response.headers["Allow"] = exc.headers["Allow"]
         return response
@@ -466,7 +282,7 @@ async def origin_check(request: web.Request, handler):
     if not _origin_allowed(request, allowed):
         if request.method in ("GET", "HEAD") and not request.headers.get("Upgrade"):
             return await handler(request)  # reads without CORS headers stay unreadable to the page
-        return error_response(403, "origin_not_allowed", "this Origin may not use the API; add it with --cors-origin")
+        return error_response(GatewayError("origin_not_allowed", "this Origin may not use the API; add it with --cors-origin", 403))
     origin = request.headers.get("Origin")
     if request.method == "OPTIONS" and origin and request.headers.get("Access-Control-Request-Method"):
         response = web.Response(status=204)
@@ -494,7 +310,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
     app[OPENAPI] = openapi.spec(web=settings.web)
     app.router.add_get("/openapi.json", handle_openapi)
     sessions_api.add_routes(app)
-    telephony.add_routes(app)
+    twilio_stream.add_routes(app)
     tts_http.add_routes(app)
     if settings.web:
         app.router.add_get("/", handle_index)

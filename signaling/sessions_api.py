@@ -26,11 +26,11 @@ import time
 
 from aiohttp import WSMsgType, web
 
-from ..gateway.peer import OfferError, PeerConnection
-from ..gateway.protocol import ProtocolError, parse
-from ..engine.voices import UnknownVoice
+from ..gateway.peer import PeerConnection
+from ..gateway.protocol import parse
 from ..gateway.session import Session
-from .errors import ApiError, error_response, read_json_object
+from ..gateway.errors import GatewayError, checked_voice
+from .errors import error_response, read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -75,22 +75,22 @@ class TokenSigner:
     def verify(self, token: object, now: float | None = None) -> str:
         """Returns the session id the token was issued for."""
         if not isinstance(token, str) or token.count(".") != 1 or len(token) > 1024:
-            raise ApiError(401, "invalid_token", "the token is malformed")
+            raise GatewayError("invalid_token", "the token is malformed", 401)
         body, sig = token.split(".")
         try:
             payload = _unb64(body)
             given = _unb64(sig)
         except (ValueError, TypeError):
-            raise ApiError(401, "invalid_token", "the token is malformed") from None
+            raise GatewayError("invalid_token", "the token is malformed", 401) from None
         if not hmac.compare_digest(given, self._sign(payload)):
-            raise ApiError(401, "invalid_token", "the token's signature does not match")
+            raise GatewayError("invalid_token", "the token's signature does not match", 401)
         try:
             data = json.loads(payload)
             sid, exp = str(data["sid"]), float(data["exp"])
         except (ValueError, KeyError, TypeError):
-            raise ApiError(401, "invalid_token", "the token is malformed") from None
+            raise GatewayError("invalid_token", "the token is malformed", 401) from None
         if (now if now is not None else time.time()) > exp:
-            raise ApiError(403, "token_expired", "the token has expired; ask the backend for a new one")
+            raise GatewayError("token_expired", "the token has expired; ask the backend for a new one", 403)
         return sid
 
     def _sign(self, payload: bytes) -> bytes:
@@ -108,7 +108,7 @@ class SessionRegistry:
         self.owner: dict[str, str | None] = {}
         self.by_key: dict[str, set[str]] = {}
         self.backends: dict[str, dict[str, str]] = {}  # session id -> listener name -> role
-        self.calls: dict[str, object] = {}  # session id -> telephony call (signaling.telephony.TwilioCall)
+        self.calls: dict[str, object] = {}  # session id -> telephony call (signaling.twilio_stream.TwilioCall)
 
     def owned_by(self, session_id: str, key: str | None) -> bool:
         return session_id in self.owner and self.owner[session_id] == key
@@ -141,19 +141,19 @@ def check_client_token(request: web.Request, token: object, session_id: str) -> 
     """The request carries a client token for `session_id` (in the body, or as a bearer token)."""
     token = token if token is not None else bearer_of(request)
     if token is None:
-        raise ApiError(401, "token_required", "this needs the session's client token: 'token' in the body, or Authorization: Bearer <token>")
+        raise GatewayError("token_required", "this needs the session's client token: 'token' in the body, or Authorization: Bearer <token>", 401)
     if request.app[SIGNER].verify(token) != session_id:
-        raise ApiError(403, "token_mismatch", "the token was issued for another session")
+        raise GatewayError("token_mismatch", "the token was issued for another session", 403)
 
 
 def check_api_key(request: web.Request) -> str | None:
-    """The caller's key; raises a JSON 401 when keys are configured and this one is not among them."""
+    """The caller's key; refuses (401) when keys are configured and this one is not among them."""
     keys = request.app["gateway"].settings.api_key
     if not keys:
         return None
     given = api_key_of(request)
     if not given:
-        raise _http_error(web.HTTPUnauthorized, "unauthorized", "an API key is required: Authorization: Bearer <key> or X-API-Key")
+        raise GatewayError("unauthorized", "an API key is required: Authorization: Bearer <key> or X-API-Key", 401)
     # Header bytes that are not UTF-8 reach us as surrogates; compare raw bytes.
     given_bytes = given.encode("utf-8", "surrogateescape")
     match = None
@@ -162,11 +162,7 @@ def check_api_key(request: web.Request) -> str | None:
             match = key
     if match is not None:
         return match
-    raise _http_error(web.HTTPUnauthorized, "invalid_api_key", "the API key is not valid")
-
-
-def _http_error(cls, code: str, message: str, **kwargs) -> web.HTTPException:
-    return cls(text=json.dumps({"error": {"code": code, "message": message}}), content_type="application/json", **kwargs)
+    raise GatewayError("invalid_api_key", "the API key is not valid", 401)
 
 
 def _session_or_404(request: web.Request, key: str | None) -> Session:
@@ -175,7 +171,7 @@ def _session_or_404(request: web.Request, key: str | None) -> Session:
     sid = request.match_info["session_id"]
     session = request.app["gateway"].sessions.get(sid)
     if session is None or session.closed or not request.app[REGISTRY].owned_by(sid, key):
-        raise _http_error(web.HTTPNotFound, "unknown_session", "no such session")
+        raise GatewayError("unknown_session", "no such session", 404)
     return session
 
 
@@ -196,26 +192,30 @@ def session_for_offer(app: web.Application, body: dict, voice: object, address: 
     sid, token = body.get("session_id"), body.get("token")
     if sid is None and token is None:
         if gw.settings.require_token:
-            raise OfferError("token_required", "this server needs a client token from POST /v1/sessions", 401)
+            raise GatewayError("token_required", "this server needs a client token from POST /v1/sessions", 401)
         session = gw.create_session(voice=voice, anonymous_from=address)
         track_session(app, session)
         return session, True
     if sid is not None and not isinstance(sid, str):
-        raise OfferError("invalid_field", "'session_id' must be a string")
+        raise GatewayError("invalid_field", "'session_id' must be a string")
     if token is None:
-        raise OfferError("token_required", "joining a session needs its client 'token'", 401)
-    try:
-        token_sid = app[SIGNER].verify(token)
-    except ApiError as exc:
-        raise OfferError(exc.code, exc.message, exc.status) from None
+        raise GatewayError("token_required", "joining a session needs its client 'token'", 401)
+    return join_session(app, sid, token), False
+
+
+def join_session(app: web.Application, sid: str | None, token: object) -> Session:
+    """The session made ahead that `token` was issued for, for a new output (a peer,
+    a call) to attach to. `sid`, when given, must name the same session."""
+    gw = app["gateway"]
+    token_sid = app[SIGNER].verify(token)
     if sid is not None and sid != token_sid:
-        raise OfferError("token_mismatch", "the token was issued for another session", 403)
+        raise GatewayError("token_mismatch", "the token was issued for another session", 403)
     session = gw.sessions.get(token_sid)
     if session is None or session.closed:
-        raise OfferError("unknown_session", "no such session; it may have ended", 404)
-    if session.encoder is not None or token_sid in gw.peers:
-        raise OfferError("already_connected", "a listener is already attached to this session", 409)
-    return session, False
+        raise GatewayError("unknown_session", "no such session; it may have ended", 404)
+    if session.has_output or token_sid in gw.peers:
+        raise GatewayError("already_connected", "a listener is already attached to this session", 409)
+    return session
 
 
 async def abandon_offer(app: web.Application, peer: PeerConnection, created: bool, reason: str) -> None:
@@ -253,16 +253,14 @@ async def handle_create(request: web.Request) -> web.Response:
     registry = request.app[REGISTRY]
     try:
         body = await read_json_object(request, CREATE_BODY_LIMIT, "the body must be a JSON object, or empty", allow_empty=True)
-    except ApiError as exc:
-        return exc.response()
+    except GatewayError as exc:
+        return error_response(exc)
     try:
-        voice = gw.engine.check_voice(body.get("voice"))
-    except UnknownVoice as exc:
-        return error_response(400, exc.code, exc.message)
+        voice = checked_voice(gw.engine, body.get("voice"))
+    except GatewayError as exc:
+        return error_response(exc)
     if key is not None and len(registry.by_key.get(key, ())) >= gw.settings.max_sessions_per_key:
-        return error_response(
-            429, "key_limit", f"this API key holds its maximum of {gw.settings.max_sessions_per_key} sessions"
-        )
+        return error_response(GatewayError("key_limit", f"this API key holds its maximum of {gw.settings.max_sessions_per_key} sessions", 429))
     session = gw.create_session(voice=voice)
     track_session(request.app, session, owner=key)
     registry.made_ahead.add(session.id)
@@ -350,7 +348,7 @@ async def handle_ws(request: web.Request) -> web.StreamResponse:
     session = _session_or_404(request, key)
     role = request.query.get("role", "writer")
     if role not in ("writer", "watcher"):
-        return error_response(400, "invalid_field", "'role' must be 'writer' or 'watcher'")
+        return error_response(GatewayError("invalid_field", "'role' must be 'writer' or 'watcher'"))
     gw = request.app["gateway"]
     limit = gw.settings.max_message_bytes
     # decode_text=False: a text frame with invalid UTF-8 reaches the session
@@ -418,11 +416,11 @@ def _backend_message(session: Session, name: str, raw: str | bytes) -> None:
         # writer holds the session, so a watcher never races the writer.
         try:
             msg = parse(raw, session.options.limits)
-        except ProtocolError:
+        except GatewayError:
             msg = None  # let the session report the parse error itself
         if msg is not None and msg["type"] != "ping":
             session.emit(
-                ProtocolError("read_only", "this backend watches the session; only its writer may send text, cancel or updates", msg.get("id")).event(),
+                GatewayError("read_only", "this backend watches the session; only its writer may send text, cancel or updates", id=msg.get("id")).event(),
                 only=name,
             )
             return

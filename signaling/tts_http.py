@@ -22,13 +22,13 @@ import numpy as np
 from aiohttp import web
 
 from ..engine.base import SynthesisOptions
-from ..engine.voices import UnknownVoice
 from ..engine.errors import EngineCrashed, EngineStreamError, EngineUnavailable, public_engine_error
 from ..engine.stream import StreamChunk, TTSStream
 from ..gateway.encoder import ulaw_encode
 from ..gateway.resample import StreamResampler
 from ..gateway.session import TEXT_SLICE_CHARS
-from .errors import ApiError, read_json_object
+from ..gateway.errors import GatewayError, checked_voice
+from .errors import error_response, read_json_object
 from .sessions_api import check_api_key
 
 log = logging.getLogger(__name__)
@@ -185,22 +185,19 @@ def _options(request: web.Request, body: dict) -> tuple[str, str, SynthesisOptio
     settings = gw.settings
     text = body.get("text")
     if not isinstance(text, str) or not text.strip():
-        raise ApiError(400, "invalid_field", "'text' must be a non-empty string")
+        raise GatewayError("invalid_field", "'text' must be a non-empty string")
     limit = settings.max_utterance_chars
     if len(text) > limit:
-        raise ApiError(400, "text_too_long", f"text has {len(text)} characters; the limit is {limit}")
+        raise GatewayError("text_too_long", f"text has {len(text)} characters; the limit is {limit}")
     if any(0xD800 <= ord(c) <= 0xDFFF for c in text):
-        raise ApiError(400, "invalid_utf8", "text holds unpaired surrogates")
+        raise GatewayError("invalid_utf8", "text holds unpaired surrogates")
     fmt = body.get("format", "wav")
     if fmt not in FORMATS:
-        raise ApiError(400, "invalid_field", f"'format' must be one of {', '.join(FORMATS)}")
-    try:
-        voice = gw.engine.check_voice(body.get("voice"))
-    except UnknownVoice as exc:
-        raise ApiError(400, exc.code, exc.message) from None
+        raise GatewayError("invalid_field", f"'format' must be one of {', '.join(FORMATS)}")
+    voice = checked_voice(gw.engine, body.get("voice"))
     rate = body.get("rate", 1.0)
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.25 <= rate <= 4.0:
-        raise ApiError(400, "invalid_field", "'rate' must be a number from 0.25 to 4.0")
+        raise GatewayError("invalid_field", "'rate' must be a number from 0.25 to 4.0")
     return text, fmt, SynthesisOptions(voice=voice, rate=float(rate))
 
 
@@ -217,9 +214,9 @@ async def _first_chunk(stream: TTSStream) -> StreamChunk | None:
     except StopAsyncIteration:
         return None
     except EngineStreamError as exc:
-        raise ApiError(400, "engine_error", public_engine_error(exc)) from None
+        raise GatewayError("engine_error", public_engine_error(exc)) from None
     except (EngineCrashed, EngineUnavailable) as exc:
-        raise ApiError(503, "engine_unavailable", str(exc)) from None
+        raise GatewayError("engine_unavailable", str(exc), 503) from None
 
 
 class _Timeline:
@@ -267,12 +264,9 @@ class TtsSlots:
     def acquire(self, gw, caller: str) -> None:
         settings = gw.settings
         if gw.tts_active >= settings.tts_max_concurrent or len(gw.sessions) + gw.tts_active >= settings.max_sessions:
-            raise ApiError(503, "at_capacity", "the server is synthesizing its maximum of requests; retry in a moment")
+            raise GatewayError("at_capacity", "the server is synthesizing its maximum of requests; retry in a moment", 503)
         if self.by_caller.get(caller, 0) >= settings.tts_max_concurrent_per_key:
-            raise ApiError(
-                429, "too_many_requests",
-                f"this caller has {settings.tts_max_concurrent_per_key} requests synthesizing; wait for one to finish",
-            )
+            raise GatewayError("too_many_requests", f"this caller has {settings.tts_max_concurrent_per_key} requests synthesizing; wait for one to finish", 429)
         self.by_caller[caller] = self.by_caller.get(caller, 0) + 1
         gw.tts_active += 1
 
@@ -300,8 +294,8 @@ async def handle_tts(request: web.Request) -> web.StreamResponse:
         body = await read_json_object(request, _body_limit(gw.settings), 'send {"text": "...", "format": "wav"}')
         text, fmt, options = _options(request, body)
         slots.acquire(gw, caller)
-    except ApiError as exc:
-        response = exc.response()
+    except GatewayError as exc:
+        response = error_response(exc)
         if exc.status in (429, 503):
             response.headers["Retry-After"] = "1"
         return response
@@ -317,7 +311,7 @@ async def _synthesize(
     try:
         stream = gw.engine.stream(options)
     except EngineUnavailable as exc:
-        return ApiError(503, "engine_unavailable", str(exc)).response()
+        return error_response(GatewayError("engine_unavailable", str(exc), 503))
     # Audio is capped per request: text that expands into hours of audio (breaks,
     # spelled-out symbols) costs the server as much CPU as it says.
     sent_samples = 0
@@ -331,8 +325,8 @@ async def _synthesize(
             # Headers wait for the first chunk: an engine error can still be a JSON error,
             # and the WAV header needs the engine's rate.
             first = await _first_chunk(stream)
-        except ApiError as exc:
-            return exc.response()
+        except GatewayError as exc:
+            return error_response(exc)
         rate = first.sample_rate if first is not None else int(gw.engine.info.get("sample_rate") or 16000)
         formatter = await loop.run_in_executor(_pool, FORMATTERS[fmt], rate)
         response = web.StreamResponse(

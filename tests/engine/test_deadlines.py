@@ -33,7 +33,7 @@ class Run:
 
     def __init__(self, engine: PiperEngine) -> None:
         self.sent: list = []
-        self.scheduler = Scheduler(engine, lambda message, pcm=None: self.sent.append(message), parallel=1)
+        self.scheduler = Scheduler(engine, send=lambda message, pcm=None: self.sent.append(message), parallel=1)
 
     def open(self, sid: int, text: str, start_in: float = 0.0) -> None:
         handle = self.scheduler.handle

@@ -1,6 +1,6 @@
 """Property tests: the protocol parser and a Session under arbitrary input.
 
-`parse` turns any bytes or text into a valid message or a ProtocolError with
+`parse` turns any bytes or text into a valid message or a GatewayError with
 a code and a message, never another exception. A Session fed arbitrary
 sequences of messages (valid, half-valid and garbage, with microphone noise
 in between) never raises, never answers `internal`, and ends every utterance
@@ -26,7 +26,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from voxgate.engine.client import EngineClient, EngineConfig
-from voxgate.gateway.protocol import CLIENT_TYPES, Limits, ProtocolError, parse
+from voxgate.gateway.errors import GatewayError
+from voxgate.gateway.protocol import CLIENT_TYPES, Limits, parse
 from voxgate.gateway.session import Session, SessionOptions
 
 LIMITS = Limits(max_message_bytes=512, max_text_chars=40)
@@ -79,7 +80,7 @@ raw_inputs = st.one_of(
 def test_parse_returns_a_valid_message_or_a_protocol_error(raw):
     try:
         msg = parse(raw, LIMITS)
-    except ProtocolError as exc:
+    except GatewayError as exc:
         assert isinstance(exc.code, str) and exc.code and isinstance(exc.message, str) and exc.message
         event = exc.event()
         assert event["type"] == "error"
@@ -96,7 +97,7 @@ def test_parse_returns_a_valid_message_or_a_protocol_error(raw):
 
 @pytest.mark.parametrize("raw", [b"\xff\xfe", "\ud800", '"just a string"', "[]", "{}", '{"type": 5}', "x" * 600, deep(5000)])
 def test_parse_named_corner_cases(raw):
-    with pytest.raises(ProtocolError):
+    with pytest.raises(GatewayError):
         parse(raw, LIMITS)
 
 
@@ -158,7 +159,7 @@ def engine_loop():
 
 async def _drive(engine: EngineClient, script: list[tuple[str, object]]) -> tuple[Session, Recorder]:
     options = SessionOptions(limits=LIMITS, max_queued_utterances=4, max_utterance_chars=60)
-    session = Session(engine, options)
+    session = Session(engine, options=options)
     rec = Recorder()
     session.add_listener("peer", rec)
     session.attach_output("opus")
@@ -217,7 +218,7 @@ def test_session_survives_any_message_sequence_and_ends_each_utterance_once(engi
 
 
 async def _one(engine: EngineClient, raw: str) -> list[dict]:
-    session = Session(engine, SessionOptions(limits=LIMITS))
+    session = Session(engine, options=SessionOptions(limits=LIMITS))
     rec = Recorder()
     session.add_listener("peer", rec)
     session.handle_message(raw, "peer")

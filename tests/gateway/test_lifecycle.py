@@ -61,6 +61,11 @@ async def test_past_capacity_new_sessions_are_refused_cleanly(server_factory):
             assert "503" in str(exc) and "at_capacity" in str(exc)
         finally:
             await third.close()
+        async with aiohttp.ClientSession() as http:
+            async with http.post(server.url + "/v1/offer", json={"sdp": "v=0\r\n", "type": "offer"}) as resp:
+                # The refusal says when to try again: the one error mapping carries its headers.
+                assert resp.status == 503 and resp.headers.get("Retry-After") == "5"
+                assert (await resp.json())["error"]["code"] == "at_capacity"
         for client, uid in ((a, "a"), (b, "b")):
             client.send({"type": "speak", "text": "The first two keep working.", "id": uid})
         await a.wait_for("utterance.done", id="a")

@@ -39,7 +39,7 @@ class FakeTime:
 
 
 def pacer_on(fake: FakeTime) -> Pacer:
-    return Pacer(FrameClock(time_source=fake))
+    return Pacer(clock=FrameClock(time_source=fake))
 
 
 async def departures(pacer: Pacer, n: int, fake: FakeTime, work_s: float = 0.0) -> list[float]:
@@ -64,7 +64,7 @@ async def test_pacer_departs_at_the_anchor_plus_whole_frames():
 async def test_one_clock_serves_every_track_on_its_own_phase():
     fake = FakeTime()
     clock = FrameClock(time_source=fake)
-    pacers = [Pacer(clock) for _ in range(3)]
+    pacers = [Pacer(clock=clock) for _ in range(3)]
 
     first = await pacers[0].wait()
     fake.advance(0.003)  # the next track starts 3 ms later: on the next 5 ms tick

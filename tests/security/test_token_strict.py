@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from voxgate.signaling.errors import ApiError
+from voxgate.gateway.errors import GatewayError
 from voxgate.signaling.sessions_api import TokenSigner
 
 from sec_helpers import http_json
@@ -32,7 +32,7 @@ def test_a_token_verifies_as_issued():
 @pytest.mark.parametrize("index", range(10))
 def test_any_stray_character_is_refused(index):
     token = altered(SIGNER.issue("abc123"))[index]
-    with pytest.raises(ApiError) as refused:
+    with pytest.raises(GatewayError) as refused:
         SIGNER.verify(token)
     assert refused.value.status == 401 and refused.value.code == "invalid_token"
 

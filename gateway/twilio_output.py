@@ -35,7 +35,7 @@ Send = Callable[[dict], Awaitable[None]]
 
 
 class TwilioOutput:
-    def __init__(self, session: Session, stream_sid: str, send: Send, pacer: Pacer | None = None) -> None:
+    def __init__(self, session: Session, *, stream_sid: str, send: Send, pacer: Pacer | None = None) -> None:
         self.session = session
         self.stream_sid = stream_sid
         self._send_raw = send

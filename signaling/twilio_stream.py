@@ -29,10 +29,11 @@ from aiohttp import WSMsgType, web
 from ..gateway.encoder import ulaw_decode
 from ..gateway.resample import StreamResampler
 from ..gateway.session import Session
-from ..gateway.telephony import TwilioOutput
+from ..gateway.twilio_output import TwilioOutput
 from ..gateway.protocol import RateLimiter
-from .errors import ApiError, error_response
-from .sessions_api import REGISTRY, SIGNER, track_session
+from ..gateway.errors import GatewayError
+from .errors import error_response
+from .sessions_api import REGISTRY, join_session, track_session
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +82,6 @@ def signature_valid(request: web.Request, auth_token: str, public_url: str | Non
     return ok and bool(given)
 
 
-class CallError(Exception):
-    def __init__(self, code: str, message: str, fatal: bool = False) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.fatal = fatal
-
-
 class TwilioCall:
     """One Media Streams connection bound to one session."""
 
@@ -134,16 +127,16 @@ class TwilioCall:
             try:
                 raw = bytes(raw).decode("utf-8")
             except UnicodeDecodeError:
-                raise CallError("invalid_utf8", "the frame is not valid UTF-8 text") from None
+                raise GatewayError("invalid_utf8", "the frame is not valid UTF-8 text") from None
         try:
             msg = json.loads(raw)
         except (ValueError, RecursionError):
-            raise CallError("invalid_json", "the frame is not JSON") from None
+            raise GatewayError("invalid_json", "the frame is not JSON") from None
         if not isinstance(msg, dict) or not isinstance(msg.get("event"), str):
-            raise CallError("invalid_message", "a frame must be a JSON object with a string 'event'")
+            raise GatewayError("invalid_message", "a frame must be a JSON object with a string 'event'")
         event = msg["event"]
         if event not in INBOUND_EVENTS:
-            raise CallError("unknown_event", f"unknown event {event[:40]!r}; expected one of {', '.join(INBOUND_EVENTS)}")
+            raise GatewayError("unknown_event", f"unknown event {event[:40]!r}; expected one of {', '.join(INBOUND_EVENTS)}")
         if event == "connected":
             return
         if event == "start":
@@ -152,49 +145,49 @@ class TwilioCall:
         if self.session is None:
             if event == "stop":
                 return
-            raise CallError("not_started", f"'{event[:40]}' before 'start'")
+            raise GatewayError("not_started", f"'{event[:40]}' before 'start'")
         if event == "media":
             self._media(msg)
         elif event == "mark":
             mark = msg.get("mark")
             name = mark.get("name") if isinstance(mark, dict) else None
             if not isinstance(name, str) or len(name) > 256:
-                raise CallError("invalid_message", "'mark' needs a string mark.name")
+                raise GatewayError("invalid_message", "'mark' needs a string mark.name")
             assert self.output is not None
             self.output.on_mark(name)
         elif event == "dtmf":
             dtmf = msg.get("dtmf")
             digit = dtmf.get("digit") if isinstance(dtmf, dict) else None
             if not isinstance(digit, str) or len(digit) != 1 or digit not in "0123456789*#ABCDabcd":
-                raise CallError("invalid_message", "'dtmf' needs a one-character dtmf.digit (0-9, *, #, A-D)")
+                raise GatewayError("invalid_message", "'dtmf' needs a one-character dtmf.digit (0-9, *, #, A-D)")
             self.dtmf.append(digit)
             self.session.emit({"type": "call.dtmf", "digit": digit, "call_sid": self.call_sid})
         elif event == "stop":
-            raise CallError("stopped", "the call ended", fatal=True)
+            raise GatewayError("stopped", "the call ended", fatal=True)
 
     async def _start(self, msg: dict) -> None:
         if self.session is not None:
-            raise CallError("already_started", "this stream has already started")
+            raise GatewayError("already_started", "this stream has already started")
         start = msg.get("start")
         if not isinstance(start, dict):
-            raise CallError("invalid_message", "'start' needs a 'start' object", fatal=True)
+            raise GatewayError("invalid_message", "'start' needs a 'start' object", fatal=True)
         stream_sid = start.get("streamSid") or msg.get("streamSid")
         if not isinstance(stream_sid, str) or not SID.fullmatch(stream_sid):
-            raise CallError("invalid_message", "'start' needs a streamSid of letters and digits", fatal=True)
+            raise GatewayError("invalid_message", "'start' needs a streamSid of letters and digits", fatal=True)
         call_sid = start.get("callSid")
         if call_sid is not None and not (isinstance(call_sid, str) and SID.fullmatch(call_sid)):
-            raise CallError("invalid_message", "'start.callSid' must be letters and digits", fatal=True)
+            raise GatewayError("invalid_message", "'start.callSid' must be letters and digits", fatal=True)
         fmt = start.get("mediaFormat") or {}
         if not isinstance(fmt, dict):
-            raise CallError("invalid_message", "'start.mediaFormat' must be an object", fatal=True)
+            raise GatewayError("invalid_message", "'start.mediaFormat' must be an object", fatal=True)
         if fmt and (fmt.get("encoding") != MULAW or fmt.get("sampleRate", 8000) not in (8000, "8000") or fmt.get("channels", 1) not in (1, "1")):
-            raise CallError("unsupported_format", f"only {MULAW}, 8000 Hz, mono is supported", fatal=True)
+            raise GatewayError("unsupported_format", f"only {MULAW}, 8000 Hz, mono is supported", fatal=True)
         params = start.get("customParameters") or {}
         if not isinstance(params, dict):
-            raise CallError("invalid_message", "customParameters must be an object", fatal=True)
+            raise GatewayError("invalid_message", "customParameters must be an object", fatal=True)
         tracks = start.get("tracks") or ["inbound"]
         if not isinstance(tracks, list):
-            raise CallError("invalid_message", "'start.tracks' must be a list", fatal=True)
+            raise GatewayError("invalid_message", "'start.tracks' must be a list", fatal=True)
         self.stream_sid = stream_sid
         self.call_sid = call_sid
         self.tracks = [t for t in tracks[:4] if isinstance(t, str) and len(t) <= 32]
@@ -202,7 +195,7 @@ class TwilioCall:
         self.session = session
         self.app[REGISTRY].calls[session.id] = self
         session.attach_output("pcmu")
-        self.output = TwilioOutput(session, stream_sid, self.send)
+        self.output = TwilioOutput(session, stream_sid=stream_sid, send=self.send)
         self._listener = f"telephony:{stream_sid}"
         session.add_listener(self._listener, self.output.on_event)
         session.on_close.append(self._on_session_close)
@@ -219,48 +212,36 @@ class TwilioCall:
         sid, token = params.get("session_id"), params.get("token")
         if sid is None and token is None:
             if gw.settings.api_key or gw.settings.require_token:
-                raise CallError(
-                    "token_required",
-                    "this server needs customParameters session_id and token from POST /v1/sessions",
-                    fatal=True,
-                )
+                raise GatewayError("token_required", "this server needs customParameters session_id and token from POST /v1/sessions", fatal=True)
             try:
                 address = self.address
                 session = gw.create_session(voice=params.get("voice"), anonymous_from=address)
-            except ApiError as exc:
-                raise CallError(exc.code, exc.message, fatal=True) from None
-            except web.HTTPException as exc:
-                raise CallError("unavailable", exc.text or "no capacity for a new session", fatal=True) from None
+            except GatewayError as exc:
+                # No room (503): the call protocol has always said "unavailable".
+                code = "unavailable" if exc.status == 503 else exc.code
+                raise GatewayError(code, exc.message, fatal=True) from None
             track_session(self.app, session)
             self.created = True
             return session
         if token is None:
-            raise CallError("token_required", "joining a session needs its client token as customParameters.token", fatal=True)
+            raise GatewayError("token_required", "joining a session needs its client token as customParameters.token", fatal=True)
         try:
-            token_sid = self.app[SIGNER].verify(token)
-        except ApiError as exc:
-            raise CallError(exc.code, exc.message, fatal=True) from None
-        if sid is not None and sid != token_sid:
-            raise CallError("token_mismatch", "the token was issued for another session", fatal=True)
-        session = gw.sessions.get(token_sid)
-        if session is None or session.closed:
-            raise CallError("unknown_session", "no such session; it may have ended", fatal=True)
-        if session.encoder is not None or token_sid in gw.peers:
-            raise CallError("already_connected", "a listener is already attached to this session", fatal=True)
-        return session
+            return join_session(self.app, sid, token)
+        except GatewayError as exc:
+            raise GatewayError(exc.code, exc.message, fatal=True) from None
 
     def _media(self, msg: dict) -> None:
         media = msg.get("media")
         if not isinstance(media, dict) or not isinstance(media.get("payload"), str):
-            raise CallError("invalid_message", "'media' needs media.payload")
+            raise GatewayError("invalid_message", "'media' needs media.payload")
         if media.get("track", "inbound") not in ("inbound", "inbound_track", "outbound", "outbound_track"):
-            raise CallError("invalid_message", "media.track must be inbound or outbound")
+            raise GatewayError("invalid_message", "media.track must be inbound or outbound")
         if media.get("track", "inbound") not in ("inbound", "inbound_track"):
             return  # our own audio echoed back on a bidirectional stream
         try:
             ulaw = base64.b64decode(media["payload"], validate=True)
         except (binascii.Error, ValueError):
-            raise CallError("invalid_payload", "media.payload is not base64") from None
+            raise GatewayError("invalid_payload", "media.payload is not base64") from None
         self.media_in += 1
         assert self.session is not None
         # Media flows all through a live call, quiet or not: it is not idle.
@@ -297,10 +278,7 @@ async def handle_twilio(request: web.Request) -> web.StreamResponse:
     gw = request.app["gateway"]
     settings = gw.settings
     if settings.twilio_auth_token and not signature_valid(request, settings.twilio_auth_token, settings.public_url):
-        return error_response(
-            403, "invalid_signature",
-            "X-Twilio-Signature does not match this URL; check --twilio-auth-token and --public-url",
-        )
+        return error_response(GatewayError("invalid_signature", "X-Twilio-Signature does not match this URL; check --twilio-auth-token and --public-url", 403))
     from .server import client_address  # the server module imports this one
 
     ws = web.WebSocketResponse(heartbeat=None, max_msg_size=MAX_FRAME_BYTES, decode_text=False)
@@ -336,7 +314,7 @@ async def handle_twilio(request: web.Request) -> web.StreamResponse:
                 break
             try:
                 await call.handle(msg.data)
-            except CallError as exc:
+            except GatewayError as exc:
                 if exc.code == "stopped":
                     reason = "stop"
                     break

@@ -1,0 +1,201 @@
+"""The server's state: settings, the engine, the sessions and peers, and the limits on making sessions.
+
+One `Gateway` per server process. The HTTP surface (signaling/) holds one and
+asks it for sessions; it knows nothing of HTTP, and refuses with `GatewayError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import time
+
+from ..config import Settings
+from ..engine.client import EngineClient, EngineConfig
+from .encoder import OpusSettings
+from .errors import GatewayError, checked_voice
+from .ice import IcePolicy, parse_ice_server, parse_networks, restrict_host_addresses
+from .metrics import GatewayMetrics
+from .peer import PeerConnection
+from .protocol import Limits
+from .session import Session, SessionOptions
+from .vad import VadSettings
+
+log = logging.getLogger(__name__)
+
+# Sent with a refusal for capacity: the client may try again shortly.
+RETRY_LATER = {"Retry-After": "5"}
+
+
+def _is_loopback(address: str) -> bool:
+    # Local tools (voxgate probe, the benchmarks) are not limited per address; a
+    # reverse proxy on the same host must be named with --trusted-proxy so that
+    # its clients are told apart.
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+
+def _engine_client(settings: Settings) -> EngineClient:
+    """The local worker, or the engine pool that --engine-url names (engine/remote.py)."""
+    config = EngineConfig(
+        engine=settings.engine,
+        voice=settings.voice,
+        voice_dir=settings.voice_dir,
+        device=settings.device,
+        parallel=settings.parallel,
+        threads=settings.threads,
+        first_unit_timeout=settings.first_unit_timeout_ms / 1000.0,
+    )
+    if settings.engine_url:
+        from ..engine.remote import RemoteEngineClient
+
+        return RemoteEngineClient(settings.engine_url, config)
+    return EngineClient(config)
+
+
+class Gateway:
+    """Everything one server process holds: settings, the engine, the sessions."""
+
+    def __init__(self, settings: Settings, engine: EngineClient | None = None) -> None:
+        self.settings = settings
+        self.metrics = GatewayMetrics()
+        self.engine = engine or _engine_client(settings)
+        self.ice = IcePolicy(
+            servers=[parse_ice_server(u) for u in settings.ice_server],
+            allowed_networks=self._allowed_networks(),
+            allow_public="public" in settings.ice_allow or not settings.ice_allow,
+            turn_secret=settings.turn_secret,
+            turn_ttl_s=settings.turn_ttl_s,
+        )
+        self.sessions: dict[str, Session] = {}
+        self.peers: dict[str, PeerConnection] = {}
+        # Sessions made without a key or token, and by which client address:
+        # they have their own budget, so anonymous offers cannot take the slots
+        # that keyed backends need.
+        self.anonymous: dict[str, str] = {}  # session id -> client address
+        self.tts_active = 0  # POST /v1/tts requests synthesizing; they take session slots too
+        self.trusted_proxies = parse_networks(settings.trusted_proxy)
+        self.accepting = True
+        self._tasks: list[asyncio.Task] = []
+
+    def _allowed_networks(self):
+        explicit = [v for v in self.settings.ice_allow if v != "public"]
+        if explicit:
+            return parse_networks(explicit)
+        # Default: the networks our own host candidates live in.
+        nets = []
+        for host in self.settings.ice_host:
+            nets.append(host + ("/8" if host.startswith("127.") else "/32" if ":" not in host else "/128"))
+        return parse_networks(nets)
+
+    async def start(self) -> None:
+        restrict_host_addresses(self.settings.ice_host or None)
+        await self.engine.start()
+        self.engine.listeners.append(self._on_engine_event)
+        self._tasks.append(asyncio.ensure_future(self._watch_loop_lag()))
+        self._tasks.append(asyncio.ensure_future(self._reap_idle()))
+        log.info("engine %s ready: %s", self.settings.engine, self.engine.info)
+
+    async def drain(self, timeout: float) -> None:
+        """Stop taking sessions, let current utterances finish, then close every session."""
+        self.accepting = False
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(s.speaking for s in self.sessions.values()):
+            await asyncio.sleep(0.1)
+        await asyncio.gather(*(s.close("server shutting down") for s in list(self.sessions.values())), return_exceptions=True)
+
+    async def stop(self) -> None:
+        self.accepting = False
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*(s.close("server shutting down") for s in list(self.sessions.values())), return_exceptions=True)
+        await self.engine.close()
+
+    def _on_engine_event(self, event: str, data: dict) -> None:
+        if event == "restart":
+            self.metrics.worker_restarts.inc()
+
+    async def _watch_loop_lag(self) -> None:
+        interval = 0.1
+        while True:
+            t0 = time.monotonic()
+            await asyncio.sleep(interval)
+            self.metrics.loop_lag.observe(max(0.0, time.monotonic() - t0 - interval))
+            self.metrics.sessions.set(len(self.sessions))
+            self.metrics.utterances_active.set(sum(len(s.utterances) for s in self.sessions.values()))
+            self.metrics.engine_streams.set(self.engine.active_streams)
+
+    async def _reap_idle(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for session in list(self.sessions.values()):
+                if session.speaking:
+                    session.last_activity = now
+                if now - session.last_activity > self.settings.idle_timeout_s:
+                    await session.close("idle timeout")
+                elif now - session.created_at > self.settings.session_lifetime_s:
+                    await session.close("session lifetime reached")
+
+    def session_options(self, voice: str | None = None) -> SessionOptions:
+        s = self.settings
+        return SessionOptions(
+            voice=voice,  # None: the engine's default voice, which the operator chose
+            vad=VadSettings(enabled=s.vad, aggressiveness=s.vad_aggressiveness, min_speech_ms=s.vad_min_speech_ms),
+            opus=OpusSettings(bitrate=s.opus_bitrate, fec=s.opus_fec, dtx=s.opus_dtx, complexity=s.opus_complexity),
+            limits=Limits(max_message_bytes=s.max_message_bytes, max_text_chars=s.max_text_chars, max_messages_per_s=s.max_messages_per_s),
+            max_utterance_chars=s.max_utterance_chars,
+            max_queued_utterances=s.max_queued_utterances,
+        )
+
+    def create_session(
+        self, voice: object = None, anonymous_from: str | None = None
+    ) -> Session:
+        """A new session; `voice` is a client's choice, checked against the engine's voices.
+
+        `anonymous_from`: the client address of a session made without a key or
+        token; such sessions count against their own budget and a per-address limit.
+        """
+        voice = checked_voice(self.engine, voice)
+        if not self.accepting:
+            self.metrics.rejected.labels("draining").inc()
+            raise GatewayError("draining", "the server is shutting down; retry on another instance", 503)
+        if len(self.sessions) + self.tts_active >= self.settings.max_sessions:
+            self.metrics.rejected.labels("capacity").inc()
+            raise GatewayError(
+                "at_capacity", f"the server holds its maximum of {self.settings.max_sessions} sessions; retry later", 503, headers=RETRY_LATER
+            )
+        if anonymous_from is not None:
+            budget = self.settings.anonymous_budget
+            if len(self.anonymous) >= budget:
+                self.metrics.rejected.labels("capacity").inc()
+                raise GatewayError(
+                    "at_capacity",
+                    f"the server holds its maximum of {budget} sessions made without a token; retry later, or join a session made through POST /v1/sessions",
+                    503,
+                    headers=RETRY_LATER,
+                )
+            per_address = self.settings.max_sessions_per_address
+            if (
+                per_address
+                and not _is_loopback(anonymous_from)
+                and sum(1 for a in self.anonymous.values() if a == anonymous_from) >= per_address
+            ):
+                self.metrics.rejected.labels("address_limit").inc()
+                raise GatewayError("address_limit", f"this client address holds its maximum of {per_address} sessions made without a token", 429)
+        session = Session(self.engine, options=self.session_options(voice), metrics=self.metrics.for_session(self.settings.engine))
+        self.sessions[session.id] = session
+        if anonymous_from is not None:
+            self.anonymous[session.id] = anonymous_from
+
+        def forget(s: Session) -> None:
+            self.sessions.pop(s.id, None)
+            self.peers.pop(s.id, None)
+            self.anonymous.pop(s.id, None)
+
+        session.on_close.append(forget)
+        return session
