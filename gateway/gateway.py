@@ -39,23 +39,31 @@ def _is_loopback(address: str) -> bool:
 
 
 
+def _engine_client(settings: Settings) -> EngineClient:
+    """The local worker, or the engine pool that --engine-url names (engine/remote.py)."""
+    config = EngineConfig(
+        engine=settings.engine,
+        voice=settings.voice,
+        voice_dir=settings.voice_dir,
+        device=settings.device,
+        parallel=settings.parallel,
+        threads=settings.threads,
+        first_unit_timeout=settings.first_unit_timeout_ms / 1000.0,
+    )
+    if settings.engine_url:
+        from ..engine.remote import RemoteEngineClient
+
+        return RemoteEngineClient(settings.engine_url, config)
+    return EngineClient(config)
+
+
 class Gateway:
     """Everything one server process holds: settings, the engine, the sessions."""
 
     def __init__(self, settings: Settings, engine: EngineClient | None = None) -> None:
         self.settings = settings
         self.metrics = GatewayMetrics()
-        self.engine = engine or EngineClient(
-            EngineConfig(
-                engine=settings.engine,
-                voice=settings.voice,
-                voice_dir=settings.voice_dir,
-                device=settings.device,
-                parallel=settings.parallel,
-                threads=settings.threads,
-                first_unit_timeout=settings.first_unit_timeout_ms / 1000.0,
-            )
-        )
+        self.engine = engine or _engine_client(settings)
         self.ice = IcePolicy(
             servers=[parse_ice_server(u) for u in settings.ice_server],
             allowed_networks=self._allowed_networks(),

@@ -13,7 +13,7 @@ if not __package__:
     # Run as a file (`python voxgate/cli.py`): the imports below are the package's own.
     sys.exit("voxgate: this is part of the voxgate package; run `pip install -e .` in the clone, then `voxgate ...`")
 
-from .config import ConfigError, add_arguments, secrets_on_command_line, settings_from
+from .config import ConfigError, PoolSettings, add_arguments, secrets_on_command_line, settings_from
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -113,6 +113,30 @@ async def _say_async(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_serve(args: argparse.Namespace) -> int:
+    """A local engine pool on Ray Serve, for development; in production, deploy/k8s/rayservice.yaml."""
+    settings = settings_from(args, kind=PoolSettings)
+    try:
+        settings.check()
+    except ConfigError as exc:
+        print(f"voxgate: {exc}", file=sys.stderr)
+        return 2
+    from .engine.pool import PoolConfig, serve_forever
+
+    config = PoolConfig(
+        engine=settings.engine, voice=settings.voice, voice_dir=settings.voice_dir, device=settings.device,
+        num_cpus=settings.replica_cpus, num_gpus=settings.num_gpus, min_replicas=settings.min_replicas,
+        max_replicas=settings.max_replicas, target_ongoing_requests=settings.target_ongoing_requests,
+        max_ongoing_requests=settings.max_ongoing_requests,
+    )
+    try:
+        serve_forever(config, settings.host, settings.port, settings.ray_cpus or None)
+    except RuntimeError as exc:  # no Ray: the message names the extra
+        print(f"voxgate: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="voxgate", description="Real-time WebRTC voice gateway")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -131,6 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     say.add_argument("--stream", action="store_true", help="feed the text word by word, like LLM tokens")
     say.add_argument("--tokens-per-s", type=float, default=30.0)
     say.set_defaults(func=lambda a: asyncio.run(_say_async(a)))
+
+    engine = sub.add_parser("engine", help="the engine pool on Ray Serve (needs pip install 'voxgate[scale]')")
+    engine_sub = engine.add_subparsers(dest="engine_command", required=True)
+    pool = engine_sub.add_parser("serve", help="start a local engine pool; gateways use it with --engine-url")
+    add_arguments(pool, PoolSettings)
+    pool.set_defaults(func=_engine_serve)
 
     from . import probe as _probe  # light to import: aiortc loads only when a probe runs
 

@@ -42,6 +42,8 @@ class Settings:
     engine_parallel: int = 0  # 0: chosen per engine
     engine_threads: int = 0  # 0: chosen per engine
     first_unit_timeout_ms: int = 350
+    # An engine pool (engine/pool.py) to synthesize on instead of a local worker.
+    engine_url: str | None = None
     # Outbound Opus
     opus_bitrate: int = 32000
     opus_fec: bool = True
@@ -130,6 +132,13 @@ class Settings:
                 "it open on purpose."
             )
         self._check_fleet()
+        if self.engine_url is not None:
+            parsed = urlsplit(self.engine_url)
+            if parsed.scheme not in ("http", "https") or not parsed.hostname:
+                raise ConfigError(
+                    f"--engine-url {self.engine_url!r} is not an http(s) URL; give the pool's Serve ingress, "
+                    "e.g. http://pool:8000/"
+                )
         for value in self.trusted_proxy:
             try:
                 ipaddress.ip_network(value, strict=False)
@@ -188,6 +197,9 @@ _HELP = {
     "engine_threads": "most intra-op threads one synthesis step may use (0: every core; piper gives them to a "
     "step that runs alone and one each to steps under load)",
     "first_unit_timeout_ms": "speak the first words after this long even without a clause boundary",
+    "engine_url": "URL of an engine pool on Ray Serve (`voxgate engine serve`, a KubeRay RayService), e.g. "
+    "http://pool:8000/: synthesis runs there instead of in a local worker process (--engine, --voice and "
+    "--device are then the pool's settings)",
     "opus_bitrate": "outbound Opus bitrate in bit/s",
     "opus_fec": "Opus in-band forward error correction",
     "opus_dtx": "Opus discontinuous transmission",
@@ -243,8 +255,8 @@ _HELP = {
 }
 
 
-def _env_name(name: str) -> str:
-    return "VOXGATE_" + name.upper()
+def _env_name(name: str, prefix: str = "VOXGATE_") -> str:
+    return prefix + name.upper()
 
 
 def _parse_bool(value: str) -> bool:
@@ -256,28 +268,33 @@ def _parse_bool(value: str) -> bool:
     raise ValueError(f"{value!r} is not a boolean; use true or false")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = Settings()
-    for f in fields(Settings):
+def add_arguments(parser: argparse.ArgumentParser, kind: type = None) -> None:
+    kind = kind or Settings
+    helps, prefix = _SCHEMES[kind]
+    defaults = kind()
+    for f in fields(kind):
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
-        help_text = _HELP.get(f.name, "") + f" [env {_env_name(f.name)}]"
+        help_text = helps.get(f.name, "") + f" [env {_env_name(f.name, prefix)}]"
         if isinstance(default, bool):
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif isinstance(default, list):
             parser.add_argument(flag, dest=f.name, action="append", default=None, help=help_text)
         else:
-            kind = type(default) if default is not None else str
-            parser.add_argument(flag, dest=f.name, type=kind, default=None, help=help_text + f" (default {default})")
+            arg_type = type(default) if default is not None else str
+            parser.add_argument(flag, dest=f.name, type=arg_type, default=None, help=help_text + f" (default {default})")
 
 
-def settings_from(args: argparse.Namespace | None = None, environ: dict | None = None) -> Settings:
+def settings_from(args: argparse.Namespace | None = None, environ: dict | None = None, kind: type = None):
+    kind = kind or Settings
+    _, prefix = _SCHEMES[kind]
     environ = os.environ if environ is None else environ
-    settings = Settings()
-    for f in fields(Settings):
+    settings = kind()
+    for f in fields(kind):
         value = getattr(args, f.name, None) if args is not None else None
-        if value is None and _env_name(f.name) in environ:
-            raw = environ[_env_name(f.name)]
+        env = _env_name(f.name, prefix)
+        if value is None and env in environ:
+            raw = environ[env]
             current = getattr(settings, f.name)
             try:
                 if isinstance(current, bool):
@@ -291,10 +308,11 @@ def settings_from(args: argparse.Namespace | None = None, environ: dict | None =
                 else:
                     value = raw
             except ValueError as exc:
-                raise SystemExit(f"{_env_name(f.name)}={raw!r}: {exc}") from None
+                raise SystemExit(f"{env}={raw!r}: {exc}") from None
         if value is not None:
             setattr(settings, f.name, value)
-    _read_secret_files(settings)
+    if kind is Settings:
+        _read_secret_files(settings)
     return settings
 
 
@@ -320,3 +338,49 @@ def secrets_on_command_line(argv: list[str]) -> list[str]:
     """Secret flags given on the command line, where every user of the machine can read them."""
     flags = {"--" + name.replace("_", "-") for name in SECRETS}
     return sorted({arg.split("=", 1)[0] for arg in argv if arg.split("=", 1)[0] in flags})
+
+
+@dataclass
+class PoolSettings:
+    """`voxgate engine serve`: a local engine pool on Ray Serve (engine/pool.py)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    engine: str = "piper"
+    voice: str | None = None
+    voice_dir: str | None = None
+    device: str = "auto"
+    replica_cpus: float = 1.0
+    num_gpus: float = 0.0
+    min_replicas: int = 1
+    max_replicas: int = 1
+    target_ongoing_requests: int = 16
+    max_ongoing_requests: int = 64
+    ray_cpus: int = 0
+
+    def check(self) -> None:
+        if self.num_gpus < 0 or self.replica_cpus <= 0:
+            raise ConfigError("--num-gpus must be >= 0 and --replica-cpus > 0 (fractions share a device)")
+        if not 1 <= self.min_replicas <= self.max_replicas:
+            raise ConfigError("need 1 <= --min-replicas <= --max-replicas")
+        if not 1 <= self.target_ongoing_requests <= self.max_ongoing_requests:
+            raise ConfigError("need 1 <= --target-ongoing-requests <= --max-ongoing-requests")
+
+
+_POOL_HELP = {
+    "host": "address Serve's HTTP ingress listens on (0.0.0.0 in a container)",
+    "port": "port of Serve's HTTP ingress; gateways use --engine-url http://HOST:PORT/",
+    "engine": "speech engine each replica hosts: piper, tone (test engine), torch, cosyvoice2",
+    "voice": "default voice of each replica",
+    "voice_dir": "directory of Piper .onnx voices the replicas offer by name",
+    "device": "where each replica's engine runs: auto, cpu or cuda",
+    "replica_cpus": "CPUs each replica reserves (its scheduler runs one step per CPU)",
+    "num_gpus": "GPU each replica reserves; a fraction (0.25) puts several replicas on one GPU",
+    "min_replicas": "replicas kept running",
+    "max_replicas": "most replicas the autoscaler starts",
+    "target_ongoing_requests": "streams per replica the autoscaler aims for",
+    "max_ongoing_requests": "most streams one replica takes at once; more wait in Serve's queue",
+    "ray_cpus": "CPUs of the local Ray this command starts (0: every core)",
+}
+
+_SCHEMES = {Settings: (_HELP, "VOXGATE_"), PoolSettings: (_POOL_HELP, "VOXGATE_POOL_")}

@@ -21,10 +21,6 @@ from test_deploy_files import (
 from voxgate.config import Settings
 
 FLEET_ENV = {"VOXGATE_API_KEY": "k" * 48, "TOKEN_SECRET": "s" * 64}
-# PENDING (16b): `voxgate engine serve` and --engine-url come with the engine
-# pool's branch; until it merges, VOXGATE_ENGINE_URL is not a setting here.
-# 16b removes this list.
-PENDING_SETTINGS = {"engine_url"}
 SHARED = ("VOXGATE_API_KEY", "VOXGATE_TOKEN_SECRET", "VOXGATE_REDIS_URL", "VOXGATE_ENGINE_URL")
 
 
@@ -50,7 +46,7 @@ def fleet_problems(doc: dict) -> list[str]:
     for name, service in gateways.items():
         env = envs[name]
         for var in env:
-            if setting_of(var) is not None and setting_of(var) not in SETTINGS | PENDING_SETTINGS:
+            if setting_of(var) is not None and setting_of(var) not in SETTINGS:
                 problems.append(f"{name}: {var} is not a Voxgate setting")
         if service.get("build", {}).get("dockerfile") != "deploy/Dockerfile":
             problems.append(f"{name}: must be built from deploy/Dockerfile")

@@ -1,0 +1,249 @@
+"""The engine pool on Ray Serve against the local engine worker, in the same run.
+
+    flock -x /work/notes/cpu.lock python bench/bench_pool.py --out bench/results/pool.json
+    python bench/bench_pool.py --quick      # fewer repetitions
+
+One local Ray (2 CPUs) runs Serve's HTTP proxy and one pool replica with the
+piper voice (joe), 2 synthesis steps at once and 2 threads per step: the same
+settings as the local worker it is compared with (EngineConfig(parallel=2,
+threads=2)). Both engines stay loaded for the whole run and are used in
+alternation, so drift on this shared machine hits both alike.
+
+1. TTFA overhead (server side, at the gateway's engine client, before Opus):
+   push_text of one sentence to its first chunk, through RemoteEngineClient
+   (HTTP to Serve's proxy, the replica, frames back) and through EngineClient
+   (pipe to the worker process), interleaved rep by rep. overhead = remote -
+   local per rep; target p50 <= +5 ms.
+2. Ingress round trip of a request that does no synthesis: GET /v1/stats
+   through Serve's HTTP proxy against the local worker's ping over its pipe.
+   gRPC was not measured: Serve's gRPC proxy needs protobuf-generated servicer
+   code (grpcio-tools is not installed here), see docs/scaling.md.
+3. Throughput at 8 streams: audio seconds per wall second, 8 four-sentence
+   replies at once; remote / local ratio of the medians of alternating runs;
+   target >= 0.95.
+4. A replica killed mid-speech: 2 gateway processes (`voxgate serve
+   --engine-url`) with 2 WebRTC sessions each (aiortc over loopback) speaking
+   long text; the replica actor is killed; per session: engine_crashed error
+   received, peer still connected, and seconds from the kill until its next
+   utterance is done.
+No GPU on this machine: one replica on a GPU serving both gateways at 32 and
+128 streams was not measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import arg_parser, finish, fmt_ms, free_port, machine, print_machine, ratio, section, summary_ci_ms  # noqa: E402
+
+from voxgate.engine.base import SynthesisOptions  # noqa: E402
+from voxgate.engine.client import EngineClient, EngineConfig  # noqa: E402
+from voxgate.engine.pool import APP_NAME, PoolConfig, start_local  # noqa: E402
+from voxgate.engine.remote import RemoteEngineClient  # noqa: E402
+
+SENTENCES = [
+    "The package arrives on Tuesday morning.",
+    "Please hold while I check your account.",
+    "Your appointment is confirmed for three o'clock.",
+    "I can help you with that right away.",
+    "The weather today is mild with light wind.",
+    "Thanks for calling, have a great evening.",
+]
+REPLY = " ".join(SENTENCES[:4])
+
+
+async def first_chunk_s(client, text: str) -> float:
+    stream = client.stream(SynthesisOptions())
+    t0 = time.perf_counter()
+    stream.push_text(text)
+    stream.end_input()
+    first = None
+    async for _ in stream:
+        if first is None:
+            first = time.perf_counter() - t0
+    return first
+
+
+async def throughput(client, streams: int) -> float:
+    """Audio seconds per wall second with `streams` replies synthesized at once."""
+    async def one() -> float:
+        stream = client.stream(SynthesisOptions())
+        stream.push_text(REPLY)
+        stream.end_input()
+        return sum([chunk.duration async for chunk in stream])
+
+    t0 = time.perf_counter()
+    audio = await asyncio.gather(*(one() for _ in range(streams)))
+    return sum(audio) / (time.perf_counter() - t0)
+
+
+async def round_trips(local: EngineClient, remote: RemoteEngineClient, reps: int) -> dict:
+    out: dict = {"local_ping": [], "remote_http": []}
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        await local.worker_stats()
+        out["local_ping"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        await remote.worker_stats()
+        out["remote_http"].append(time.perf_counter() - t0)
+    return out
+
+
+def start_gateway(url: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "voxgate.cli", "serve", "--port", str(port), "--ice-host", "127.0.0.1",
+         "--engine", "piper", "--engine-url", url],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(base + "/readyz", timeout=1) as resp:
+                if resp.status == 200:
+                    return proc, base
+        except Exception:
+            time.sleep(0.2)
+    raise RuntimeError("gateway did not become ready")
+
+
+async def kill_outcome(pool_url: str) -> dict:
+    import ray
+
+    from voxgate.rtc_client import RtcClient
+
+    gateways = [start_gateway(pool_url) for _ in range(2)]
+    try:
+        clients = [RtcClient(base) for _, base in gateways for _ in range(2)]
+        for client in clients:
+            await client.connect()
+        long = "A long answer that is still being spoken when the replica dies. " * 4
+        for i, client in enumerate(clients):
+            client.send({"type": "text.delta", "text": long, "id": f"s{i}"})
+        for i, client in enumerate(clients):
+            await client.wait_for("audio.started", id=f"s{i}", timeout=60)
+        (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["name"].startswith("SERVE_REPLICA::") and APP_NAME in a["name"]]
+        killed_at = time.perf_counter()
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        sessions = []
+        for i, client in enumerate(clients):
+            error = await client.wait_for("error", timeout=30)
+            recovered = None
+            for attempt in range(200):
+                uid = f"n{i}-{attempt}"
+                client.send({"type": "speak", "text": "Back again.", "id": uid})
+                event = await client._next(lambda e: e.get("id") == uid and e["type"] in ("utterance.done", "error"), 120, uid)
+                if event["type"] == "utterance.done":
+                    recovered = time.perf_counter() - killed_at
+                    break
+                await asyncio.sleep(0.2)
+            sessions.append({
+                "gateway": i // 2, "error_code": error.get("code"), "connected": client.pc.connectionState == "connected",
+                "next_utterance_done_after_kill_s": round(recovered, 2) if recovered else None,
+            })
+        for client in clients:
+            await client.close()
+        return {
+            "sessions": sessions,
+            "all_sessions_survived": all(s["connected"] and s["next_utterance_done_after_kill_s"] for s in sessions),
+            "all_got_engine_crashed": all(s["error_code"] == "engine_crashed" for s in sessions),
+            "gateways_alive": all(proc.poll() is None for proc, _ in gateways),
+        }
+    finally:
+        for proc, _ in gateways:
+            proc.terminate()
+            proc.wait(20)
+
+
+async def run(args) -> dict:
+    reps = 10 if args.quick else 40
+    rounds = 2 if args.quick else 3
+    port = free_port()
+    t0 = time.perf_counter()
+    start_local(PoolConfig(engine="piper", num_cpus=2, parallel=2, threads=2), "127.0.0.1", port, num_cpus=2)
+    pool_start_s = time.perf_counter() - t0
+    url = f"http://127.0.0.1:{port}/"
+    local = EngineClient(EngineConfig(engine="piper", parallel=2, threads=2))
+    remote = RemoteEngineClient(url)
+    await local.start()
+    await remote.start()
+    results: dict = {"settings": {"engine": "piper", "voice": local.info.get("voices", [None])[0], "parallel": 2,
+                                  "threads": 2, "ray_cpus": 2, "replicas": 1}, "pool_start_s": round(pool_start_s, 1)}
+    for client in (local, remote):  # warm both: first runs load kernels
+        for text in SENTENCES[:3]:
+            await first_chunk_s(client, text)
+
+    section("1. TTFA: remote pool vs local worker (server side, engine client, before Opus)")
+    ttfa: dict = {"local": [], "remote": [], "overhead": []}
+    for i in range(reps):
+        text = SENTENCES[i % len(SENTENCES)]
+        order = (local, remote) if i % 2 == 0 else (remote, local)
+        got = {}
+        for client in order:
+            got[client is remote] = await first_chunk_s(client, text)
+        ttfa["local"].append(got[False])
+        ttfa["remote"].append(got[True])
+        ttfa["overhead"].append(got[True] - got[False])
+    results["ttfa_ms"] = {k: summary_ci_ms(v) for k, v in ttfa.items()}
+    results["ttfa_ms"]["ratio_p50"] = round(ratio(results["ttfa_ms"]["remote"]["p50"], results["ttfa_ms"]["local"]["p50"]), 3)
+    for k in ("local", "remote", "overhead"):
+        print(f"{k:9s} {fmt_ms(results['ttfa_ms'][k])}  p50 95% CI {results['ttfa_ms'][k].get('p50_ci95')}")
+
+    section("2. Per-request round trip without synthesis: Serve HTTP ingress vs worker pipe (server side)")
+    trips = await round_trips(local, remote, reps * 2)
+    results["round_trip_ms"] = {k: summary_ci_ms(v) for k, v in trips.items()}
+    results["round_trip_ms"]["grpc"] = "not measured: Serve's gRPC proxy needs protobuf-generated servicers (no grpcio-tools here)"
+    for k in ("local_ping", "remote_http"):
+        print(f"{k:12s} {fmt_ms(results['round_trip_ms'][k])}")
+
+    section("3. Throughput at 8 streams: audio s per wall s (server side)")
+    tput: dict = {"local": [], "remote": []}
+    for r in range(rounds):
+        for name, client in ((("local", local), ("remote", remote)) if r % 2 == 0 else (("remote", remote), ("local", local))):
+            tput[name].append(await throughput(client, 8))
+    med = {k: sorted(v)[len(v) // 2] for k, v in tput.items()}
+    results["throughput_8"] = {"runs": {k: [round(x, 3) for x in v] for k, v in tput.items()},
+                               "median": {k: round(v, 3) for k, v in med.items()},
+                               "ratio_remote_over_local": round(ratio(med["remote"], med["local"]), 3)}
+    print(f"local {med['local']:.2f}  remote {med['remote']:.2f}  ratio {results['throughput_8']['ratio_remote_over_local']:.3f}")
+    await local.close()
+    await remote.close()
+
+    section("4. Replica killed mid-speech: 2 gateways, 4 WebRTC sessions")
+    results["replica_killed"] = await kill_outcome(url)
+    print(results["replica_killed"])
+    results["gpu"] = "not measured: no GPU on this machine (one replica on a GPU at 32 and 128 streams)"
+    return results
+
+
+def main() -> None:
+    parser = arg_parser(__doc__)
+    args = parser.parse_args()
+    started = time.perf_counter()
+    info = machine()
+    print_machine(info, "machine")
+    try:
+        results = asyncio.run(run(args))
+    finally:
+        import ray
+        from ray import serve
+
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+    results["machine"] = info
+    results["args"] = vars(args)
+    finish("pool", results, started, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,320 @@
+"""An engine pool on Ray Serve: one engine per replica, streamed to many gateways.
+
+    voxgate engine serve --host 0.0.0.0 --port 8000      # a local pool, for development
+    voxgate serve --engine-url http://pool:8000/         # a gateway that uses it
+
+A replica hosts one engine and the same deadline scheduler as the local worker
+(engine/worker.py): every request is one stream of that scheduler, so steps of
+all the gateways' streams are ordered by playout deadline together, bounded
+steps keep a long text from holding a core, and engines that batch (torch,
+`max_batch`) batch same-size decoder windows across requests in one pass.
+Requests and frames are in engine/pool_protocol.py.
+
+A request's response is a generator: when the gateway closes the stream, Serve
+cancels it, its `finally` cancels the scheduler stream, and the replica's work
+on it stops within one step.
+
+Ray is imported only inside `build_app` and `serve_forever`, so the gateway can
+import this module's neighbours without the `[scale]` extra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass, fields
+
+from . import proto
+from .base import SynthesisOptions
+from .pool_protocol import INFO_PATH, REPLICA_HEADER, STATS_PATH, STREAM_PATH, PoolProtocolError, StreamRequest, pack_frame
+from .registry import create_engine
+from .worker import Scheduler
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "voxgate-engine"
+DEPLOYMENT_NAME = "EnginePool"
+# Chunks a request may have made ahead of what its response has handed on.
+REQUEST_WINDOW = 3
+SCALE_HINT = "the engine pool needs Ray Serve: pip install 'voxgate[scale]'"
+
+
+def require_ray():
+    """Ray and Serve, or a clear error naming the extra that brings them."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError as exc:
+        raise RuntimeError(f"{SCALE_HINT} ({exc})") from None
+    return ray, serve
+
+
+@dataclass
+class PoolConfig:
+    engine: str = "piper"
+    voice: str | None = None
+    voice_dir: str | None = None
+    device: str = "auto"
+    parallel: int = 0  # synthesis steps at once per replica; 0: one per CPU the replica has
+    threads: int = 0  # intra-op threads per step; 0: every CPU the replica has
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0  # a fraction shares one GPU between replicas
+    min_replicas: int = 1
+    max_replicas: int = 1
+    # Streams a replica aims to serve at once (autoscaling) and takes at most.
+    target_ongoing_requests: int = 16
+    max_ongoing_requests: int = 64
+
+
+@dataclass
+class OpenRequest:
+    """One HTTP request, as the scheduler thread takes it: a stream opened, its units, its end."""
+
+    sid: int
+    request: StreamRequest
+
+
+class PoolScheduler(Scheduler):
+    """The worker's scheduler, with streams that resume playback: a request for a
+    stream the listener already hears is ranked by its deadline, not as a first window."""
+
+    def open_request(self, item: OpenRequest) -> None:
+        sid, request = item.sid, item.request
+        self.handle(proto.OpenStream(sid, request.options, REQUEST_WINDOW, request.start_in_s))
+        stream = self.streams[sid]
+        if request.playing:
+            # deadline() = first_sent_at + audio_s: when the listener runs dry.
+            stream.first_sent_at = stream.start_at
+            stream.chunks_sent = 1
+        for index, payload in request.units:
+            self.handle(proto.PushUnit(sid, index, payload))
+        self.handle(proto.EndInput(sid))
+
+
+class EngineHost:
+    """One engine and its scheduler, driven from a thread; streams are async generators of frames."""
+
+    def __init__(self, config: PoolConfig) -> None:
+        self.config = config
+        cores = max(1, int(config.num_cpus) or (os.cpu_count() or 1))
+        options = {"voice": config.voice, "device": config.device, "voice_dir": config.voice_dir,
+                   "threads": config.threads or cores}
+        self.engine = create_engine(config.engine, **options)
+        t0 = time.perf_counter()
+        self.engine.load()
+        self.info = self.engine.info()
+        self.info["load_s"] = time.perf_counter() - t0
+        self.info["pid"] = os.getpid()
+        self.replica_id = f"{socket.gethostname()}:{os.getpid()}"
+        self._ids = itertools.count(1)
+        self._outboxes: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.scheduler = PoolScheduler(self.engine, send=self._send, parallel=config.parallel or cores)
+        # The last request's deadline as the replica saw it (tests read it from /v1/stats).
+        self.requests = 0
+        self.last_start_in_s: float | None = None
+        self.last_playing: bool | None = None
+        self._thread = threading.Thread(target=self._run, name="pool-scheduler", daemon=True)
+        self._thread.start()
+
+    def _send(self, message: proto.FromWorker, pcm=None) -> None:
+        """From the scheduler thread: a stream's Chunk, StreamDone or StreamError, to its request."""
+        target = self._outboxes.get(getattr(message, "sid", None))
+        if target is None:
+            return
+        loop, box = target
+        try:
+            loop.call_soon_threadsafe(box.put_nowait, (message, pcm))
+        except RuntimeError:
+            pass  # the request's loop is gone
+
+    def _run(self) -> None:
+        scheduler = self.scheduler
+        running = True
+        while running:
+            item = scheduler.inbox.get()
+            running = self._handle(item)
+            while running:
+                try:
+                    item = scheduler.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                running = self._handle(item)
+            if running:
+                scheduler.dispatch()
+        scheduler.pool.shutdown(wait=False, cancel_futures=True)
+        self.engine.close()
+
+    def _handle(self, item) -> bool:
+        if isinstance(item, OpenRequest):
+            self.scheduler.open_request(item)
+            return True
+        return self.scheduler.handle(item)
+
+    def stats(self) -> dict:
+        counters = dict(self.scheduler.counters)
+        return dict(counters, streams=len(self.scheduler.streams), requests=self.requests,
+                    last_start_in_s=self.last_start_in_s,
+                    last_playing=self.last_playing, replica=self.replica_id)
+
+    async def stream(self, request: StreamRequest):
+        """The frames of one request, ending with an `end` or `error` frame."""
+        SynthesisOptions.from_dict(request.options)  # refuses a bad rate before any work
+        sid = next(self._ids)
+        box: asyncio.Queue = asyncio.Queue()
+        self._outboxes[sid] = (asyncio.get_running_loop(), box)
+        self.requests += 1
+        self.last_start_in_s = request.start_in_s
+        self.last_playing = request.playing
+        self.scheduler.inbox.put(OpenRequest(sid, request))
+        finished = False
+        try:
+            while True:
+                message, pcm = await box.get()
+                if isinstance(message, proto.Chunk):
+                    yield pack_frame(chunk_header(message), pcm)
+                    self.scheduler.inbox.put(proto.Credit(sid, 1))
+                elif isinstance(message, proto.StreamDone):
+                    finished = True
+                    yield pack_frame({"kind": "end"})
+                    return
+                elif isinstance(message, proto.StreamError):
+                    finished = True
+                    log.warning("engine refused a stream: %s", message.message)
+                    yield pack_frame({"kind": "error", "message": message.message[:500]})
+                    return
+        finally:
+            # Closed by the gateway (Serve cancels the generator) or done: either
+            # way this stream's steps stop here.
+            self._outboxes.pop(sid, None)
+            if not finished:
+                self.scheduler.inbox.put(proto.CancelStream(sid))
+
+    def close(self) -> None:
+        self.scheduler.inbox.put(proto.Shutdown())
+
+
+def chunk_header(msg: proto.Chunk) -> dict:
+    """A Chunk as a frame header. The replica's clock is not the gateway's: when
+    the step began travels as how long ago it began."""
+    return {
+        "kind": "chunk", "sample_rate": msg.sample_rate, "text": msg.text,
+        "words": [(w.text, float(w.start), float(w.end)) for w in msg.words],
+        "unit_index": msg.unit_index, "unit_end": msg.unit_end, "synth_s": msg.synth_s,
+        "synth_ago_s": max(0.0, time.monotonic() - msg.synth_started_at),
+    }
+
+
+class PoolIngress:
+    """The Serve deployment's class: HTTP in, a streamed body of frames out."""
+
+    def __init__(self, config: PoolConfig) -> None:
+        logging.basicConfig(level=os.environ.get("VOXGATE_LOG_LEVEL", "INFO"))
+        self.host = EngineHost(config)
+
+    async def __call__(self, request):
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        path = request.url.path.rstrip("/")
+        root = request.scope.get("root_path", "").rstrip("/")  # the app's route prefix, when it is not "/"
+        if root and path.startswith(root):
+            path = path[len(root):]
+        if request.method == "GET" and path == INFO_PATH:
+            return JSONResponse(self.host.info)
+        if request.method == "GET" and path == STATS_PATH:
+            return JSONResponse(self.host.stats())
+        if request.method != "POST" or path != STREAM_PATH:
+            return JSONResponse({"error": "not_found", "message": f"use POST {STREAM_PATH}"}, status_code=404)
+        try:
+            body = await _read_capped(request)
+            stream_request = StreamRequest.decode(body)
+            SynthesisOptions.from_dict(stream_request.options)
+        except (PoolProtocolError, ValueError, TypeError) as exc:
+            return JSONResponse({"error": "bad_request", "message": str(exc)}, status_code=400)
+        return StreamingResponse(
+            self.host.stream(stream_request), media_type="application/octet-stream",
+            headers={REPLICA_HEADER: self.host.replica_id},
+        )
+
+    def __del__(self) -> None:
+        host = getattr(self, "host", None)
+        if host is not None:
+            host.close()
+
+
+async def _read_capped(request) -> bytes:
+    from .pool_protocol import MAX_REQUEST_BYTES
+
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > MAX_REQUEST_BYTES:
+            raise PoolProtocolError(f"request body over {MAX_REQUEST_BYTES} bytes")
+    return bytes(body)
+
+
+def build_app(config: PoolConfig):
+    """The Serve application: one deployment, autoscaled on ongoing requests."""
+    _, serve = require_ray()
+    actor_options: dict = {"num_cpus": config.num_cpus}
+    if config.num_gpus:
+        actor_options["num_gpus"] = config.num_gpus
+    deployment = serve.deployment(
+        PoolIngress,
+        name=DEPLOYMENT_NAME,
+        ray_actor_options=actor_options,
+        max_ongoing_requests=config.max_ongoing_requests,
+        autoscaling_config={
+            "min_replicas": config.min_replicas,
+            "max_replicas": max(config.min_replicas, config.max_replicas),
+            "target_ongoing_requests": config.target_ongoing_requests,
+        },
+        # A replica killed mid-speech is replaced quickly; its streams end at the gateways.
+        health_check_period_s=2.0,
+    )
+    return deployment.bind(config)
+
+
+def app_builder(args: dict):
+    """For Serve config files (KubeRay's serveConfigV2): `import_path:
+    voxgate.engine.pool:app_builder` with `args` naming PoolConfig fields. A
+    config file's `deployments:` entry may override the replica options."""
+    known = {f.name for f in fields(PoolConfig)}
+    unknown = sorted(set(args or {}) - known)
+    if unknown:
+        raise ValueError(f"unknown engine pool args {unknown}; use {sorted(known)}")
+    return build_app(PoolConfig(**(args or {})))
+
+
+def start_local(config: PoolConfig, host: str, port: int, num_cpus: int | None = None,
+                name: str = APP_NAME, route_prefix: str = "/") -> None:
+    """Start (or join) a local Ray, start Serve's HTTP proxy on host:port and deploy the pool."""
+    ray, serve = require_ray()
+    if not ray.is_initialized():
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_app(config), name=name, route_prefix=route_prefix)
+
+
+def serve_forever(config: PoolConfig, host: str, port: int, num_cpus: int | None = None) -> None:
+    """`voxgate engine serve`: a local pool until interrupted."""
+    ray, serve = require_ray()
+    start_local(config, host, port, num_cpus)
+    print(f"voxgate engine pool ({config.engine}) on http://{host}:{port}/ ; Ctrl-C stops it", flush=True)
+    stop = threading.Event()
+    try:
+        import signal
+
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+

@@ -1,0 +1,141 @@
+"""What crosses the hop between a gateway and the engine pool (engine/pool.py).
+
+One HTTP request per run of text units of one stream:
+
+    POST /v1/stream   {"options": {...}, "units": [[index, payload], ...],
+                       "start_in_s": 0.0, "playing": false}
+
+`start_in_s` is the stream's playout deadline as a duration (seconds until its
+listener runs out of audio, 0: someone is waiting now), so it means the same on
+the replica's clock; `playing` says whether the listener already hears this
+stream (a later run of units), so that the replica does not rank it as a first
+window. The response streams frames until an `end` frame:
+
+    frame = !II (header bytes, pcm bytes) + JSON header + raw int16 PCM
+
+    {"kind": "chunk", "sample_rate", "text", "words", "unit_index", "unit_end",
+     "synth_s", "synth_ago_s"}                      (PCM beside it)
+    {"kind": "error", "message"}                   the engine refused the text
+    {"kind": "end"}                                 every unit was synthesized
+
+A response that stops without `end` means the replica died mid-stream. JSON, not
+pickle: a pool and its gateways trust each other's shapes, never each other's code.
+This module imports neither Ray nor aiohttp: gateways and replicas both use it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from .units import MAX_UNIT_CHARS
+
+STREAM_PATH = "/v1/stream"
+INFO_PATH = "/v1/info"
+STATS_PATH = "/v1/stats"
+# Names the replica that serves a response, so a gateway counts each lost replica once.
+REPLICA_HEADER = "x-voxgate-replica"
+
+FRAME_HEAD = struct.Struct("!II")
+# Caps a reader checks before it allocates: a chunk's JSON (its word timings)
+# and its audio (a unit of MAX_UNIT_CHARS is at most ~20 s: 48 kHz int16 fits).
+MAX_HEADER_BYTES = 256 * 1024
+MAX_PCM_BYTES = 4 * 1024 * 1024
+# One request: a few units. The gateway sends what is pending, up to this many.
+MAX_UNITS_PER_REQUEST = 8
+MAX_REQUEST_BYTES = 256 * 1024
+# A speech-tag unit is a list of pieces; its text is capped like plain text.
+MAX_PIECES_PER_UNIT = 64
+MAX_START_IN_S = 3600.0
+
+
+class PoolProtocolError(ValueError):
+    """A request or frame that breaks the shapes or caps above."""
+
+
+@dataclass
+class StreamRequest:
+    options: dict
+    units: list[tuple[int, str | list]]
+    start_in_s: float = 0.0
+    playing: bool = False
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {"options": self.options, "units": [[i, p] for i, p in self.units],
+             "start_in_s": self.start_in_s, "playing": self.playing}
+        ).encode()
+
+    @classmethod
+    def decode(cls, body: bytes) -> "StreamRequest":
+        if len(body) > MAX_REQUEST_BYTES:
+            raise PoolProtocolError(f"request body over {MAX_REQUEST_BYTES} bytes")
+        try:
+            data = json.loads(body)
+        except ValueError:
+            raise PoolProtocolError("request body is not JSON") from None
+        if not isinstance(data, dict):
+            raise PoolProtocolError("request body must be an object")
+        options = data.get("options") or {}
+        if not isinstance(options, dict) or not all(k in ("voice", "rate", "noise_scale", "noise_w_scale") for k in options):
+            raise PoolProtocolError("options must be an object of voice, rate, noise_scale, noise_w_scale")
+        units = data.get("units")
+        if not isinstance(units, list) or not 1 <= len(units) <= MAX_UNITS_PER_REQUEST:
+            raise PoolProtocolError(f"units must be a list of 1..{MAX_UNITS_PER_REQUEST} [index, payload]")
+        checked = [_check_unit(u) for u in units]
+        start_in = data.get("start_in_s", 0.0)
+        if not isinstance(start_in, (int, float)) or not math.isfinite(start_in):
+            raise PoolProtocolError("start_in_s must be a number")
+        return cls(options, checked, min(max(0.0, float(start_in)), MAX_START_IN_S), bool(data.get("playing")))
+
+
+def _check_unit(unit: object) -> tuple[int, str | list]:
+    if not (isinstance(unit, list) and len(unit) == 2 and isinstance(unit[0], int) and unit[0] >= 0):
+        raise PoolProtocolError("a unit is [index, payload]")
+    payload = unit[1]
+    if isinstance(payload, str):
+        if len(payload) > MAX_UNIT_CHARS:
+            raise PoolProtocolError(f"a unit's text is over {MAX_UNIT_CHARS} characters")
+        return unit[0], payload
+    if not isinstance(payload, list) or len(payload) > MAX_PIECES_PER_UNIT:
+        raise PoolProtocolError(f"a unit's payload is text or up to {MAX_PIECES_PER_UNIT} tag pieces")
+    chars = 0
+    for piece in payload:
+        ok = isinstance(piece, list) and (
+            (len(piece) == 3 and piece[0] == "speech" and isinstance(piece[1], str) and isinstance(piece[2], (int, float)))
+            or (len(piece) == 2 and piece[0] == "pause" and isinstance(piece[1], int))
+        )
+        if not ok:
+            raise PoolProtocolError("a tag piece is ['speech', text, rate] or ['pause', ms]")
+        chars += len(piece[1]) if piece[0] == "speech" else 0
+    if chars > MAX_UNIT_CHARS:
+        raise PoolProtocolError(f"a unit's text is over {MAX_UNIT_CHARS} characters")
+    return unit[0], payload
+
+
+def pack_frame(header: dict, pcm: np.ndarray | None = None) -> bytes:
+    head = json.dumps(header, separators=(",", ":")).encode()
+    body = b"" if pcm is None else np.ascontiguousarray(pcm, dtype=np.int16).tobytes()
+    return FRAME_HEAD.pack(len(head), len(body)) + head + body
+
+
+def frame_sizes(prefix: bytes) -> tuple[int, int]:
+    """The header and PCM sizes a frame's prefix announces, refused above the caps."""
+    n_head, n_pcm = FRAME_HEAD.unpack(prefix)
+    if n_head > MAX_HEADER_BYTES or n_pcm > MAX_PCM_BYTES or n_pcm % 2:
+        raise PoolProtocolError(f"frame of {n_head}+{n_pcm} bytes is over the caps or not int16")
+    return n_head, n_pcm
+
+
+def parse_header(data: bytes) -> dict:
+    try:
+        header = json.loads(data)
+    except ValueError:
+        raise PoolProtocolError("frame header is not JSON") from None
+    if not isinstance(header, dict) or header.get("kind") not in ("chunk", "error", "end"):
+        raise PoolProtocolError("frame header has no known kind")
+    return header

@@ -1,0 +1,315 @@
+"""The gateway's side of the engine pool: EngineClient's interface over Serve's HTTP ingress.
+
+    client = RemoteEngineClient("http://pool:8000/", EngineConfig())
+    await client.start()                     # fetches the pool's voices
+    stream = client.stream(options)          # the same TTSStream as the local worker's
+
+Streams are the local client's `TTSStream` (engine/stream.py: text pipeline,
+unit numbering, chunk text joining); only the transport differs. This client
+is the streams' `StreamTransport` (send_unit, end_input, cancel, credit), as
+the local client is; where that one writes each message to the worker's pipe,
+this one hands it to the stream's `RemoteTransport`, which sends the units that
+are pending as one HTTP request (engine/pool_protocol.py) with the stream's
+playout deadline, and reads the response's frames into the stream, as many as
+the stream's credit allows.
+
+A replica that dies mid-stream cuts its responses short (no `end` frame): those
+streams end with EngineCrashed, as with the local worker; Serve replaces the
+replica and the next utterance goes to a live one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+
+import aiohttp
+import numpy as np
+
+from . import proto
+from .base import WordTiming
+from .client import STREAM_WINDOW, EngineClient, EngineConfig
+from .errors import EngineCrashed, EngineStreamError, EngineUnavailable
+from .pool_protocol import (
+    FRAME_HEAD, INFO_PATH, MAX_UNITS_PER_REQUEST, REPLICA_HEADER, STATS_PATH, STREAM_PATH, PoolProtocolError, StreamRequest,
+    frame_sizes, parse_header,
+)
+from .stream import TTSStream
+
+log = logging.getLogger(__name__)
+
+# Connections to the pool at once, for every stream of this gateway together.
+MAX_CONNECTIONS = 512
+CONNECT_TIMEOUT_S = 5.0
+# The longest wait for the next frame while the stream wants one: a replica
+# serves urgent streams first, so a stream with audio to spare can wait seconds.
+READ_TIMEOUT_S = 60.0
+# Replica ids remembered to count each lost replica once.
+MAX_LOST_REPLICAS = 64
+
+CRASHED_TEXT = "the engine pool's replica stopped unexpectedly; it is being restarted and the next utterance goes to a live replica"
+
+
+class RemoteEngineClient(EngineClient):
+    """EngineClient's interface with a Ray Serve engine pool (engine/pool.py) instead of a worker process."""
+
+    def __init__(self, url: str, config: EngineConfig | None = None, read_timeout_s: float = READ_TIMEOUT_S) -> None:
+        super().__init__(config)
+        self.url = url.rstrip("/")
+        self.read_timeout_s = read_timeout_s
+        self._http: aiohttp.ClientSession | None = None
+        self._transports: dict[int, RemoteTransport] = {}
+        self._is_ready = False
+        self._lost_replicas: deque = deque(maxlen=MAX_LOST_REPLICAS)
+
+    # Lifecycle
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=MAX_CONNECTIONS),
+            timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S, sock_connect=CONNECT_TIMEOUT_S),
+        )
+        deadline = time.monotonic() + self.config.start_timeout
+        delay = 0.1
+        while True:
+            try:
+                self.info = await self._get_json(INFO_PATH)
+                break
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                if time.monotonic() + delay > deadline:
+                    await self._http.close()
+                    raise EngineUnavailable(
+                        f"the engine pool at {self.url} did not answer within {self.config.start_timeout:.0f} s "
+                        f"({type(exc).__name__}); start it with `voxgate engine serve` or fix --engine-url"
+                    ) from None
+                await asyncio.sleep(delay)  # the pool may still be deploying
+                delay = min(delay * 2, 2.0)
+        self._is_ready = True
+        self._started = True
+
+    async def close(self) -> None:
+        self._closing = True
+        self._is_ready = False
+        self._fail_all(EngineUnavailable("the engine is shutting down"))
+        for transport in list(self._transports.values()):
+            transport.cancel()
+        if self._http is not None:
+            await self._http.close()
+
+    @property
+    def ready(self) -> bool:
+        return self._is_ready
+
+    @property
+    def worker_pid(self) -> int | None:
+        return None  # the engine runs in the pool's replicas
+
+    async def worker_stats(self, timeout: float = 5.0) -> dict:
+        """The scheduler counters of the replica that answers (one of the pool's)."""
+        return await asyncio.wait_for(self._get_json(STATS_PATH), timeout)
+
+    async def _get_json(self, path: str) -> dict:
+        assert self._http is not None
+        async with self._http.get(self.url + path, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            if resp.status != 200:
+                raise ValueError(f"{path} answered {resp.status}")
+            data = await resp.json()
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} answered no object")
+        return data
+
+    # EngineClient.stream() opens a stream with OpenStream: here, its transport.
+    def _send(self, message: proto.ToWorker) -> None:
+        if isinstance(message, proto.OpenStream):
+            self._transports[message.sid] = RemoteTransport(self, message.sid, message.options, message.start_in_s)
+
+    # StreamTransport: what a TTSStream asks of this client
+    def send_unit(self, sid: int, index: int, payload: proto.UnitPayload) -> None:
+        transport = self._transports.get(sid)
+        if transport is not None:
+            transport.push_unit(index, payload)
+
+    def end_input(self, sid: int) -> None:
+        transport = self._transports.get(sid)
+        if transport is not None:
+            transport.end_input()
+
+    def cancel(self, sid: int) -> None:
+        self._streams.pop(sid, None)
+        transport = self._transports.pop(sid, None)
+        if transport is not None:
+            transport.cancel()
+
+    def credit(self, sid: int, chunks: int) -> None:
+        transport = self._transports.get(sid)
+        if transport is not None:
+            transport.add_credit(chunks)
+
+    def _finish(self, sid: int, error: Exception | None) -> None:
+        """A stream's last word, from its transport: done, or failed with `error`."""
+        self._transports.pop(sid, None)
+        stream = self._streams.pop(sid, None)
+        if stream is None:
+            return
+        if error is None:
+            stream.on_done()
+        else:
+            stream.on_error(error)
+
+    def _replica_lost(self, replica: str | None) -> None:
+        if replica is not None and replica in self._lost_replicas:
+            return
+        self._lost_replicas.append(replica)
+        self.restarts += 1
+        log.error("engine pool replica %s stopped mid-stream", replica or "?")
+        for listener in self.listeners:
+            listener("restart", {"replica": replica})
+
+
+class RemoteTransport:
+    """One stream's requests to the pool: units out in order, frames in, within the stream's credit."""
+
+    def __init__(self, client: RemoteEngineClient, sid: int, options: dict, start_in_s: float) -> None:
+        self.client = client
+        self.sid = sid
+        self.options = options
+        self.opened_at = time.monotonic()
+        self.start_in_s = max(0.0, float(start_in_s))
+        self.units: deque = deque()
+        self.ended = False
+        self.credit = STREAM_WINDOW
+        self.first_audio_at: float | None = None
+        self.audio_s = 0.0
+        self.replica: str | None = None
+        self._wake = asyncio.Event()
+        self._credit_given = asyncio.Event()
+        self._task = asyncio.ensure_future(self._run())
+
+    # From the stream (via the client's StreamTransport methods)
+    def push_unit(self, index: int, payload: str | list) -> None:
+        self.units.append((index, payload))
+        self._wake.set()
+
+    def end_input(self) -> None:
+        self.ended = True
+        self._wake.set()
+
+    def add_credit(self, chunks: int) -> None:
+        self.credit += chunks
+        self._credit_given.set()
+
+    def cancel(self) -> None:
+        if not self._task.done() and asyncio.current_task() is not self._task:
+            self._task.cancel()  # closes the open response: the replica stops this stream
+
+    def deadline_in(self) -> float:
+        """Seconds until the listener runs out of audio: the deadline the replica schedules by."""
+        now = time.monotonic()
+        if self.first_audio_at is None:
+            return max(0.0, self.opened_at + self.start_in_s - now)
+        # As the worker reckons it: playout starts with the first audio, or at the start deadline if later.
+        return max(0.0, max(self.opened_at + self.start_in_s, self.first_audio_at) + self.audio_s - now)
+
+    # The requests
+    async def _run(self) -> None:
+        stream = self.client._streams.get(self.sid)
+        if stream is None:
+            return
+        try:
+            while True:
+                while not self.units and not self.ended:
+                    self._wake.clear()
+                    await self._wake.wait()
+                if not self.units:
+                    self.client._finish(self.sid, None)
+                    return
+                batch = [self.units.popleft() for _ in range(min(len(self.units), MAX_UNITS_PER_REQUEST))]
+                await self._request(stream, batch)
+        except (EngineCrashed, EngineStreamError, EngineUnavailable) as exc:
+            self.client._finish(self.sid, exc)
+        except Exception as exc:  # a bug here must end the stream, never leave its reader waiting
+            log.exception("engine pool stream failed")
+            self.client._finish(self.sid, EngineUnavailable(f"the engine pool stream failed: {type(exc).__name__}"))
+
+    async def _request(self, stream: TTSStream, batch: list) -> None:
+        http = self.client._http
+        if http is None:
+            raise EngineUnavailable("the engine is shutting down")
+        playing = self.first_audio_at is not None
+        body = StreamRequest(self.options, batch, self.deadline_in(), playing).encode()
+        try:
+            async with http.post(self.client.url + STREAM_PATH, data=body,
+                                 headers={"content-type": "application/json"}) as resp:
+                self.replica = resp.headers.get(REPLICA_HEADER, self.replica)
+                if resp.status == 400:
+                    raise EngineStreamError((await resp.text())[:500])
+                if resp.status != 200:
+                    if playing:
+                        self.client._replica_lost(self.replica)
+                        raise EngineCrashed(CRASHED_TEXT)
+                    raise EngineUnavailable(f"the engine pool answered {resp.status}; try again in a moment")
+                try:
+                    await self._read_frames(stream, resp)
+                finally:
+                    if not resp.content.at_eof():
+                        resp.close()  # a cancelled stream: the connection goes, and with it the replica's work
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, asyncio.IncompleteReadError,
+                PoolProtocolError, asyncio.TimeoutError):
+            self.client._replica_lost(self.replica)
+            raise EngineCrashed(CRASHED_TEXT) from None
+        except aiohttp.ClientConnectionError as exc:
+            if playing:
+                self.client._replica_lost(self.replica)
+                raise EngineCrashed(CRASHED_TEXT) from None
+            raise EngineUnavailable(f"cannot reach the engine pool at {self.client.url}: {exc}") from None
+
+    async def _read_frames(self, stream: TTSStream, resp: aiohttp.ClientResponse) -> None:
+        while True:
+            while self.credit <= 0:  # the listener has STREAM_WINDOW chunks waiting: read no further
+                self._credit_given.clear()
+                await self._credit_given.wait()
+            header, data = await asyncio.wait_for(_read_frame(resp.content), self.client.read_timeout_s)
+            kind = header["kind"]
+            if kind == "end":
+                return
+            if kind == "error":
+                raise EngineStreamError(str(header.get("message", ""))[:500])
+            n_pcm = len(data)
+            pcm = np.frombuffer(data, dtype=np.int16) if n_pcm else None
+            now = time.monotonic()
+            if self.first_audio_at is None:
+                self.first_audio_at = now
+            chunk = chunk_message(self.sid, header, now)
+            self.audio_s += (n_pcm // 2) / chunk.sample_rate
+            self.credit -= 1
+            stream.on_chunk(chunk, pcm)
+
+
+async def _read_frame(content: aiohttp.StreamReader) -> tuple[dict, bytes]:
+    """One frame: its sizes checked against the caps before either part is read."""
+    n_head, n_pcm = frame_sizes(await content.readexactly(FRAME_HEAD.size))
+    header = parse_header(await content.readexactly(n_head))
+    return header, (await content.readexactly(n_pcm) if n_pcm else b"")
+
+
+def chunk_message(sid: int, header: dict, received_at: float) -> proto.Chunk:
+    """A chunk frame's header as the Chunk a TTSStream takes; shapes checked, since they came over a network."""
+    try:
+        chunk = proto.Chunk(
+            sid=sid,
+            unit_index=int(header["unit_index"]),
+            sample_rate=int(header["sample_rate"]),
+            text=str(header.get("text", "")),
+            words=[WordTiming(str(w[0]), float(w[1]), float(w[2])) for w in header.get("words", [])],
+            unit_end=bool(header.get("unit_end", True)),
+            synth_s=float(header.get("synth_s", 0.0)),
+        )
+        # The replica's clock is not ours: when its step began, in our time.
+        chunk.synth_started_at = received_at - float(header.get("synth_ago_s", 0.0)) - chunk.synth_s
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise PoolProtocolError("a chunk frame's header lacks a field or has one of the wrong type") from None
+    if chunk.sample_rate <= 0:
+        raise PoolProtocolError("chunk without a sample rate")
+    return chunk
