@@ -1,8 +1,8 @@
 """Capacity: server CPU per session, on-time frames and the clients' frame gaps,
 Voxgate against a plain aiortc server in the same run (issue 15).
 
-    flock -x /work/notes/cpu.lock python bench/bench_capacity.py            # 5, 10, 20, 40 sessions: 3-7 minutes
-    flock -x /work/notes/cpu.lock python bench/bench_capacity.py --quick    # 5 and 20 sessions, 3 s windows: under 3 minutes
+    python bench/bench_capacity.py            # 5, 10, 20, 40 sessions: 3-7 minutes
+    python bench/bench_capacity.py --quick    # 5 and 20 sessions, 3 s windows: under 3 minutes
     python bench/bench_capacity.py --sessions 20 --scenarios c --sides product,matched \\
         --product-args="--opus-complexity 2"     # one setting (note the =), one scenario
 

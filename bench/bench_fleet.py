@@ -1,6 +1,6 @@
 """The fleet's routing cost: a session reached through another gateway (B) vs its own (A).
 
-    flock -x /work/notes/cpu.lock python bench/bench_fleet.py --out bench/results/fleet.json
+    python bench/bench_fleet.py --out bench/results/fleet.json
     python bench/bench_fleet.py --quick          # fewer rounds
 
 Starts Debian's redis-server and two `voxgate serve` processes (tone engine,

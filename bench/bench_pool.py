@@ -1,6 +1,6 @@
 """The engine pool on Ray Serve against the local engine worker, in the same run.
 
-    flock -x /work/notes/cpu.lock python bench/bench_pool.py --out bench/results/pool.json
+    python bench/bench_pool.py --out bench/results/pool.json
     python bench/bench_pool.py --quick      # fewer repetitions
 
 One local Ray (2 CPUs) runs Serve's HTTP proxy and one pool replica with the
