@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .tags import MAX_BREAK_MS, MAX_RATE, MIN_RATE
 from .units import MAX_UNIT_CHARS
 
 STREAM_PATH = "/v1/stream"
@@ -106,11 +107,17 @@ def _check_unit(unit: object) -> tuple[int, str | list]:
     chars = 0
     for piece in payload:
         ok = isinstance(piece, list) and (
-            (len(piece) == 3 and piece[0] == "speech" and isinstance(piece[1], str) and isinstance(piece[2], (int, float)))
-            or (len(piece) == 2 and piece[0] == "pause" and isinstance(piece[1], int))
+            # The gateway's tag parser caps these (engine/tags.py); the pool checks again,
+            # since anything on its network can call it: a NaN rate or an hour's pause
+            # would cost a replica memory and time.
+            (len(piece) == 3 and piece[0] == "speech" and isinstance(piece[1], str)
+             and isinstance(piece[2], (int, float)) and not isinstance(piece[2], bool)
+             and MIN_RATE <= piece[2] <= MAX_RATE)
+            or (len(piece) == 2 and piece[0] == "pause" and isinstance(piece[1], int)
+                and not isinstance(piece[1], bool) and 0 <= piece[1] <= MAX_BREAK_MS)
         )
         if not ok:
-            raise PoolProtocolError("a tag piece is ['speech', text, rate] or ['pause', ms]")
+            raise PoolProtocolError(f"a tag piece is ['speech', text, rate {MIN_RATE}-{MAX_RATE}] or ['pause', ms up to {MAX_BREAK_MS}]")
         chars += len(piece[1]) if piece[0] == "speech" else 0
     if chars > MAX_UNIT_CHARS:
         raise PoolProtocolError(f"a unit's text is over {MAX_UNIT_CHARS} characters")

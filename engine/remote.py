@@ -255,6 +255,14 @@ class RemoteTransport:
                 finally:
                     if not resp.content.at_eof():
                         resp.close()  # a cancelled stream: the connection goes, and with it the replica's work
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            # Not connected at all (the pool down, or every connection busy): nothing
+            # crashed. Clients get plain words; the pool's address stays in the log.
+            log.warning("cannot reach the engine pool at %s: %s", self.client.url, exc)
+            if playing:
+                self.client._replica_lost(self.replica)
+                raise EngineCrashed(CRASHED_TEXT) from None
+            raise EngineUnavailable("the engine pool cannot be reached; try again in a moment") from None
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, asyncio.IncompleteReadError,
                 PoolProtocolError, asyncio.TimeoutError):
             self.client._replica_lost(self.replica)
@@ -263,7 +271,8 @@ class RemoteTransport:
             if playing:
                 self.client._replica_lost(self.replica)
                 raise EngineCrashed(CRASHED_TEXT) from None
-            raise EngineUnavailable(f"cannot reach the engine pool at {self.client.url}: {exc}") from None
+            log.warning("engine pool connection at %s failed: %s", self.client.url, exc)
+            raise EngineUnavailable("the engine pool cannot be reached; try again in a moment") from None
 
     async def _read_frames(self, stream: TTSStream, resp: aiohttp.ClientResponse) -> None:
         while True:

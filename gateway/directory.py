@@ -37,17 +37,20 @@ REFRESH_SHARE = 1 / 3
 CLAIM_WAIT_S = 2.0
 
 # Rewrite a record if it is absent (Redis restarted, or it expired during an
-# outage) or ours; never take over another gateway's record.
+# outage), ours, or not a record at all (unreadable JSON must not stop the
+# refresh of every other session); never take over another gateway's record.
 _REFRESH_LUA = """
 local v = redis.call('GET', KEYS[1])
-if v and cjson.decode(v)['gw'] ~= ARGV[2] then return 0 end
+local ok, rec = pcall(cjson.decode, v or '')
+if v and ok and type(rec) == 'table' and rec['gw'] ~= ARGV[2] then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
 return 1
 """
 # Delete a record only while it is ours.
 _RELEASE_LUA = """
 local v = redis.call('GET', KEYS[1])
-if v and cjson.decode(v)['gw'] == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+local ok, rec = pcall(cjson.decode, v or '')
+if v and ok and type(rec) == 'table' and rec['gw'] == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
 

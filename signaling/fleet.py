@@ -238,9 +238,7 @@ async def _proxy_http(request: web.Request, fleet: Fleet, owner: str, label: str
             request.method, owner + request.raw_path, data=body or None, headers=_forward_headers(request),
             allow_redirects=False, timeout=aiohttp.ClientTimeout(total=PROXY_TIMEOUT_S),
         ) as resp:
-            payload = await resp.content.read(MAX_PROXIED_RESPONSE_BYTES + 1)
-            if len(payload) > MAX_PROXIED_RESPONSE_BYTES:
-                raise aiohttp.ClientPayloadError(f"answer over {MAX_PROXIED_RESPONSE_BYTES} bytes")
+            payload = await _read_capped(resp.content, MAX_PROXIED_RESPONSE_BYTES)
             headers = {name: resp.headers[name] for name in RETURNED_HEADERS if name in resp.headers}
             status = resp.status
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -249,13 +247,34 @@ async def _proxy_http(request: web.Request, fleet: Fleet, owner: str, label: str
     return web.Response(status=status, body=payload, headers=headers)
 
 
+async def _read_capped(content: aiohttp.StreamReader, limit: int) -> bytes:
+    """The whole body, however many segments it comes in (one read() returns only
+    what has arrived so far), refused past `limit` bytes."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = await content.read(limit + 1 - size)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            raise aiohttp.ClientPayloadError(f"answer over {limit} bytes")
+
+
 async def _proxy_ws(request: web.Request, fleet: Fleet, owner: str) -> web.StreamResponse:
+    downstream = web.WebSocketResponse(heartbeat=WS_HEARTBEAT_S, max_msg_size=fleet.max_ws_message, decode_text=False)
+    if not downstream.can_prepare(request).ok:
+        # Not an upgrade: no socket to the holder (it would take the session's
+        # writer role from the real backend while the caller gets its error).
+        return await _proxy_http(request, fleet, owner, "ws", b"")
     url = "ws" + owner[len("http"):] + request.raw_path  # http -> ws, https -> wss
     try:
-        upstream = await fleet.client.ws_connect(
+        # The handshake is bounded like any proxied request; the socket then lives as long as the session.
+        upstream = await asyncio.wait_for(fleet.client.ws_connect(
             url, headers=_forward_headers(request), heartbeat=WS_HEARTBEAT_S, max_msg_size=fleet.max_ws_message,
             timeout=aiohttp.ClientWSTimeout(ws_close=5.0), autoping=True,
-        )
+        ), PROXY_TIMEOUT_S)
     except aiohttp.WSServerHandshakeError:
         # The holder refused the upgrade (unknown session, bad role): ask again
         # without it, and relay its JSON error as it wrote it.
@@ -265,8 +284,11 @@ async def _proxy_ws(request: web.Request, fleet: Fleet, owner: str) -> web.Strea
     fleet.proxied.labels("ws", "proxied").inc()
     # decode_text=False, as the local handler: a text frame that is not UTF-8
     # reaches the holder, which answers it with an error event.
-    downstream = web.WebSocketResponse(heartbeat=WS_HEARTBEAT_S, max_msg_size=fleet.max_ws_message, decode_text=False)
-    await downstream.prepare(request)
+    try:
+        await downstream.prepare(request)
+    except BaseException:
+        await upstream.close()
+        raise
     fleet.sockets.add(downstream)
 
     async def to_caller() -> None:

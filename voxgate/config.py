@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
@@ -161,7 +162,7 @@ class Settings:
                 f"--advertise-url {self.advertise_url!r} must be this gateway's own base URL, http(s)://HOST:PORT, "
                 "with no path; the other gateways send it the requests about its sessions"
             )
-        if self.directory_ttl_s < 1.0:
+        if not (math.isfinite(self.directory_ttl_s) and self.directory_ttl_s >= 1.0):
             raise ConfigError("--directory-ttl-s must be at least 1 second; records are refreshed every third of it")
 
     @property

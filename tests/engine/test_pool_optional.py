@@ -45,3 +45,19 @@ async def test_an_unreachable_pool_is_a_clear_error():
     client = RemoteEngineClient(f"http://127.0.0.1:{free_port()}/", EngineConfig(start_timeout=0.5))
     with pytest.raises(EngineUnavailable, match="voxgate engine serve"):
         await client.start()
+
+
+@pytest.mark.parametrize("piece", [["pause", 10_000_000], ["pause", -1], ["pause", True], ["speech", "a", float("nan")],
+                                   ["speech", "a", 1e9], ["speech", "a", True]])
+def test_the_pool_refuses_tag_pieces_out_of_range(piece):
+    from voxgate.engine.pool_protocol import PoolProtocolError, _check_unit
+
+    with pytest.raises(PoolProtocolError):
+        _check_unit([0, [piece]])
+    assert _check_unit([0, [["speech", "a", 1.5], ["pause", 300]]])[0] == 0
+
+
+@pytest.mark.parametrize("ttl", [float("nan"), float("inf"), 0.5])
+def test_a_directory_ttl_that_is_not_a_finite_second_or_more_is_refused(ttl):
+    with pytest.raises(ConfigError, match="directory-ttl-s"):
+        Settings(redis_url="redis://127.0.0.1:6379/0", advertise_url="http://127.0.0.1:8080", directory_ttl_s=ttl).check()

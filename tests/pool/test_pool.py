@@ -42,9 +42,15 @@ async def test_remote_stream_decodes_to_exactly_the_text(remote):
 
 async def test_closing_the_response_stops_the_replica_work(pool):
     """The gateway closes the stream after one frame: the replica's scheduler drops the
-    stream (its generator was closed) long before its 8 units were synthesized."""
+    stream (its generator was closed) long before its 8 units were synthesized.
+
+    Each unit is 64 pieces (a word, then a second of silence: one step each), so a
+    replica that went on after the close would run 512 steps; the tone engine makes
+    a short unit in a millisecond, and 8 of them could all be done before the close
+    reaches the replica."""
     before = pool.stats()
-    units = [[i, f"Unit number {i} of a long answer nobody hears."] for i in range(8)]
+    pieces = [["speech", "a", 1.0] if j % 2 == 0 else ["pause", 1000] for j in range(64)]
+    units = [[i, pieces] for i in range(8)]
     body = StreamRequest({}, units).encode()
     async with aiohttp.ClientSession() as http:
         resp = await http.post(pool.url + STREAM_PATH.lstrip("/"), data=body)
@@ -52,8 +58,8 @@ async def test_closing_the_response_stops_the_replica_work(pool):
         assert header["kind"] == "chunk" and header["unit_index"] == 0 and len(pcm) > 0
         resp.close()  # what RemoteTransport does on cancel
     after = await pool.wait_stats(lambda s: s["requests"] > before["requests"] and s["streams"] == 0)
-    # The request's window is 3 chunks; the work stops with them, not after 8 units.
-    assert after["steps"] - before["steps"] < len(units)
+    # The work stops with the close, not after 8 units of 64 steps.
+    assert after["steps"] - before["steps"] < len(units) * len(pieces) // 4
 
 
 async def test_the_playout_deadline_travels_with_each_request(remote, pool):
