@@ -318,6 +318,7 @@ async def _synthesize(
 
     loop = asyncio.get_running_loop()
     formatter: Formatter | None = None
+    response: web.StreamResponse | None = None
     try:
         try:
             await push_in_slices(stream, text)
@@ -371,8 +372,13 @@ async def _synthesize(
         await response.write_eof()
         timeline.log(fmt, len(text))
         return response
-    except (ConnectionResetError, asyncio.CancelledError):
-        raise  # the client went away; the finally cancels synthesis
+    except ConnectionResetError:
+        # The client went away mid-body: nothing to answer, and nothing for
+        # aiohttp to log as a server error. The finally cancels synthesis.
+        if response is None:
+            raise
+        log.info("tts: the client went away before the end of the audio")
+        return response
     finally:
         stream.cancel()
         if isinstance(formatter, OpusFormatter):

@@ -115,13 +115,17 @@ async def test_an_oversized_body_is_refused(tone_server):
     assert status == 413 and b"too_large" in data
 
 
-async def test_a_client_that_hangs_up_mid_stream_leaves_the_server_serving(tone_server):
+async def test_a_client_that_hangs_up_mid_stream_leaves_the_server_serving(server_factory):
+    server = server_factory("tone", ["--log-json"])
     async with aiohttp.ClientSession() as http:
-        async with http.post(tone_server.url + "/v1/tts", json={"text": "Long. " * 400, "format": "opus"}) as resp:
+        async with http.post(server.url + "/v1/tts", json={"text": "Long. " * 400, "format": "opus"}) as resp:
             assert resp.status == 200
             assert await resp.content.readany()
         # Leaving the block closes the connection with most of the body unread.
-    status, _, body = await post(tone_server.url, {"text": "Still here.", "format": "pcm"})
+    # The server notices on its next write, and says so as what it is: not a server error.
+    await server.wait_log(lambda e: "client went away" in e["message"])
+    assert not [e for e in server.log_entries() if "Error handling request" in e["message"]]
+    status, _, body = await post(server.url, {"text": "Still here.", "format": "pcm"})
     assert status == 200 and tone.decode(np.frombuffer(body, dtype="<i2"), tone.SAMPLE_RATE) == "Still here."
 
 
