@@ -89,6 +89,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(url: str, timeout_s: float = 90.0) -> None:
+    """Until `url`/readyz answers 200 (a server started as a subprocess); RuntimeError after `timeout_s`."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/readyz", timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except Exception:
+            time.sleep(0.2)  # not listening yet: a subprocess starting up
+    raise RuntimeError(f"{url} did not become ready within {timeout_s:g} s")
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:

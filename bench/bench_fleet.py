@@ -34,13 +34,12 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 import aiohttp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._common import ARTIFACTS, arg_parser, free_port, ratio, run_recorded, section, summary_ci_ms  # noqa: E402
+from bench._common import ARTIFACTS, arg_parser, free_port, ratio, run_recorded, section, summary_ci_ms, wait_ready  # noqa: E402
 
 KEY = "bench-fleet-key-" + "k" * 24
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -77,15 +76,7 @@ class Gateway:
         )
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(self.url + "/readyz", timeout=1) as resp:
-                    if resp.status == 200:
-                        return
-            except Exception:
-                time.sleep(0.2)
-        raise RuntimeError(f"{self.url} not ready")
+        wait_ready(self.url)
 
 
 async def make_session(http: aiohttp.ClientSession, a: Gateway) -> dict:

@@ -37,11 +37,11 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import arg_parser, finish, fmt_ms, free_port, machine, print_machine, ratio, section, summary_ci_ms  # noqa: E402
+from bench_streaming import first_chunk_s  # noqa: E402
+from _common import arg_parser, finish, fmt_ms, free_port, machine, print_machine, ratio, section, summary_ci_ms, wait_ready  # noqa: E402
 
 from voxgate.engine.base import SynthesisOptions  # noqa: E402
 from voxgate.engine.client import EngineClient, EngineConfig  # noqa: E402
@@ -57,18 +57,6 @@ SENTENCES = [
     "Thanks for calling, have a great evening.",
 ]
 REPLY = " ".join(SENTENCES[:4])
-
-
-async def first_chunk_s(client, text: str) -> float:
-    stream = client.stream(SynthesisOptions())
-    t0 = time.perf_counter()
-    stream.push_text(text)
-    stream.end_input()
-    first = None
-    async for _ in stream:
-        if first is None:
-            first = time.perf_counter() - t0
-    return first
 
 
 async def throughput(client, streams: int) -> float:
@@ -104,15 +92,8 @@ def start_gateway(url: str) -> tuple[subprocess.Popen, str]:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(base + "/readyz", timeout=1) as resp:
-                if resp.status == 200:
-                    return proc, base
-        except Exception:
-            time.sleep(0.2)
-    raise RuntimeError("gateway did not become ready")
+    wait_ready(base)
+    return proc, base
 
 
 async def kill_outcome(pool_url: str) -> dict:

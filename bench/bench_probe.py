@@ -21,11 +21,10 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import ARTIFACTS, arg_parser, finish, free_port, machine, print_machine, ratio, section  # noqa: E402
+from _common import ARTIFACTS, arg_parser, finish, free_port, machine, print_machine, ratio, section, wait_ready  # noqa: E402
 
 from voxgate.probe import ProbeConfig, ProbeReport, run_probe  # noqa: E402
 
@@ -43,16 +42,12 @@ def start_server() -> tuple[subprocess.Popen, str]:
         [sys.executable, "-m", "voxgate.cli", "serve", "--engine", "tone", "--port", str(port), "--ice-host", "127.0.0.1"],
         stdout=log, stderr=subprocess.STDOUT,
     )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url + "/readyz", timeout=1) as resp:
-                if resp.status == 200:
-                    return proc, url
-        except Exception:
-            time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("the tone server did not become ready")
+    try:
+        wait_ready(url, 60)
+    except RuntimeError:
+        proc.kill()
+        raise SystemExit("the tone server did not become ready") from None
+    return proc, url
 
 
 def figures(report: ProbeReport) -> dict:

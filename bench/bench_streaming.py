@@ -383,7 +383,8 @@ async def throughput_section(rounds: int) -> dict:
 # 4. Threads: where to switch
 
 
-async def _first(client: EngineClient, text: str) -> float:
+async def first_chunk_s(client: EngineClient, text: str) -> float:
+    """Seconds from a whole text pushed to the stream's first chunk."""
     stream = client.stream(SynthesisOptions())
     t0 = time.perf_counter()
     stream.push_text(text)
@@ -412,7 +413,7 @@ async def threads_section(reps: int, rounds: int) -> dict:
     try:
         for _ in range(reps):
             for k, c in clients.items():
-                first[k].append(await _first(c, text))
+                first[k].append(await first_chunk_s(c, text))
         for _ in range(rounds):
             for n in (1, 2, 4, 8):
                 for k, c in clients.items():

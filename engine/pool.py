@@ -24,7 +24,6 @@ import asyncio
 import itertools
 import logging
 import os
-import queue
 import socket
 import threading
 import time
@@ -134,20 +133,7 @@ class EngineHost:
             pass  # the request's loop is gone
 
     def _run(self) -> None:
-        scheduler = self.scheduler
-        running = True
-        while running:
-            item = scheduler.inbox.get()
-            running = self._handle(item)
-            while running:
-                try:
-                    item = scheduler.inbox.get_nowait()
-                except queue.Empty:
-                    break
-                running = self._handle(item)
-            if running:
-                scheduler.dispatch()
-        scheduler.pool.shutdown(wait=False, cancel_futures=True)
+        self.scheduler.serve(self._handle)
         self.engine.close()
 
     def _handle(self, item) -> bool:

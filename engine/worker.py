@@ -180,6 +180,27 @@ class Scheduler:
                 self._step_done(*member)
         return True
 
+    def serve(self, handle=None) -> None:
+        """Handle messages and dispatch steps until a message says stop (`handle`,
+        by default `self.handle`, returns False); then stop the step pool.
+
+        Everything already waiting is handled before choosing what to run next,
+        so a cancel or a new stream is seen before the next step is dispatched.
+        """
+        handle = handle or self.handle
+        running = True
+        while running:
+            running = handle(self.inbox.get())
+            while running:
+                try:
+                    msg = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                running = handle(msg)
+            if running:
+                self.dispatch()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
     def _maybe_finish(self, stream: _Stream) -> None:
         if stream.ended and not stream.busy and stream.job is None and not stream.units:
             self.streams.pop(stream.sid, None)
@@ -398,19 +419,5 @@ def run_worker(conn, engine_name: str, engine_options: dict, parallel: int) -> N
             scheduler.inbox.put(message)
 
     threading.Thread(target=reader, name="worker-reader", daemon=True).start()
-    running = True
-    while running:
-        msg = scheduler.inbox.get()
-        running = scheduler.handle(msg)
-        # Take everything already waiting before choosing what to run next, so
-        # a cancel or a new stream is seen before the next step is dispatched.
-        while running:
-            try:
-                msg = scheduler.inbox.get_nowait()
-            except queue.Empty:
-                break
-            running = scheduler.handle(msg)
-        if running:
-            scheduler.dispatch()
-    scheduler.pool.shutdown(wait=False, cancel_futures=True)
+    scheduler.serve()
     engine.close()
