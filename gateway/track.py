@@ -49,7 +49,8 @@ class SpeechTrack(MediaStreamTrack):
         self._time_base = Fraction(1, clock_rate)
         self._samples_per_frame = frame_samples(clock_rate)
 
-    async def recv(self) -> av.Packet:
+    async def next_payload(self) -> tuple[bytes, int]:
+        """The next frame's payload and its RTP time (in samples from the first frame), when due."""
         if self.readyState != "live":
             raise MediaStreamError
         idle = self.dtx and self.playout.idle
@@ -60,11 +61,16 @@ class SpeechTrack(MediaStreamTrack):
         self._last = now
         sent_at = time.perf_counter()  # the clock the session's timings use
         payload = self.playout.next_frame(sent_at)
-        packet = av.Packet(payload)
-        packet.pts = self._pts
-        packet.time_base = self._time_base
         if self.on_departure is not None:
             self.on_departure(sent_at)
+        return payload, self._pts
+
+    async def recv(self) -> av.Packet:
+        """For aiortc's own sender loop (`--rtp-sender aiortc`): the payload as a packet it packs as is."""
+        payload, pts = await self.next_payload()
+        packet = av.Packet(payload)
+        packet.pts = pts
+        packet.time_base = self._time_base
         return packet
 
 

@@ -74,7 +74,7 @@ async def handle_offer(request: web.Request) -> web.Response:
         session, created = sessions_api.session_for_offer(request.app, body, body.get("voice"), address)
     except GatewayError as exc:
         return error_response(exc)
-    peer = PeerConnection(session, gw.ice)
+    peer = PeerConnection(session, gw.ice, rtp_sender=gw.settings.rtp_sender)
     gw.peers[session.id] = peer
     try:
         answer = await peer.answer(sdp)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+RTP_SENDERS = ("voxgate", "aiortc")  # gateway/rtp_send.py
 # Settings that hold secrets: each also has a `<name>_file` setting.
 SECRETS = ("api_key", "token_secret", "turn_secret", "twilio_auth_token")
 
@@ -49,7 +50,9 @@ class Settings:
     opus_bitrate: int = 32000
     opus_fec: bool = True
     opus_dtx: bool = False
-    opus_complexity: int = 5
+    opus_complexity: int = 0
+    # Who builds the speech track's RTP packets (gateway/rtp_send.py).
+    rtp_sender: str = "voxgate"
     # Barge-in defaults for new sessions
     vad: bool = True
     vad_aggressiveness: int = 2
@@ -132,6 +135,8 @@ class Settings:
                 "or VOXGATE_API_KEY (and consider --require-token), or pass --allow-no-auth to serve "
                 "it open on purpose."
             )
+        if self.rtp_sender not in RTP_SENDERS:
+            raise ConfigError(f"--rtp-sender {self.rtp_sender!r}: choose one of {', '.join(RTP_SENDERS)}")
         self._check_fleet()
         if self.engine_url is not None:
             parsed = urlsplit(self.engine_url)
@@ -205,6 +210,8 @@ _HELP = {
     "opus_fec": "Opus in-band forward error correction",
     "opus_dtx": "Opus discontinuous transmission",
     "opus_complexity": "Opus encoder complexity 0..10 (0 costs a third of 5 with the same speech WER: bench/bench_opus_quality.py)",
+    "rtp_sender": "who builds the speech track's RTP packets: voxgate (a header template per sender, a "
+    "fraction of aiortc's cost per frame) or aiortc (aiortc's own sender loop)",
     "vad": "barge-in by voice on for new sessions",
     "vad_aggressiveness": "webrtcvad mode 0..3 for new sessions",
     "vad_min_speech_ms": "speech needed before a barge-in fires",

@@ -1,0 +1,146 @@
+"""The speech track's RTP packets, built and sent here instead of by aiortc's sender loop.
+
+aiortc's `RTCRtpSender._run_rtp` handles any track: for each frame it awaits
+`recv()`, converts the packet's time base with fractions, builds an `RtpPacket`
+and a `HeaderExtensions` object, fills the extensions through a map,
+serializes, reads the NTP clock twice through `datetime`, and hands the bytes
+down through three coroutine layers. For one pre-encoded 20 ms payload that
+was most of the event loop's cost per frame. Here the RTP header is made once
+per sender as a template (the same bytes aiortc would write: version, payload
+type, SSRC, the one-byte header extensions it negotiated for mid and
+abs-send-time), and each frame only writes its sequence number, timestamp,
+marker and send time into it before SRTP and the socket.
+
+This replaces one private method of the sender (`_run_rtp`) and keeps the
+state aiortc's RTCP loop reads for its sender reports (packet and octet
+counts, the last RTP and NTP timestamps), the way `mic.py` reads the receiver
+one step below its public API. `install` checks that state exists; where it
+does not (an aiortc release that renamed it), aiortc's own loop runs, and the
+track's `recv()` serves it as before. `--rtp-sender aiortc` chooses that loop
+on purpose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import struct
+import time
+from typing import TYPE_CHECKING
+
+from aiortc.mediastreams import MediaStreamError
+from aiortc.rtp import HeaderExtensions
+
+if TYPE_CHECKING:
+    from .track import SpeechTrack
+
+log = logging.getLogger(__name__)
+
+_PRIVATE = "_RTCRtpSender__"
+# What aiortc's RTCP loop and stop() read from the sender; install() checks each.
+_STATE = ("rtp_started", "rtp_exited", "rtp_header_extensions_map", "mid",
+          "ntp_timestamp", "rtp_timestamp", "octet_count", "packet_count")
+NTP_EPOCH_OFFSET = 2208988800  # seconds from 1900 (NTP) to 1970 (Unix)
+_FIXED = struct.Struct("!BBHLL")
+_SEQ_TS = struct.Struct("!HL")
+_ABS_PROBE = 0x123456
+
+
+def ntp_now() -> int:
+    """The NTP time as aiortc's clock.current_ntp_time() computes it, without datetime objects."""
+    return int((time.time() + NTP_EPOCH_OFFSET) * (1 << 32))
+
+
+def supported(sender) -> bool:
+    return all(hasattr(sender, _PRIVATE + name) for name in _STATE) and hasattr(sender, "_ssrc")
+
+
+def install(sender, track: SpeechTrack) -> bool:
+    """Send `track`'s payloads with `RtpSender` when `sender` starts; False: aiortc's loop stays."""
+    if not supported(sender):
+        log.warning("this aiortc's RTCRtpSender lacks the state the direct RTP sender keeps; using aiortc's loop")
+        return False
+    # An instance attribute shadows the method: RTCRtpSender.send() starts this with the codec.
+    sender._run_rtp = lambda codec: RtpSender(sender, track, codec).run()
+    return True
+
+
+def header_template(extensions_map, mid: str | None) -> tuple[int, bytes, int | None]:
+    """The header-extension block aiortc writes for this sender, and where the send time sits in it.
+
+    Returns (profile, value, offset of the 3 abs-send-time bytes in value or None).
+    """
+    profile, with_zero = extensions_map.set(HeaderExtensions(mid=mid, abs_send_time=0))
+    _, with_probe = extensions_map.set(HeaderExtensions(mid=mid, abs_send_time=_ABS_PROBE))
+    offset = with_probe.find(_ABS_PROBE.to_bytes(3, "big"))
+    if offset < 0 or with_zero[:offset] != with_probe[:offset]:
+        offset = None  # no abs-send-time negotiated
+    return profile, with_zero, offset
+
+
+class PacketWriter:
+    """One sender's RTP packets from a header template: the bytes aiortc's serialize() writes
+    for a one-payload frame (marker set), with the header extensions it negotiated."""
+
+    def __init__(self, *, payload_type: int, ssrc: int, extensions_map, mid: str | None) -> None:
+        profile, value, abs_at = header_template(extensions_map, mid)
+        header = bytearray(_FIXED.pack(0x80 | (0x10 if value else 0), 0x80 | payload_type, 0, 0, ssrc))
+        if value:
+            header += struct.pack("!HH", profile, len(value) >> 2) + value
+        # Past the fixed header and the extension block's own header.
+        self._abs_at = None if abs_at is None else len(header) - len(value) + abs_at
+        self._header = header
+
+    def packet(self, payload: bytes, sequence: int, rtp_time: int, ntp: int) -> bytes:
+        header = self._header
+        _SEQ_TS.pack_into(header, 2, sequence, rtp_time)
+        if self._abs_at is not None:
+            at = self._abs_at
+            header[at : at + 3] = ((ntp >> 14) & 0x00FFFFFF).to_bytes(3, "big")
+        return bytes(header) + payload
+
+
+class RtpSender:
+    """One speech track's packets out: the writer, the counters aiortc's RTCP reads, SRTP and the socket."""
+
+    def __init__(self, sender, track: SpeechTrack, codec) -> None:
+        self.sender = sender
+        self.track = track
+        self.writer = PacketWriter(
+            payload_type=codec.payloadType,
+            ssrc=sender._ssrc,
+            extensions_map=getattr(sender, _PRIVATE + "rtp_header_extensions_map"),
+            mid=getattr(sender, _PRIVATE + "mid"),
+        )
+        self.sequence = int.from_bytes(os.urandom(2), "big")
+        self.timestamp_origin = int.from_bytes(os.urandom(4), "big")
+        self.packets = 0
+        self.octets = 0
+
+    async def run(self) -> None:
+        sender, track, private = self.sender, self.track, _PRIVATE
+        getattr(sender, private + "rtp_started").set()
+        send = sender.transport._send_rtp  # the DTLS transport: SRTP protect, then the ICE pair's socket
+        packet = self.writer.packet
+        try:
+            while True:
+                payload, pts = await track.next_payload()
+                rtp_time = (self.timestamp_origin + pts) & 0xFFFFFFFF
+                ntp = ntp_now()
+                await send(packet(payload, self.sequence, rtp_time, ntp))
+                self.packets += 1
+                self.octets += len(payload)
+                self.sequence = (self.sequence + 1) & 0xFFFF
+                # What aiortc's RTCP loop puts in its sender reports.
+                setattr(sender, private + "ntp_timestamp", ntp)
+                setattr(sender, private + "rtp_timestamp", rtp_time)
+                setattr(sender, private + "packet_count", self.packets)
+                setattr(sender, private + "octet_count", self.octets)
+        except (asyncio.CancelledError, ConnectionError, MediaStreamError):
+            pass
+        except Exception:
+            log.exception("the speech track's RTP sender failed")
+        finally:
+            track.stop()
+            getattr(sender, private + "rtp_exited").set()

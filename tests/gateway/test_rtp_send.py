@@ -1,0 +1,109 @@
+"""The speech track's RTP sender (gateway/rtp_send.py): aiortc's packets, built from a template.
+
+The packet bytes are checked against aiortc's own `RtpPacket.serialize` for the
+same header fields; the sender over a real loopback peer is checked from the
+listening side (exact audio, and RTCP sender reports that count what arrived).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiortc import RTCRtpSender
+from aiortc.rtcrtpparameters import RTCRtpHeaderExtensionParameters, RTCRtpParameters
+from aiortc.rtp import HeaderExtensionsMap, RtcpSrPacket, RtpPacket
+
+from voxgate.engine import tone
+from voxgate.gateway import rtp_send
+from voxgate.rtc_client import RtcClient
+
+MID_URI = "urn:ietf:params:rtp-hdrext:sdes:mid"
+ABS_URI = "http://www.webrtc.org/experiments/rtp-hdrext/abs-send-time"
+
+
+def extensions_map(*uris: str) -> HeaderExtensionsMap:
+    m = HeaderExtensionsMap()
+    m.configure(RTCRtpParameters(headerExtensions=[RTCRtpHeaderExtensionParameters(id=i + 1, uri=u) for i, u in enumerate(uris)]))
+    return m
+
+
+def aiortc_bytes(ext_map, payload: bytes, pt: int, seq: int, ts: int, ssrc: int, mid: str | None, ntp: int) -> bytes:
+    packet = RtpPacket(payload_type=pt, sequence_number=seq, timestamp=ts, ssrc=ssrc, marker=1, payload=payload)
+    packet.extensions.abs_send_time = (ntp >> 14) & 0x00FFFFFF
+    packet.extensions.mid = mid
+    return packet.serialize(ext_map)
+
+
+@pytest.mark.parametrize("uris", [(MID_URI, ABS_URI), (ABS_URI, MID_URI), (MID_URI,), (ABS_URI,), ()])
+@pytest.mark.parametrize("mid", ["0", "audio-mid-17"])
+def test_packets_are_byte_for_byte_what_aiortc_writes(uris, mid):
+    ext_map = extensions_map(*uris)
+    writer = rtp_send.PacketWriter(payload_type=111, ssrc=0xDEADBEEF, extensions_map=ext_map, mid=mid)
+    for seq, ts, ntp, payload in [
+        (0, 0, 0, b"\xf8\xff\xfe"),
+        (65535, 0xFFFFFFFF, rtp_send.ntp_now(), bytes(range(80))),
+        (1234, 960 * 77, (1 << 63) + 12345678901, b"x" * 160),
+    ]:
+        assert writer.packet(payload, seq, ts, ntp) == aiortc_bytes(ext_map, payload, 111, seq, ts, 0xDEADBEEF, mid, ntp)
+
+
+def test_ntp_now_is_aiortcs_clock():
+    from aiortc import clock
+
+    before = clock.current_ntp_time()
+    ours = rtp_send.ntp_now()
+    after = clock.current_ntp_time()
+    assert before <= ours <= after
+
+
+def test_an_aiortc_without_the_sender_state_keeps_its_own_loop(caplog):
+    class Bare:
+        _ssrc = 1
+
+    assert not rtp_send.install(Bare(), track=None)
+    assert "using aiortc's loop" in caplog.text
+
+
+async def test_this_aiortc_has_the_state():
+    """Red when an aiortc upgrade renames what the sender keeps: the gateway would fall back silently."""
+    from aiortc.rtcdtlstransport import RTCCertificate, RTCDtlsTransport
+    from aiortc.rtcicetransport import RTCIceGatherer, RTCIceTransport
+
+    dtls = RTCDtlsTransport(RTCIceTransport(RTCIceGatherer()), [RTCCertificate.generateCertificate()])
+    assert rtp_send.supported(RTCRtpSender("audio", dtls))
+
+
+def spy_sender_reports(client: RtcClient) -> asyncio.Queue:
+    """The sender reports (RTCP SR) that reach the client's audio receiver, as they arrive."""
+    receiver = next(t.receiver for t in client.pc.getTransceivers() if t.kind == "audio")
+    reports: asyncio.Queue = asyncio.Queue()
+    handle = receiver._handle_rtcp_packet
+
+    async def spy(packet) -> None:
+        await handle(packet)
+        if isinstance(packet, RtcpSrPacket):
+            reports.put_nowait(packet.sender_info)
+
+    receiver._handle_rtcp_packet = spy
+    return reports
+
+
+@pytest.mark.parametrize("sender", ["voxgate", "aiortc"])
+async def test_speech_over_either_sender_decodes_exactly_and_rtcp_counts_it(server_factory, sender):
+    server = server_factory("tone", extra=["--rtp-sender", sender])
+    async with RtcClient(server.url) as client:
+        reports = spy_sender_reports(client)
+        text = "Packets from a template."
+        sent = client.send({"type": "speak", "text": text, "id": "p"})
+        done = await client.wait_for("utterance.done", id="p", timeout=30)
+        await client.wait_tail(done)
+        assert tone.decode(client.audio.pcm(sent), client.audio.sample_rate) == text
+        # aiortc's RTCP loop reports what the sender counted: at least the utterance's frames
+        # (silence before it counts too), and 3 bytes or more a packet.
+        frames = done["audio_ms"] // 20
+        while True:
+            info = await asyncio.wait_for(reports.get(), 10)
+            if info.packet_count >= frames:
+                break
+        assert info.octet_count >= 3 * info.packet_count
