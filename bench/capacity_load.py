@@ -13,6 +13,9 @@ ICE servers, made cheap so that the generator is not what runs out of CPU:
   event loop (before aiortc's jitter buffer);
 - the microphone sends Opus packets encoded once by the orchestrator
   (`prepare_mic`): aiortc's sender packs an `av.Packet` without encoding it.
+  Each packet carries its audio level in the RTP header (RFC 6464
+  `ssrc-audio-level`, computed from the frame as aiortc does), as browsers
+  send it on every audio packet.
 
 The scenarios (what each session's client does) are defined here; the
 orchestrator's docstring says what is measured.
@@ -103,15 +106,16 @@ def _packet_mic_class():
 
         kind = "audio"
 
-        def __init__(self, noise: list[bytes], offset: int) -> None:
+        def __init__(self, noise: list[tuple[bytes, int]], offset: int) -> None:
             super().__init__()
             self.noise = noise
             self.index = offset
-            self.pending: list[bytes] = []
+            self.pending: list[tuple[bytes, int]] = []
+            self.level = -127  # dBov of the packet last handed to the sender
             self._pts = 0
             self._start: float | None = None
 
-        def play(self, packets: list[bytes]) -> None:
+        def play(self, packets: list[tuple[bytes, int]]) -> None:
             self.pending = list(packets)
 
         async def recv(self):
@@ -123,9 +127,9 @@ def _packet_mic_class():
             if wait > 0:
                 await asyncio.sleep(wait)
             if self.pending:
-                payload = self.pending.pop(0)
+                payload, self.level = self.pending.pop(0)
             else:
-                payload = self.noise[self.index % len(self.noise)]
+                payload, self.level = self.noise[self.index % len(self.noise)]
                 self.index += 1
             packet = av.Packet(payload)
             packet.pts = self._pts
@@ -134,6 +138,20 @@ def _packet_mic_class():
             return packet
 
     return PacketMic
+
+
+def send_audio_levels(sender, track) -> None:
+    """Have aiortc's sender put the mic's level in each packet, as it does for frames it encodes
+    itself (it has no level for a pre-encoded packet)."""
+    next_frame = sender._next_encoded_frame
+
+    async def with_level(codec):
+        frame = await next_frame(codec)
+        if frame is not None:
+            frame.audio_level = track.level
+        return frame
+
+    sender._next_encoded_frame = with_level
 
 
 class LoadClient:
@@ -170,6 +188,10 @@ class LoadClient:
 
     async def start(self) -> None:
         await self.rtc.connect(timeout=30.0)
+        if self.track is not None:
+            # The sender's loop looks the method up for every frame, so this holds from the next one.
+            (sender,) = [s for s in self.rtc.pc.getSenders() if s.track is self.track]
+            send_audio_levels(sender, self.track)
         for transceiver in self.rtc.pc.getTransceivers():
             if transceiver.kind == "audio":
                 transceiver.receiver._capacity_client = self
@@ -417,6 +439,18 @@ def opus_packets(pcm48k, bitrate: int = MIC_BITRATE) -> list[bytes]:
     return out
 
 
+def with_levels(packets: list[bytes], pcm48k) -> list[tuple[bytes, int]]:
+    """Each packet with its frame's level in dBov, -127..0, as aiortc's compute_audio_level_dbov."""
+    import numpy as np
+
+    out = []
+    for i, payload in enumerate(packets):
+        frame = np.asarray(pcm48k[i * 960 : (i + 1) * 960], dtype=np.float64)
+        rms = float(np.sqrt(np.mean(frame**2)) / 32767) if len(frame) else 0.0
+        out.append((payload, max(-127, min(0, round(20 * np.log10(rms)))) if rms > 0 else -127))
+    return out
+
+
 def prepare_mic() -> tuple[dict, dict, object]:
     """Quiet noise, and the user's sentences in the embedded Piper voice, as Opus packets
     (plus the speech itself, for the calibration)."""
@@ -426,19 +460,21 @@ def prepare_mic() -> tuple[dict, dict, object]:
     from voxgate.engine.piper_engine import PiperEngine
 
     rng = np.random.default_rng(7)
-    noise = opus_packets(np.clip(rng.normal(0.0, NOISE_STD, 48000 * 10), -32768, 32767).astype(np.int16))
+    noise_pcm = np.clip(rng.normal(0.0, NOISE_STD, 48000 * 10), -32768, 32767).astype(np.int16)
+    noise = with_levels(opus_packets(noise_pcm), noise_pcm)
     engine = PiperEngine(threads=1)
     engine.load()
     speech, pcm_all = [], []
     for text in USER_SAYS:
         pcm = np.concatenate([c.pcm for c in engine.synthesize(text, SynthesisOptions())])
         pcm48 = soxr.resample(pcm, 22050, 48000).astype(np.int16)
-        speech.append(opus_packets(pcm48))
+        speech.append(with_levels(opus_packets(pcm48), pcm48))
         pcm_all.append(pcm48)
     info = {
         "noise_std": NOISE_STD,
         "noise_packets": len(noise),
-        "noise_bytes_per_packet": round(sum(map(len, noise)) / len(noise), 1),
+        "noise_bytes_per_packet": round(sum(len(p) for p, _ in noise) / len(noise), 1),
+        "noise_level_dbov": sorted({level for _, level in noise}),
         "user_sentences_s": [round(len(p) / 48000, 2) for p in pcm_all],
     }
     return {"noise": noise, "speech": speech}, info, np.concatenate(pcm_all)

@@ -11,6 +11,13 @@ The browser is asked for DTX (`usedtx=1` in the answer), so a silent
 microphone sends a packet every 400 ms instead of every 20 ms; the gaps in
 RTP time reach the VAD as silence without being decoded.
 
+Browsers also put the level of each packet's audio in its RTP header (RFC
+6464, `ssrc-audio-level`, which aiortc negotiates). A packet quieter than
+`QUIET_DBOV` is silence for barge-in whatever the VAD's noise floor, so it
+reaches the VAD as a frame of silence without being decoded: the energy gate,
+before the decoder. A quiet microphone without DTX then costs the packet's
+arrival and nothing more. Packets without the level are decoded as before.
+
 This reads aiortc's receiver one step below its public API: the RTP packet
 handler of `RTCRtpReceiver`, which the DTLS transport calls for each packet.
 aiortc's own decoding of this track is not used at all, so nothing queues up
@@ -34,6 +41,9 @@ log = logging.getLogger(__name__)
 
 RTP_CLOCK = {"opus": 48000, "pcmu": 8000, "pcma": 8000}
 MAX_GAP_FRAMES = 50  # a longer silence than 1 s tells the VAD nothing more
+# RFC 6464 levels are -dBov: 127 is silence. Nobody barges in quieter than -55 dBov
+# (speech into a headset or laptop microphone sits around -15 to -40).
+QUIET_DBOV = 55
 
 
 class Microphone:
@@ -59,6 +69,7 @@ class Microphone:
         self.frame_ticks = RTP_CLOCK[codec] * FRAME_MS // 1000
         self.packets = 0
         self.decoded = 0
+        self.gated = 0  # quiet by the packet's own level: silence, not decoded
         self._next_ts: int | None = None  # RTP time the next packet should carry
         if codec == "opus":
             self._decoder: opus.Decoder | None = opus.Decoder(VAD_RATE)
@@ -86,6 +97,12 @@ class Microphone:
                 return  # a duplicate, or older than what was already heard: too late for the VAD
             if ahead >= self.frame_ticks:
                 self.on_gap(min(ahead // self.frame_ticks, MAX_GAP_FRAMES))
+        level = packet.extensions.audio_level  # (voice flag, -dBov) or None
+        if level is not None and level[1] >= QUIET_DBOV:
+            self.gated += 1
+            self._next_ts = (ts + self.frame_ticks) & 0xFFFFFFFF  # a longer packet shows up as a gap
+            self.on_gap(1)
+            return
         try:
             if self._decoder is not None:
                 pcm = self._decoder.decode(packet.payload)

@@ -161,3 +161,24 @@ def test_matched_baseline_encodes_with_the_products_settings() -> None:
         opus.OpusEncoder.__init__ = original
     # 32 against 96 kbit/s: about a third of the bytes (far from the 0.6 bound).
     assert matched < 0.6 * default
+
+
+def test_the_generators_mic_levels_are_what_aiortc_puts_in_the_header():
+    """The load generator's microphone sends each packet's RFC 6464 level as a browser does;
+    it is computed as aiortc computes it for frames it encodes itself."""
+    import av
+    from aiortc.rtp import compute_audio_level_dbov
+
+    import capacity_load
+
+    rng = np.random.default_rng(3)
+    pcm = np.concatenate([
+        np.clip(rng.normal(0, capacity_load.NOISE_STD, 960 * 3), -32768, 32767),
+        (np.sin(np.arange(960 * 2) * 0.05) * 12000),
+        np.zeros(960),
+    ]).astype(np.int16)
+    levels = [level for _, level in capacity_load.with_levels([b"x"] * 6, pcm)]
+    for i, level in enumerate(levels):
+        frame = av.AudioFrame.from_ndarray(pcm[i * 960 : (i + 1) * 960].reshape(1, -1), format="s16", layout="mono")
+        assert level == compute_audio_level_dbov(frame)
+    assert levels[0] <= -55 < levels[3] and levels[5] == -127

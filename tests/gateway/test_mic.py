@@ -5,7 +5,7 @@ from aiortc.rtp import RtpPacket
 
 from voxgate.gateway import opus
 from voxgate.gateway.encoder import ulaw_encode
-from voxgate.gateway.mic import Microphone
+from voxgate.gateway.mic import QUIET_DBOV, Microphone
 from voxgate.gateway.vad import VadSettings, VoiceActivityDetector
 from tests.speech import synthesize_48k
 
@@ -93,3 +93,24 @@ async def test_g711_is_decoded_and_brought_to_16k():
     assert 14500 <= len(pcm) <= 16000  # less the resampler's delay
     spectrum = np.abs(np.fft.rfft(pcm[2000:14000].astype(np.float64)))
     assert abs(np.argmax(spectrum) * 16000 / 12000 - 440) < 5
+
+
+async def test_packets_quieter_than_the_gate_by_their_own_level_are_silence_not_decoded():
+    """RFC 6464: browsers send each packet's level; quiet ones skip the decoder and reach the
+    VAD as silent frames, loud ones and ones without a level are decoded."""
+    speech = opus_packets(synthesize_48k("Hello there."))
+    rec = Recorder()
+    mic = rec.mic()
+    quiet, loud, unmarked = rtp(speech[0], 1, 0), rtp(speech[1], 2, 960), rtp(speech[2], 3, 1920)
+    quiet.extensions.audio_level = (False, QUIET_DBOV)
+    loud.extensions.audio_level = (True, QUIET_DBOV - 30)
+    for packet in (quiet, loud, unmarked):
+        await rec.handle(packet, 0)
+    assert mic.gated == 1 and mic.decoded == 2 and len(rec.pcm) == 2
+    assert rec.gaps == [1]  # the quiet packet, as one frame of silence
+    # The timeline stays whole: a quiet 20 ms packet followed by the next is not a gap.
+    again = rtp(speech[3], 4, 2880)
+    again.extensions.audio_level = (False, 127)
+    await rec.handle(again, 0)
+    await rec.handle(rtp(speech[4], 5, 3840), 0)
+    assert rec.gaps == [1, 1] and mic.gated == 2 and mic.decoded == 3
