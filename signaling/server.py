@@ -6,6 +6,7 @@ Every error is JSON `{"error": {"code", "message"}}` with a fitting status.
 from __future__ import annotations
 
 import asyncio
+import gc
 import ipaddress
 import logging
 import signal
@@ -333,6 +334,15 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
     return app
 
 
+def settle_heap() -> None:
+    """Put what start-up made (modules, the app, the engine client) out of the garbage
+    collector's reach, so that a full collection walks only what sessions made since.
+    A full collection stops the event loop, and every session's frames wait behind it:
+    at 40 speaking sessions it walked the whole heap for 77 ms."""
+    gc.collect()
+    gc.freeze()
+
+
 async def serve(settings: Settings) -> None:
     """Run until SIGTERM or SIGINT, then drain: readiness goes false, new sessions are
     refused, current utterances get up to --drain-timeout-s to finish, then peers close."""
@@ -343,6 +353,7 @@ async def serve(settings: Settings) -> None:
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()
+    settle_heap()
     log.info("voxgate listening on http://%s:%d (engine %s)", settings.host, settings.port, settings.engine)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
