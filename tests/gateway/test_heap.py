@@ -16,7 +16,6 @@ def test_start_up_objects_leave_the_collectors_walk_and_later_ones_do_not():
         settle_heap()
         frozen = gc.get_freeze_count()
         assert frozen > 1000  # the modules and everything else this process made so far
-        made_after = [[] for _ in range(100)]
         gc.collect()
         assert gc.get_freeze_count() == frozen  # a collection leaves the frozen heap alone
     finally:
