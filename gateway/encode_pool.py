@@ -20,7 +20,6 @@ import queue
 import threading
 from typing import Any, Callable
 
-ENCODE_NICE = 5  # the encoding threads' nice value above the process's (Linux: per thread)
 FIRST = 0  # priority of an utterance's first slice
 LATER = 1
 
@@ -51,7 +50,6 @@ class EncodePool:
         return future
 
     def _work(self) -> None:
-        _lower_priority()
         while True:
             _, _, future, fn, args = self._jobs.get()
             if future.cancelled():
@@ -86,17 +84,6 @@ class EncodePool:
                 future.set_exception(error)
             else:
                 future.set_result(result)
-
-
-def _lower_priority() -> None:
-    """Give way to the event loop: encoding runs up to a second ahead of playout, while the
-    loop sends every session's frames on a 20 ms clock. On a busy core the scheduler then
-    runs the loop first instead of letting a frame wait out an encoder's time slice."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + ENCODE_NICE))
-    except (AttributeError, OSError):  # not Linux, or not allowed: same priority as the loop
-        pass
 
 
 # One pool for the process: the cores are shared by every session.

@@ -13,9 +13,11 @@ RTP time reach the VAD as silence without being decoded.
 
 Browsers also put the level of each packet's audio in its RTP header (RFC
 6464, `ssrc-audio-level`, which aiortc negotiates). A packet quieter than
-`QUIET_DBOV` is silence for barge-in whatever the VAD's noise floor, so it
-reaches the VAD as a frame of silence without being decoded: the energy gate,
-before the decoder. A quiet microphone without DTX then costs the packet's
+`QUIET_DBOV` that the sender does not flag as voice is silence for barge-in
+whatever the VAD's noise floor, so it reaches the VAD as silence (its length
+read from its header) without being decoded: the energy gate, before the
+decoder. The level is the peer's own word about its own microphone, so a peer
+that misstates it can only mute its own barge-in. A quiet microphone without DTX then costs the packet's
 arrival and nothing more. Packets without the level are decoded as before.
 
 This reads aiortc's receiver one step below its public API: the RTP packet
@@ -83,6 +85,12 @@ class Microphone:
         """Take the receiver's RTP packets from now on."""
         receiver._handle_rtp_packet = self._on_rtp
 
+    def _ticks(self, payload: bytes) -> int:
+        """The packet's length on the RTP clock, without decoding it."""
+        if self._decoder is not None:
+            return opus.packet_samples(payload, RTP_CLOCK["opus"])
+        return len(payload)  # G.711: one byte a sample at 8 kHz
+
     async def _on_rtp(self, packet, arrival_time_ms: int = 0) -> None:
         if packet.payload_type != self.payload_type or not packet.payload:
             return  # comfort noise, DTMF events, padding
@@ -97,11 +105,15 @@ class Microphone:
                 return  # a duplicate, or older than what was already heard: too late for the VAD
             if ahead >= self.frame_ticks:
                 self.on_gap(min(ahead // self.frame_ticks, MAX_GAP_FRAMES))
-        level = packet.extensions.audio_level  # (voice flag, -dBov) or None
-        if level is not None and level[1] >= QUIET_DBOV:
+        level = packet.extensions.audio_level  # (the sender's voice flag, -dBov) or None
+        if level is not None and not level[0] and level[1] >= QUIET_DBOV:
+            try:
+                ticks = self._ticks(packet.payload)
+            except (opus.OpusError, ValueError):
+                return
             self.gated += 1
-            self._next_ts = (ts + self.frame_ticks) & 0xFFFFFFFF  # a longer packet shows up as a gap
-            self.on_gap(1)
+            self._next_ts = (ts + ticks) & 0xFFFFFFFF
+            self.on_gap(max(1, round(ticks / self.frame_ticks)))
             return
         try:
             if self._decoder is not None:

@@ -78,6 +78,8 @@ def _lib() -> ctypes.CDLL:
         lib.opus_decode.argtypes = [
             ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
         ]
+        lib.opus_packet_get_nb_samples.restype = ctypes.c_int
+        lib.opus_packet_get_nb_samples.argtypes = [ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32]
         lib.opus_strerror.restype = ctypes.c_char_p
         lib.opus_strerror.argtypes = [ctypes.c_int]
         return lib
@@ -144,6 +146,11 @@ class Encoder:
         state, self._state = getattr(self, "_state", None), None
         if state:
             _lib().opus_encoder_destroy(state)
+
+
+def packet_samples(packet: bytes, rate: int) -> int:
+    """How many samples at `rate` an Opus packet holds, read from its header without decoding."""
+    return _check(_lib().opus_packet_get_nb_samples(packet, len(packet), rate), "opus_packet_get_nb_samples")
 
 
 class Decoder:

@@ -7,9 +7,10 @@ serializes, reads the NTP clock twice through `datetime`, and hands the bytes
 down through three coroutine layers. For one pre-encoded 20 ms payload that
 was most of the event loop's cost per frame. Here the RTP header is made once
 per sender as a template (the same bytes aiortc would write: version, payload
-type, SSRC, the one-byte header extensions it negotiated for mid and
-abs-send-time), and each frame only writes its sequence number, timestamp,
-marker and send time into it before SRTP and the socket.
+type, SSRC, the header extensions it negotiated: the mid, and abs-send-time
+where negotiated, which aiortc does not do for audio), and each frame only
+writes its sequence number, timestamp, marker and send time into it before
+SRTP and the socket.
 
 This replaces one private method of the sender (`_run_rtp`) and keeps the
 state aiortc's RTCP loop reads for its sender reports (packet and octet
@@ -30,6 +31,7 @@ import time
 from typing import TYPE_CHECKING
 
 from aiortc.mediastreams import MediaStreamError
+from aiortc.rtcrtpsender import random_sequence_number
 from aiortc.rtp import HeaderExtensions
 
 if TYPE_CHECKING:
@@ -73,9 +75,11 @@ def header_template(extensions_map, mid: str | None) -> tuple[int, bytes, int | 
     """
     profile, with_zero = extensions_map.set(HeaderExtensions(mid=mid, abs_send_time=0))
     _, with_probe = extensions_map.set(HeaderExtensions(mid=mid, abs_send_time=_ABS_PROBE))
-    offset = with_probe.find(_ABS_PROBE.to_bytes(3, "big"))
-    if offset < 0 or with_zero[:offset] != with_probe[:offset]:
-        offset = None  # no abs-send-time negotiated
+    # The field is where the two differ (a peer's mid may contain the probe's bytes).
+    differ = [i for i, (a, b) in enumerate(zip(with_zero, with_probe)) if a != b]
+    offset = differ[0] if differ else None  # None: no abs-send-time negotiated (aiortc's audio)
+    if offset is not None and (len(with_zero) != len(with_probe) or differ[-1] - offset > 2):
+        raise ValueError("unexpected abs-send-time header extension layout")
     return profile, with_zero, offset
 
 
@@ -107,23 +111,31 @@ class RtpSender:
     def __init__(self, sender, track: SpeechTrack, codec) -> None:
         self.sender = sender
         self.track = track
-        self.writer = PacketWriter(
-            payload_type=codec.payloadType,
-            ssrc=sender._ssrc,
-            extensions_map=getattr(sender, _PRIVATE + "rtp_header_extensions_map"),
-            mid=getattr(sender, _PRIVATE + "mid"),
-        )
-        self.sequence = int.from_bytes(os.urandom(2), "big")
+        self.codec = codec
+        self.sequence = random_sequence_number()  # the lower half, as aiortc: an early wrap breaks SRTP
         self.timestamp_origin = int.from_bytes(os.urandom(4), "big")
         self.packets = 0
         self.octets = 0
 
+    def _writer(self) -> PacketWriter:
+        return PacketWriter(
+            payload_type=self.codec.payloadType,
+            ssrc=self.sender._ssrc,
+            extensions_map=getattr(self.sender, _PRIVATE + "rtp_header_extensions_map"),
+            mid=getattr(self.sender, _PRIVATE + "mid"),
+        )
+
     async def run(self) -> None:
+        """Until the track ends or the transport closes. Unlike aiortc's loop it does not follow
+        replaceTrack, setTransport or the sender being disabled after it starts: the gateway
+        never renegotiates a session, and aiortc has no ICE restart."""
         sender, track, private = self.sender, self.track, _PRIVATE
         getattr(sender, private + "rtp_started").set()
         send = sender.transport._send_rtp  # the DTLS transport: SRTP protect, then the ICE pair's socket
-        packet = self.writer.packet
         try:
+            # Inside the try: a peer's odd offer (a mid too long for a header extension)
+            # ends this track's sending, not aiortc's connect task.
+            packet = self._writer().packet
             while True:
                 payload, pts = await track.next_payload()
                 rtp_time = (self.timestamp_origin + pts) & 0xFFFFFFFF
@@ -140,7 +152,7 @@ class RtpSender:
         except (asyncio.CancelledError, ConnectionError, MediaStreamError):
             pass
         except Exception:
-            log.exception("the speech track's RTP sender failed")
+            log.exception("the speech track's RTP sender failed; this session sends no audio")
         finally:
             track.stop()
             getattr(sender, private + "rtp_exited").set()

@@ -97,20 +97,52 @@ async def test_g711_is_decoded_and_brought_to_16k():
 
 async def test_packets_quieter_than_the_gate_by_their_own_level_are_silence_not_decoded():
     """RFC 6464: browsers send each packet's level; quiet ones skip the decoder and reach the
-    VAD as silent frames, loud ones and ones without a level are decoded."""
-    speech = opus_packets(synthesize_48k("Hello there."))
+    VAD as silence, loud ones, ones flagged as voice and ones without a level are decoded."""
+    speech = opus_packets(synthesize_48k("Hello there, how are you?"))
     rec = Recorder()
     mic = rec.mic()
-    quiet, loud, unmarked = rtp(speech[0], 1, 0), rtp(speech[1], 2, 960), rtp(speech[2], 3, 1920)
+    quiet, loud, flagged, unmarked = (rtp(speech[i], i, i * 960) for i in range(4))
     quiet.extensions.audio_level = (False, QUIET_DBOV)
-    loud.extensions.audio_level = (True, QUIET_DBOV - 30)
-    for packet in (quiet, loud, unmarked):
+    loud.extensions.audio_level = (False, QUIET_DBOV - 30)
+    flagged.extensions.audio_level = (True, 127)  # the sender's own VAD says voice
+    for packet in (quiet, loud, flagged, unmarked):
         await rec.handle(packet, 0)
-    assert mic.gated == 1 and mic.decoded == 2 and len(rec.pcm) == 2
+    assert mic.gated == 1 and mic.decoded == 3 and len(rec.pcm) == 3
     assert rec.gaps == [1]  # the quiet packet, as one frame of silence
     # The timeline stays whole: a quiet 20 ms packet followed by the next is not a gap.
-    again = rtp(speech[3], 4, 2880)
+    again = rtp(speech[4], 4, 4 * 960)
     again.extensions.audio_level = (False, 127)
     await rec.handle(again, 0)
-    await rec.handle(rtp(speech[4], 5, 3840), 0)
-    assert rec.gaps == [1, 1] and mic.gated == 2 and mic.decoded == 3
+    await rec.handle(rtp(speech[5], 5, 5 * 960), 0)
+    assert rec.gaps == [1, 1] and mic.gated == 2 and mic.decoded == 4
+
+
+async def test_a_gated_packet_counts_for_its_own_length():
+    """A 60 ms Opus packet is three frames of silence, and the packet after a 10 ms one is not
+    taken for an old one."""
+    rec = Recorder()
+    mic = rec.mic()
+    long_packet = opus.Encoder(48000, 32000, 0, False, 0, False)
+    long_packet.frame_samples = 2880  # one 60 ms packet
+    (sixty,) = long_packet.encode(np.zeros(2880, dtype=np.int16))
+    short = opus.Encoder(48000, 32000, 0, False, 0, False)
+    short.frame_samples = 480  # 10 ms packets
+    ten = short.encode(np.zeros(960, dtype=np.int16))
+    first = rtp(sixty, 1, 0)
+    first.extensions.audio_level = (False, 127)
+    await rec.handle(first, 0)
+    second = rtp(ten[0], 2, 2880)
+    second.extensions.audio_level = (False, 127)
+    await rec.handle(second, 0)
+    await rec.handle(rtp(ten[1], 3, 2880 + 480), 0)  # right after the 10 ms packet
+    assert rec.gaps == [3, 1] and mic.gated == 2 and mic.decoded == 1
+
+
+async def test_g711_packets_are_gated_for_their_own_length():
+    rec = Recorder()
+    mic = rec.mic("pcmu")
+    quiet = rtp(ulaw_encode(np.zeros(240, dtype=np.int16)), 1, 0, pt=PT)  # 30 ms
+    quiet.extensions.audio_level = (False, 100)
+    await rec.handle(quiet, 0)
+    await rec.handle(rtp(ulaw_encode(np.zeros(160, dtype=np.int16)), 2, 240, pt=PT), 0)
+    assert mic.gated == 1 and rec.gaps == [2] and mic.decoded == 1

@@ -36,7 +36,8 @@ def aiortc_bytes(ext_map, payload: bytes, pt: int, seq: int, ts: int, ssrc: int,
 
 
 @pytest.mark.parametrize("uris", [(MID_URI, ABS_URI), (ABS_URI, MID_URI), (MID_URI,), (ABS_URI,), ()])
-@pytest.mark.parametrize("mid", ["0", "audio-mid-17"])
+# "\x124V" is the bytes 12 34 56: a peer's mid that holds the probe header_template looks for.
+@pytest.mark.parametrize("mid", ["0", "audio-mid-17", "", "\x124V", "m\u00efd"])
 def test_packets_are_byte_for_byte_what_aiortc_writes(uris, mid):
     ext_map = extensions_map(*uris)
     writer = rtp_send.PacketWriter(payload_type=111, ssrc=0xDEADBEEF, extensions_map=ext_map, mid=mid)
@@ -54,7 +55,9 @@ def test_ntp_now_is_aiortcs_clock():
     before = clock.current_ntp_time()
     ours = rtp_send.ntp_now()
     after = clock.current_ntp_time()
-    assert before <= ours <= after
+    # aiortc's clock goes through datetime, rounded to whole microseconds.
+    slack = 2 * (1 << 32) // 1_000_000
+    assert before - slack <= ours <= after + slack
 
 
 def test_an_aiortc_without_the_sender_state_keeps_its_own_loop(caplog):
@@ -87,6 +90,39 @@ def spy_sender_reports(client: RtcClient) -> asyncio.Queue:
 
     receiver._handle_rtcp_packet = spy
     return reports
+
+
+class Track:
+    stopped = False
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    async def next_payload(self):  # pragma: no cover - never reached
+        raise AssertionError("no payload is asked for when the header cannot be made")
+
+
+async def test_a_header_the_template_cannot_make_ends_this_tracks_sending_cleanly():
+    """A peer's mid too long for a header extension: aiortc's serialize would fail on every
+    packet; here sending ends at once, the track stops, and RTCRtpSender.stop() still returns."""
+    from aiortc.rtcdtlstransport import RTCCertificate, RTCDtlsTransport
+    from aiortc.rtcicetransport import RTCIceGatherer, RTCIceTransport
+    from aiortc.rtcrtpparameters import RTCRtpCodecParameters
+
+    sender = RTCRtpSender("audio", RTCDtlsTransport(RTCIceTransport(RTCIceGatherer()), [RTCCertificate.generateCertificate()]))
+    ext_map = extensions_map(MID_URI)
+    setattr(sender, "_RTCRtpSender__rtp_header_extensions_map", ext_map)
+    setattr(sender, "_RTCRtpSender__mid", "m" * 300)
+    track = Track()
+    codec = RTCRtpCodecParameters(mimeType="audio/opus", clockRate=48000, channels=2, payloadType=111)
+    await asyncio.wait_for(rtp_send.RtpSender(sender, track, codec).run(), 5)
+    assert track.stopped and getattr(sender, "_RTCRtpSender__rtp_exited").is_set()
+
+
+def test_sequence_numbers_start_in_the_lower_half():
+    """As aiortc's: a wrap soon after the start breaks SRTP decryption at some receivers."""
+    starts = {rtp_send.RtpSender(RTCRtpSender.__new__(RTCRtpSender), Track(), None).sequence for _ in range(200)}
+    assert max(starts) < 0x8000 and len(starts) > 100
 
 
 @pytest.mark.parametrize("sender", ["voxgate", "aiortc"])
