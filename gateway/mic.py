@@ -29,6 +29,7 @@ there either.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Callable
 
 import numpy as np
@@ -46,13 +47,16 @@ MAX_GAP_FRAMES = 50  # a longer silence than 1 s tells the VAD nothing more
 # RFC 6464 levels are -dBov: 127 is silence. Nobody barges in quieter than -55 dBov
 # (speech into a headset or laptop microphone sits around -15 to -40).
 QUIET_DBOV = 55
+# 0 dBov on the VAD's scale (20 log10 of the int16 RMS): a level L in the header is FULL_SCALE_DB - L.
+FULL_SCALE_DB = 20 * math.log10(32767)
 
 
 class Microphone:
     """Decodes one peer's microphone packets for `on_audio` (16 kHz mono int16).
 
-    `on_gap(frames)` hears about frames that never came (DTX, loss) so the VAD
-    counts them as silence; `wanted()` says whether anyone listens at all.
+    `on_gap(frames, level_db)` hears about frames that never came (DTX, loss;
+    level None) or were quiet by their own level, so the VAD counts them as
+    silence; `wanted()` says whether anyone listens at all.
     """
 
     def __init__(
@@ -60,7 +64,7 @@ class Microphone:
         codec: str,
         payload_type: int,
         on_audio: Callable[[np.ndarray], None],
-        on_gap: Callable[[int], None],
+        on_gap: Callable[..., None],
         wanted: Callable[[], bool],
     ) -> None:
         self.codec = codec
@@ -113,7 +117,7 @@ class Microphone:
                 return
             self.gated += 1
             self._next_ts = (ts + ticks) & 0xFFFFFFFF
-            self.on_gap(max(1, round(ticks / self.frame_ticks)))
+            self.on_gap(max(1, round(ticks / self.frame_ticks)), FULL_SCALE_DB - level[1])
             return
         try:
             if self._decoder is not None:

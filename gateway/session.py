@@ -356,9 +356,10 @@ class Session:
     def on_inbound_audio(self, pcm16k: np.ndarray) -> None:
         self._vad_events(self.vad.process(pcm16k))
 
-    def on_inbound_gap(self, frames: int) -> None:
-        """Frames the peer did not send (its DTX during silence)."""
-        self._vad_events(self.vad.skip(frames))
+    def on_inbound_gap(self, frames: int, level_db: float | None = None) -> None:
+        """Frames the peer did not send (its DTX during silence), or sent quieter than the
+        microphone's level gate (`level_db`: their level, for the VAD's noise floor)."""
+        self._vad_events(self.vad.skip(frames, level_db))
 
     def _vad_events(self, events: list[str]) -> None:
         for event in events:

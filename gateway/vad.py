@@ -84,19 +84,29 @@ class VoiceActivityDetector:
             self._floor_db = level_db
         # The energy gate first: webrtcvad runs only on frames loud enough to count.
         voiced = level_db > self._floor_db + s.floor_margin_db and self._vad.is_speech(frame.tobytes(), VAD_RATE)
-        # The floor follows quiet frames quickly and loud ones slowly, so it
-        # settles on steady noise but not on speech.
-        rate = 0.2 if level_db < self._floor_db else 0.01
         if not voiced:
-            self._floor_db += rate * (level_db - self._floor_db)
-            # Digital silence must not drag the floor to nothing (-70 dBFS).
-            self._floor_db = max(self._floor_db, 20.0)
+            self._follow_floor(level_db)
         return self._decide(voiced)
 
-    def skip(self, frames: int) -> list[str]:
-        """Frames that never arrived (the peer's DTX, or loss) count as silence."""
+    def _follow_floor(self, level_db: float) -> None:
+        """The floor follows quiet frames quickly and loud ones slowly, so it settles on
+        steady noise but not on speech."""
+        if self._floor_db is None:
+            self._floor_db = level_db
+        rate = 0.2 if level_db < self._floor_db else 0.01
+        self._floor_db += rate * (level_db - self._floor_db)
+        # Digital silence must not drag the floor to nothing (-70 dBFS).
+        self._floor_db = max(self._floor_db, 20.0)
+
+    def skip(self, frames: int, level_db: float | None = None) -> list[str]:
+        """Frames that were not decoded count as silence: ones that never arrived (the
+        peer's DTX, or loss), or ones the microphone's level gate passed over, whose level
+        (`level_db`, on this detector's scale) the noise floor still follows, so that the
+        first speech after them stands out against the room and not against itself."""
         events = []
         for _ in range(frames):
+            if level_db is not None:
+                self._follow_floor(level_db)
             event = self._decide(False)
             if event:
                 events.append(event)

@@ -1,11 +1,12 @@
 """The microphone reader: RTP packets to 16 kHz PCM for the VAD, gaps as silence, nothing decoded when unwanted."""
 
 import numpy as np
+import pytest
 from aiortc.rtp import RtpPacket
 
 from voxgate.gateway import opus
 from voxgate.gateway.encoder import ulaw_encode
-from voxgate.gateway.mic import QUIET_DBOV, Microphone
+from voxgate.gateway.mic import FULL_SCALE_DB, QUIET_DBOV, Microphone
 from voxgate.gateway.vad import VadSettings, VoiceActivityDetector
 from tests.speech import synthesize_48k
 
@@ -35,10 +36,15 @@ class Recorder:
     def __init__(self, wanted: bool = True) -> None:
         self.pcm: list[np.ndarray] = []
         self.gaps: list[int] = []
+        self.gap_levels: list[float | None] = []
         self.wanted = wanted
 
+    def gap(self, frames: int, level_db: float | None = None) -> None:
+        self.gaps.append(frames)
+        self.gap_levels.append(level_db)
+
     def mic(self, codec: str = "opus") -> Microphone:
-        mic = Microphone(codec, PT, self.pcm.append, self.gaps.append, lambda: self.wanted)
+        mic = Microphone(codec, PT, self.pcm.append, self.gap, lambda: self.wanted)
         receiver = Receiver()
         mic.attach(receiver)
         self.handle = receiver._handle_rtp_packet
@@ -109,6 +115,7 @@ async def test_packets_quieter_than_the_gate_by_their_own_level_are_silence_not_
         await rec.handle(packet, 0)
     assert mic.gated == 1 and mic.decoded == 3 and len(rec.pcm) == 3
     assert rec.gaps == [1]  # the quiet packet, as one frame of silence
+    assert rec.gap_levels[0] == pytest.approx(FULL_SCALE_DB - QUIET_DBOV)  # its level, for the VAD's floor
     # The timeline stays whole: a quiet 20 ms packet followed by the next is not a gap.
     again = rtp(speech[4], 4, 4 * 960)
     again.extensions.audio_level = (False, 127)
@@ -146,3 +153,34 @@ async def test_g711_packets_are_gated_for_their_own_length():
     await rec.handle(quiet, 0)
     await rec.handle(rtp(ulaw_encode(np.zeros(160, dtype=np.int16)), 2, 240, pt=PT), 0)
     assert mic.gated == 1 and rec.gaps == [2] and mic.decoded == 1
+
+
+def _frames_to_speech(vad: VoiceActivityDetector, pcm16k: np.ndarray) -> int | None:
+    for i in range(0, len(pcm16k) - 319, 320):
+        if "speech.started" in vad.process(pcm16k[i : i + 320]):
+            return i // 320
+    return None
+
+
+def test_speech_after_gated_silence_is_heard_as_soon_as_after_decoded_silence():
+    """The gate passes quiet packets over, but their level still sets the VAD's noise floor:
+    without it the floor started at the first speech frame, and barge-in took a second
+    longer (the probe's voice barge-in went from under 1 s to 1.6 s)."""
+    rng = np.random.default_rng(5)
+    room = np.clip(rng.normal(0, 20, 16000), -32768, 32767).astype(np.int16)  # about -64 dBov
+    speech = synthesize_48k("Stop, wait a moment please.")[::3].astype(np.int16)  # 16 kHz
+    room_dbov = 20 * np.log10(np.sqrt(np.mean(room.astype(np.float64) ** 2)) / 32767)
+
+    decoded = VoiceActivityDetector(VadSettings())
+    decoded.process(room)
+    gated = VoiceActivityDetector(VadSettings())
+    gated.skip(50, FULL_SCALE_DB + room_dbov)
+    unleveled = VoiceActivityDetector(VadSettings())
+    unleveled.skip(50)
+
+    after_decoded = _frames_to_speech(decoded, speech)
+    after_gated = _frames_to_speech(gated, speech)
+    assert after_decoded is not None and after_gated is not None
+    assert abs(after_gated - after_decoded) <= 1
+    late = _frames_to_speech(unleveled, speech)
+    assert late is None or late >= after_decoded + 3  # what the floor's level saves

@@ -90,7 +90,7 @@ async def test_voice_barge_in_interrupts_with_reason_barge_in(piper_server):
     assert u.interrupt_to_silence_ms < 1000, u.interrupt_to_silence_ms
     # played_text is what fits in the audio that went out: no speaker says more
     # than 6 words a second (the whole text would be 42 words).
-    print(f"\nvoice barge-in: played {u.words_played} words in {u.played_ms} ms; audible duration says {u.words_expected}")
+    print(f"\nvoice barge-in: silence {u.interrupt_to_silence_ms:.0f} ms after the voice; played {u.words_played} words in {u.played_ms} ms; audible duration says {u.words_expected}")
     assert 1 <= u.words_played <= u.played_ms / 1000 * 6 + 1, (u.played_text, u.played_ms)
     assert report.figures()["interrupt_to_silence_ms"]["voice"]["count"] == 1
 
