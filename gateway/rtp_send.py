@@ -129,9 +129,13 @@ class RtpSender:
         """Until the track ends or the transport closes. Unlike aiortc's loop it does not follow
         replaceTrack, setTransport or the sender being disabled after it starts: the gateway
         never renegotiates a session, and aiortc has no ICE restart."""
-        sender, track, private = self.sender, self.track, _PRIVATE
-        getattr(sender, private + "rtp_started").set()
+        sender, track = self.sender, self.track
+        getattr(sender, _PRIVATE + "rtp_started").set()
         send = sender.transport._send_rtp  # the DTLS transport: SRTP protect, then the ICE pair's socket
+        # What aiortc's RTCP loop puts in its sender reports, under their private names.
+        ntp_name, rtp_name, packets_name, octets_name = (
+            _PRIVATE + name for name in ("ntp_timestamp", "rtp_timestamp", "packet_count", "octet_count")
+        )
         try:
             # Inside the try: a peer's odd offer (a mid too long for a header extension)
             # ends this track's sending, not aiortc's connect task.
@@ -144,15 +148,14 @@ class RtpSender:
                 self.packets += 1
                 self.octets += len(payload)
                 self.sequence = (self.sequence + 1) & 0xFFFF
-                # What aiortc's RTCP loop puts in its sender reports.
-                setattr(sender, private + "ntp_timestamp", ntp)
-                setattr(sender, private + "rtp_timestamp", rtp_time)
-                setattr(sender, private + "packet_count", self.packets)
-                setattr(sender, private + "octet_count", self.octets)
+                setattr(sender, ntp_name, ntp)
+                setattr(sender, rtp_name, rtp_time)
+                setattr(sender, packets_name, self.packets)
+                setattr(sender, octets_name, self.octets)
         except (asyncio.CancelledError, ConnectionError, MediaStreamError):
             pass
         except Exception:
             log.exception("the speech track's RTP sender failed; this session sends no audio")
         finally:
             track.stop()
-            getattr(sender, private + "rtp_exited").set()
+            getattr(sender, _PRIVATE + "rtp_exited").set()
