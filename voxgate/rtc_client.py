@@ -71,9 +71,11 @@ class MicTrack(MediaStreamTrack):
         return frame
 
 
-# aiortc's audio jitter buffer holds at most 16 packets. Once this many frames
-# have arrived after an event, every frame the server sent before that event has
-# arrived too (the server sends a frame every 20 ms, silence when idle).
+# aiortc's audio jitter buffer holds at most 16 packets, so once this many frames
+# have been decoded after an event, the frames the server sent before it have
+# usually been decoded too (the server sends a frame every 20 ms, silence when
+# idle). `wait_tail` counts packets instead, which also covers a decoder thread
+# that lags behind the wire; this count is its fallback and a bound for tests.
 TAIL_FRAMES = 20
 
 
@@ -89,6 +91,10 @@ class ReceivedAudio:
         self.frames.append((at, pcm))
         self._arrived.set()
 
+    async def wait_total(self, count: int, timeout: float = 10.0) -> None:
+        """Wait until `count` frames have been decoded since the track started."""
+        await self._wait(lambda: len(self.frames) >= count, lambda: f"only {len(self.frames)} of {count} audio frames", timeout)
+
     def count_since(self, since: float) -> int:
         n = 0
         for t, _ in reversed(self.frames):
@@ -99,13 +105,16 @@ class ReceivedAudio:
 
     async def wait_frames(self, count: int, since: float, timeout: float = 10.0) -> None:
         """Wait until `count` frames have arrived at or after `since` (a perf_counter time)."""
+        await self._wait(
+            lambda: self.count_since(since) >= count, lambda: f"only {self.count_since(since)} of {count} audio frames", timeout
+        )
+
+    async def _wait(self, done, shortfall, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while self.count_since(since) < count:
+        while not done():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise asyncio.TimeoutError(
-                    f"only {self.count_since(since)} of {count} audio frames arrived within {timeout} s"
-                )
+                raise asyncio.TimeoutError(f"{shortfall()} arrived within {timeout} s")
             self._arrived.clear()
             try:
                 await asyncio.wait_for(self._arrived.wait(), remaining)
@@ -151,6 +160,7 @@ class RtcClient:
         self.voice = voice
         self.events: asyncio.Queue = asyncio.Queue()
         self.event_log: list[tuple[float, dict]] = []
+        self._packets_at: dict[int, int] = {}  # id(event) -> audio packets received before it
         self.audio = ReceivedAudio()
         self.session_id: str | None = None
         self.ready: dict | None = None
@@ -176,6 +186,9 @@ class RtcClient:
         def on_message(message: str) -> None:
             event = json.loads(message)
             self.event_log.append((time.perf_counter(), event))
+            packets = self._audio_packets_received()
+            if packets is not None:
+                self._packets_at[id(event)] = packets
             self.events.put_nowait(event)
 
         @pc.on("track")
@@ -228,9 +241,29 @@ class RtcClient:
         """Wait until all audio the server sent before `event` has arrived.
 
         Used after `utterance.done` or `utterance.interrupted` before decoding the
-        received audio: it counts frames, so it never depends on wall time.
+        received audio. It counts packets and frames, so it never depends on
+        wall time, nor on how far this process's decoding lags behind the wire.
         """
-        await self.audio.wait_frames(TAIL_FRAMES, since=self.arrival(event), timeout=timeout)
+        packets = self._packets_at.get(id(event))
+        if packets is None:  # no audio yet, or aiortc renamed its counters
+            await self.audio.wait_frames(TAIL_FRAMES, since=self.arrival(event), timeout=timeout)
+        else:
+            await self.audio.wait_total(packets, timeout=timeout)
+
+    def _audio_packets_received(self) -> int | None:
+        """RTP packets the audio receiver has taken off the wire so far.
+
+        The DTLS transport hands datagrams over in arrival order, so when a
+        data-channel event is read, every packet the server sent before it has
+        been counted; each becomes one decoded frame, however far the decoder
+        thread and the track's queue lag behind.
+        """
+        for receiver in self.pc.getReceivers():
+            if receiver.track is not None and receiver.track.kind == "audio":
+                streams = getattr(receiver, "_RTCRtpReceiver__remote_streams", None)
+                if streams:
+                    return sum(s.packets_received for s in streams.values())
+        return None
 
     async def wait_for_any(self, kinds: tuple[str, ...], timeout: float = 20.0) -> dict:
         """Next event whose type is one of `kinds`."""

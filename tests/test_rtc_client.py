@@ -1,0 +1,37 @@
+"""voxgate.rtc_client: the guarantees tests and the probe rely on, against a real server."""
+
+from __future__ import annotations
+
+import asyncio
+
+from voxgate.engine import tone
+from voxgate.rtc_client import RtcClient
+
+
+class LaggingTrack:
+    """The received track, read only once `release` is set. Decoded frames pile up
+    in aiortc's queue meanwhile, as they do behind a decoder thread or an event
+    loop starved of CPU (a loaded CI machine)."""
+
+    def __init__(self, track, release: asyncio.Event) -> None:
+        self.track = track
+        self.release = release
+
+    async def recv(self):
+        await self.release.wait()
+        return await self.track.recv()
+
+
+async def test_wait_tail_covers_decoding_that_lags_the_wire(tone_server):
+    release = asyncio.Event()
+    client = RtcClient(tone_server.url)
+    record = client._record
+    client._record = lambda track: record(LaggingTrack(track, release))
+    async with client:
+        text = "One, two, three."
+        client.send({"type": "speak", "text": text, "id": "u"})
+        done = await client.wait_for("utterance.done", id="u")
+        assert client.audio.frames == []  # all of it is still behind
+        release.set()
+        await client.wait_tail(done)
+        assert tone.decode(client.audio.pcm(), client.audio.sample_rate) == text
