@@ -631,6 +631,10 @@ async def main() -> None:
     parser.add_argument("--load", type=int, default=0, help="busy-looping processes to run beside the bench")
     parser.add_argument("--background", type=int, default=2, help="other sessions speaking during the 'ttfa' load pass")
     parser.add_argument("--name", default="streaming", help="artifacts/bench-NAME.json")
+    parser.add_argument(
+        "--throughput-rounds", type=int, default=10,
+        help="alternating rounds in 'throughput' (single rounds vary by 10-20 %% on a shared 2-core VM)",
+    )
     args = parser.parse_args()
     only = [s for s in args.only.split(",") if s]
     quick = args.quick
@@ -648,7 +652,7 @@ async def main() -> None:
         if "spinning" in only:
             results["spinning"] = spinning_section(3 if quick else 8)
         if "throughput" in only:
-            results["throughput"] = await throughput_section(2 if quick else 4)
+            results["throughput"] = await throughput_section(2 if quick else args.throughput_rounds)
         if "threads" in only:
             results["threads"] = await threads_section(3 if quick else 8, 1 if quick else 2)
         if "fairness" in only:

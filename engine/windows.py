@@ -33,6 +33,11 @@ GROWTH = 4
 # A window may also hold this many times the frames the listener already has
 # buffered: a stream with half a second to spare gets its sentence in one window.
 COVER = 6
+# Once the listener has audio, a sentence's tail shorter than 1/FOLD_FRACTION
+# of the window before it joins that window. Under load, windows sized to the
+# buffered audio left tails of 12-50 frames, each paying 12 frames of context:
+# 7.5 % more decoder frames than the audio at 8 streams on 2 cores.
+FOLD_FRACTION = 2
 
 
 @dataclass(frozen=True)
@@ -75,9 +80,16 @@ class WindowSchedule:
         self, done: int, total: int, index: int, context: int, slack_frames: float | None = None, load: float = 1.0
     ) -> Window:
         """The window after `done` of `total` frames, with `context` frames each side."""
-        end = min(total, done + self.size(index, slack_frames, load))
-        if 0 < total - end < self.first // 2:
+        size = self.size(index, slack_frames, load)
+        end = min(total, done + size)
+        rest = total - end
+        if 0 < rest < self.first // 2:
             end = total  # fold a sliver of a tail into this window
+        elif 0 < rest < size // FOLD_FRACTION and total - done <= self.largest and (index > 0 or slack_frames):
+            # The listener already has audio, so a tail window would cost its
+            # context on a few frames for no gain in latency: fold the tail in,
+            # within the cap on a step.
+            end = total
         return Window(done, end, max(0, done - context), min(total, end + context))
 
 

@@ -1,0 +1,49 @@
+"""engine.windows: the window schedule's sizes, seams and tails (no model needed)."""
+
+from __future__ import annotations
+
+from voxgate.engine.windows import FOLD_FRACTION, WindowSchedule
+
+
+def plan(schedule: WindowSchedule, total: int, slack: float | None, load: float = 1.0, context: int = 12) -> list:
+    windows, done, index = [], 0, 0
+    while done < total:
+        w = schedule.next(done, total, index, context, slack, load)
+        windows.append(w)
+        done, index = w.end, index + 1
+    return windows
+
+
+def test_windows_cover_the_sentence_once_with_context_inside_it():
+    for total in (1, 11, 12, 50, 97, 300, 1000):
+        for slack in (None, 0.0, 20.0):
+            windows = plan(WindowSchedule(), total, slack)
+            assert windows[0].start == 0 and windows[-1].end == total
+            assert all(a.end == b.start for a, b in zip(windows, windows[1:]))
+            assert all(0 <= w.src_start <= w.start < w.end <= w.src_end <= total for w in windows)
+
+
+def test_a_short_tail_joins_the_window_before_it_once_the_listener_has_audio():
+    schedule = WindowSchedule()
+    # 20 frames buffered: windows of 6 x 20 = 120 frames. 150 frames would leave a
+    # 30-frame tail window that pays 12 frames of context: it is folded in.
+    assert [(w.start, w.end) for w in plan(schedule, 150, slack=20.0)] == [(0, 150)]
+    # A tail of half the window or more is a window of its own.
+    assert [(w.start, w.end) for w in plan(schedule, 120 + 120 // FOLD_FRACTION, slack=20.0)] == [(0, 120), (120, 180)]
+    # Later windows of a direct call fold too: 12, then 48 and a 20-frame tail.
+    assert [(w.start, w.end) for w in plan(schedule, 80, slack=None)] == [(0, 12), (12, 80)]
+
+
+def test_a_first_window_with_nothing_buffered_stays_small():
+    schedule = WindowSchedule()
+    # Nobody has audio yet: a first window keeps its size (here 4 x 12 frames, at
+    # 4 streams per core) even when the tail after it is short.
+    for slack in (None, 0.0):
+        assert plan(schedule, 4 * schedule.first + 20, slack, load=4.0)[0].end == 4 * schedule.first
+
+
+def test_folding_never_makes_a_step_larger_than_the_cap():
+    schedule = WindowSchedule()
+    windows = plan(schedule, schedule.largest + 40, slack=1000.0)
+    assert [w.end - w.start for w in windows] == [schedule.largest, 40]
+    assert all(w.end - w.start <= schedule.largest + schedule.first // 2 for w in plan(schedule, 5000, slack=50.0))
