@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
+
 from voxgate.engine import tone
 from voxgate.rtc_client import RtcClient
 
@@ -35,3 +37,22 @@ async def test_wait_tail_covers_decoding_that_lags_the_wire(tone_server):
         release.set()
         await client.wait_tail(done)
         assert tone.decode(client.audio.pcm(), client.audio.sample_rate) == text
+
+
+async def test_frames_after_an_event_are_those_sent_after_it_however_late_decoded(tone_server):
+    release = asyncio.Event()
+    client = RtcClient(tone_server.url)
+    record = client._record
+    client._record = lambda track: record(LaggingTrack(track, release))
+    async with client:
+        # 1.2 s of "A" symbols, then the utterance whose start is the event. All of
+        # it is decoded only after audio.started of the second has arrived.
+        client.send({"type": "speak", "text": "A" * 30, "id": "first"})
+        client.send({"type": "speak", "text": "z" * 8, "id": "second"})
+        started = await client.wait_for("audio.started", id="second")
+        assert client.audio.frames == []
+        release.set()
+        after = await client.wait_frames_after(started, 16)  # the 320 ms of "z"
+        heard = tone.decode(np.concatenate(after), client.audio.sample_rate)
+        # The frame that raced the event may hold the end of the last "A".
+        assert heard.count("z") >= 7 and heard.count("A") <= 1, heard

@@ -238,17 +238,39 @@ class RtcClient:
         return next(t for t, e in reversed(self.event_log) if e is event)
 
     async def wait_tail(self, event: dict, timeout: float = 10.0) -> None:
-        """Wait until all audio the server sent before `event` has arrived.
+        """Wait until all audio the server sent before `event` has arrived, and some after it.
 
         Used after `utterance.done` or `utterance.interrupted` before decoding the
         received audio. It counts packets and frames, so it never depends on
-        wall time, nor on how far this process's decoding lags behind the wire.
+        wall time, nor on how far this process's decoding lags behind the wire:
+        every frame from a packet that came off the wire before the event, then
+        TAIL_FRAMES decoded after the event arrived (which also covers a server
+        that sends the event before its last packet, as aiortc's own sender may).
         """
-        packets = self._packets_at.get(id(event))
-        if packets is None:  # no audio yet, or aiortc renamed its counters
-            await self.audio.wait_frames(TAIL_FRAMES, since=self.arrival(event), timeout=timeout)
-        else:
+        packets = self.frame_index(event)
+        if packets is not None:  # None: no audio yet, or aiortc renamed its counters
             await self.audio.wait_total(packets, timeout=timeout)
+        await self.audio.wait_frames(TAIL_FRAMES, since=self.arrival(event), timeout=timeout)
+
+    def frame_index(self, event: dict) -> int | None:
+        """Where audio sent after `event` starts in `audio.frames`.
+
+        That is the number of RTP packets that had come off the wire when the
+        event arrived: each becomes one frame, in order (loopback loses none).
+        None when no audio had arrived or aiortc's counter is missing.
+        """
+        return self._packets_at.get(id(event))
+
+    async def wait_frames_after(self, event: dict, count: int, timeout: float = 10.0) -> list:
+        """Wait for `count` frames sent after `event`; returns them (PCM arrays)."""
+        index = self.frame_index(event)
+        if index is None:
+            # Without the counter: frames decoded after the event arrived, less
+            # those the jitter buffer may still have held from before it.
+            await self.audio.wait_frames(count + TAIL_FRAMES, since=self.arrival(event), timeout=timeout)
+            return [p for t, p in self.audio.frames if t >= self.arrival(event)][TAIL_FRAMES : TAIL_FRAMES + count]
+        await self.audio.wait_total(index + count, timeout=timeout)
+        return [p for _, p in self.audio.frames[index : index + count]]
 
     def _audio_packets_received(self) -> int | None:
         """RTP packets the audio receiver has taken off the wire so far.

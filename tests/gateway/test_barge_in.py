@@ -22,7 +22,7 @@ async def test_speech_on_the_mic_interrupts_with_reason_barge_in(tone_server, us
     async with RtcClient(tone_server.url, mic=True) as client:
         sent = client.send({"type": "speak", "text": LONG, "id": "talk"})
         started = await client.wait_for("audio.started", id="talk", timeout=20)
-        await client.audio.wait_frames(50, since=client.arrival(started))  # a second of it has arrived
+        await client.wait_frames_after(started, 50)  # a second of it has arrived
         client.mic.play(user_speech)
         await client.wait_for("speech.started", timeout=10)
         interrupted = await client.wait_for("utterance.interrupted", id="talk", timeout=5)
