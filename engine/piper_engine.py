@@ -156,6 +156,11 @@ class PiperEngine(Engine):
         self.split = split
         self.schedule = schedule or WindowSchedule()
         self._providers: list[str] = []
+        # Latent frames the flow and the decoder ran (with the windows' context)
+        # and kept: their ratios are what the seams cost (the worker's stats,
+        # read by bench_streaming's throughput section).
+        self.counters = {"decoder_frames_run": 0, "decoder_frames_kept": 0, "flow_frames_run": 0, "flow_frames_kept": 0}
+        self._counters_lock = threading.Lock()
 
     def resolve_voice(self, voice: str | None) -> tuple[str, Path]:
         """(name, model path) for a voice name of the catalog; a path is never looked up."""
@@ -318,20 +323,28 @@ class PiperEngine(Engine):
         slack = None if job.slack_s is None else job.slack_s * loaded.frames_per_s
         w = self.schedule.next(s.decoded, s.frames, s.windows, graphs.decoder.context, slack, job.load)
         if s.flowed < w.src_end:
-            # For a sentence's first two windows the flow runs just as far as the
-            # decoder needs: that is what stands between the encoder and the first
-            # audio, and between the first audio and the next. After that it runs
-            # well ahead, because each flow segment costs its context (32 frames
-            # each side) again.
-            end = w.src_end if s.windows < 2 else min(s.frames, max(w.src_end, s.flowed + FLOW_AHEAD_FRAMES))
+            # The flow runs just as far as the decoder needs while a listener is
+            # short of audio: on an idle worker for a sentence's first two windows
+            # (what stands between the encoder and the first audio, and between
+            # the first audio and the next), and for a first window with nothing
+            # buffered. Otherwise it runs well ahead, because each flow segment
+            # costs its context (32 frames each side) again.
+            hurry = s.windows < 2 and (job.load <= 1.0 or (s.windows == 0 and not job.slack_s))
+            end = w.src_end if hurry else min(s.frames, max(w.src_end, s.flowed + FLOW_AHEAD_FRAMES))
             ctx = graphs.flow.context
             a, b = max(0, s.flowed - ctx), min(s.frames, end + ctx)
             feed = loaded._feed(graphs.flow, (s.z_p[:, :, a:b], s.mask[:, :, a:b]))
             out = run(run.sessions.flow, feed)[0]
+            with self._counters_lock:
+                self.counters["flow_frames_run"] += b - a
+                self.counters["flow_frames_kept"] += end - s.flowed
             s.latent[:, :, s.flowed : end] = out[:, :, s.flowed - a : end - a]
             s.flowed = end
         feed = loaded._feed(graphs.decoder, (s.latent[:, :, w.src_start : w.src_end],))
         audio = run(run.sessions.decoder, feed)[0].reshape(-1)
+        with self._counters_lock:
+            self.counters["decoder_frames_run"] += w.src_end - w.src_start
+            self.counters["decoder_frames_kept"] += w.end - w.start
         hop = loaded.hop
         samples = audio[w.keep.start * hop : w.keep.stop * hop]
         last = w.end >= s.frames

@@ -38,6 +38,11 @@ COVER = 6
 # buffered audio left tails of 12-50 frames, each paying 12 frames of context:
 # 7.5 % more decoder frames than the audio at 8 streams on 2 cores.
 FOLD_FRACTION = 2
+# ... and no longer than FOLD_COVER times the audio the listener has buffered:
+# at 2-4 streams per core a stream still decodes 2-5x faster than real time,
+# so the longer step ends before the buffered audio does. A listener with
+# nothing buffered (a first window, or one that ran dry) never waits for it.
+FOLD_COVER = 2
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,13 @@ class WindowSchedule:
             size = max(size, int(COVER * max(slack_frames, 0.0)))
         return max(self.first, min(self.largest, size))
 
+    @staticmethod
+    def _covers(rest: int, index: int, slack_frames: float | None) -> bool:
+        """Whether the listener's buffered audio covers decoding `rest` more frames now."""
+        if slack_frames is None:
+            return index > 0  # a direct call: whoever reads it has the earlier windows
+        return FOLD_COVER * slack_frames >= rest
+
     def next(
         self, done: int, total: int, index: int, context: int, slack_frames: float | None = None, load: float = 1.0
     ) -> Window:
@@ -85,10 +97,10 @@ class WindowSchedule:
         rest = total - end
         if 0 < rest < self.first // 2:
             end = total  # fold a sliver of a tail into this window
-        elif 0 < rest < size // FOLD_FRACTION and total - done <= self.largest and (index > 0 or slack_frames):
-            # The listener already has audio, so a tail window would cost its
-            # context on a few frames for no gain in latency: fold the tail in,
-            # within the cap on a step.
+        elif 0 < rest < size // FOLD_FRACTION and total - done <= self.largest and self._covers(rest, index, slack_frames):
+            # The listener has audio enough to wait for the tail too, so a tail
+            # window would cost its context on a few frames for no gain in
+            # latency: fold the tail in, within the cap on a step.
             end = total
         return Window(done, end, max(0, done - context), min(total, end + context))
 

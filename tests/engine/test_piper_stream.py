@@ -232,3 +232,32 @@ def test_any_voice_by_path_streams(tmp_path):
     assert len(list(engine.synthesize(SENTENCES[1], SynthesisOptions()))) > 1
     # Nothing was written beside the model.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["doctored.onnx", "doctored.onnx.json"]
+
+
+def _flow_segments(engine: PiperEngine, load: float, slack_s: float) -> tuple[int, int]:
+    """Flow frames run and kept for the long sentence, windows of 12 frames, at `load`."""
+    kept, engine.schedule = engine.schedule, WindowSchedule(first=12, largest=12)
+    try:
+        job = engine.start(SENTENCES[2], SynthesisOptions(noise_w_scale=0.0))  # the same durations each time
+        job.load, job.slack_s = load, slack_s
+        before = dict(engine.counters)
+        while not job.done:
+            engine.step([job])
+        return tuple(engine.counters[f"flow_frames_{k}"] - before[f"flow_frames_{k}"] for k in ("run", "kept"))
+    finally:
+        engine.schedule = kept
+
+
+def test_the_flow_runs_ahead_under_load_once_the_listener_has_audio(engine):
+    # Idle worker: the first two windows each flow only what they need, so their
+    # seams pay the flow's context (32 frames each side) again.
+    run_idle, kept = _flow_segments(engine, load=1.0, slack_s=0.5)
+    # Under load with audio buffered, the rest of the sentence flows in one segment
+    # from the first window on: no flow seam at all in a sentence under 512 frames.
+    run_loaded, kept_loaded = _flow_segments(engine, load=4.0, slack_s=0.5)
+    assert kept == kept_loaded
+    assert run_loaded == kept_loaded
+    assert run_idle >= kept + 2 * 32
+    # A listener with nothing buffered still gets the short first segment.
+    run_waiting, _ = _flow_segments(engine, load=4.0, slack_s=0.0)
+    assert run_waiting > kept

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from voxgate.engine.windows import FOLD_FRACTION, WindowSchedule
+from voxgate.engine.windows import FOLD_COVER, FOLD_FRACTION, WindowSchedule
 
 
 def plan(schedule: WindowSchedule, total: int, slack: float | None, load: float = 1.0, context: int = 12) -> list:
@@ -42,8 +42,25 @@ def test_a_first_window_with_nothing_buffered_stays_small():
         assert plan(schedule, 4 * schedule.first + 20, slack, load=4.0)[0].end == 4 * schedule.first
 
 
-def test_folding_never_makes_a_step_larger_than_the_cap():
+def test_a_tail_the_buffered_audio_does_not_cover_is_not_folded():
     schedule = WindowSchedule()
+    # 4 streams per core: a first window of 48 frames, a 20-frame tail after it.
+    # With a sliver of audio buffered, the step is not made longer for the tail.
+    assert plan(schedule, 48 + 20, slack=0.01, load=4.0)[0].end == 48
+    # Covered (2 x 10 frames buffered): folded.
+    assert plan(schedule, 48 + 20, slack=20 / FOLD_COVER, load=4.0)[0].end == 68
+    # A later window of a listener who has run dry (nothing buffered) is not lengthened either.
+    w = schedule.next(done=100, total=100 + 48 + 20, index=1, context=12, slack_frames=0.0, load=1.0)
+    assert w.end == 100 + 48
+
+
+def test_folding_stays_within_the_cap():
+    schedule = WindowSchedule()
+    # The tail would fit the fold's fraction, but the window would pass the cap.
     windows = plan(schedule, schedule.largest + 40, slack=1000.0)
     assert [w.end - w.start for w in windows] == [schedule.largest, 40]
-    assert all(w.end - w.start <= schedule.largest + schedule.first // 2 for w in plan(schedule, 5000, slack=50.0))
+    # Only the sliver rule (a tail under first // 2) may go past the cap, by that sliver.
+    for total in range(schedule.largest, 3 * schedule.largest, 7):
+        for slack in (None, 0.0, 20.0, 1000.0):
+            for w in plan(schedule, total, slack):
+                assert w.end - w.start <= schedule.largest or w.end - w.start < schedule.largest + schedule.first // 2
