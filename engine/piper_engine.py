@@ -55,9 +55,13 @@ from .windows import WindowSchedule, chunk_text, words_in_window
 
 log = logging.getLogger(__name__)
 
-# After a sentence's first window the flow runs at least this far ahead of the
-# decoder (about 6 s of audio, some 0.15 s of one core: a bounded step).
+# When it runs ahead, the flow runs this far ahead of the decoder (about 6 s of
+# audio, some 0.1-0.15 s of one core: a bounded step).
 FLOW_AHEAD_FRAMES = 512
+# What the flow costs per latent frame on one core (about 0.18 ms for joe here;
+# a faster machine or a GPU is only safer): running ahead lengthens a step by
+# this much per extra frame, times the streams sharing each core.
+FLOW_S_PER_FRAME = 0.0002
 
 
 class _Runner:
@@ -159,8 +163,14 @@ class PiperEngine(Engine):
         # Latent frames the flow and the decoder ran (with the windows' context)
         # and kept: their ratios are what the seams cost (the worker's stats,
         # read by bench_streaming's throughput section).
-        self.counters = {"decoder_frames_run": 0, "decoder_frames_kept": 0, "flow_frames_run": 0, "flow_frames_kept": 0}
+        self._counters = {"decoder_frames_run": 0, "decoder_frames_kept": 0, "flow_frames_run": 0, "flow_frames_kept": 0}
         self._counters_lock = threading.Lock()
+
+    @property
+    def counters(self) -> dict:
+        """A consistent copy of the frame counters (steps update them from pool threads)."""
+        with self._counters_lock:
+            return dict(self._counters)
 
     def resolve_voice(self, voice: str | None) -> tuple[str, Path]:
         """(name, model path) for a voice name of the catalog; a path is never looked up."""
@@ -323,28 +333,32 @@ class PiperEngine(Engine):
         slack = None if job.slack_s is None else job.slack_s * loaded.frames_per_s
         w = self.schedule.next(s.decoded, s.frames, s.windows, graphs.decoder.context, slack, job.load)
         if s.flowed < w.src_end:
-            # The flow runs just as far as the decoder needs while a listener is
-            # short of audio: on an idle worker for a sentence's first two windows
-            # (what stands between the encoder and the first audio, and between
-            # the first audio and the next), and for a first window with nothing
-            # buffered. Otherwise it runs well ahead, because each flow segment
-            # costs its context (32 frames each side) again.
-            hurry = s.windows < 2 and (job.load <= 1.0 or (s.windows == 0 and not job.slack_s))
-            end = w.src_end if hurry else min(s.frames, max(w.src_end, s.flowed + FLOW_AHEAD_FRAMES))
+            # The flow runs just as far as the decoder needs for a sentence's
+            # first two windows when the listener is short of audio: on an idle
+            # worker (what stands between the encoder and the first audio, and
+            # between the first audio and the next), and under load when the
+            # listener's buffered audio would not cover flowing ahead. Otherwise
+            # it runs well ahead, because each flow segment costs its context
+            # (32 frames each side) again: under load those seams had made the
+            # flow run 14-15 % more frames than it kept (bench_streaming).
+            ahead = min(s.frames, max(w.src_end, s.flowed + FLOW_AHEAD_FRAMES))
+            extra_s = (ahead - w.src_end) * FLOW_S_PER_FRAME * max(1.0, job.load)
+            hurry = s.windows < 2 and (job.load <= 1.0 or (job.slack_s or 0.0) < extra_s)
+            end = w.src_end if hurry else ahead
             ctx = graphs.flow.context
             a, b = max(0, s.flowed - ctx), min(s.frames, end + ctx)
             feed = loaded._feed(graphs.flow, (s.z_p[:, :, a:b], s.mask[:, :, a:b]))
             out = run(run.sessions.flow, feed)[0]
             with self._counters_lock:
-                self.counters["flow_frames_run"] += b - a
-                self.counters["flow_frames_kept"] += end - s.flowed
+                self._counters["flow_frames_run"] += b - a
+                self._counters["flow_frames_kept"] += end - s.flowed
             s.latent[:, :, s.flowed : end] = out[:, :, s.flowed - a : end - a]
             s.flowed = end
         feed = loaded._feed(graphs.decoder, (s.latent[:, :, w.src_start : w.src_end],))
         audio = run(run.sessions.decoder, feed)[0].reshape(-1)
         with self._counters_lock:
-            self.counters["decoder_frames_run"] += w.src_end - w.src_start
-            self.counters["decoder_frames_kept"] += w.end - w.start
+            self._counters["decoder_frames_run"] += w.src_end - w.src_start
+            self._counters["decoder_frames_kept"] += w.end - w.start
         hop = loaded.hop
         samples = audio[w.keep.start * hop : w.keep.stop * hop]
         last = w.end >= s.frames

@@ -169,8 +169,8 @@ class Scheduler:
             if stream is not None:
                 self._drop_job(stream)
         elif isinstance(msg, proto.Ping):
-            engine_counters = dict(getattr(self.engine, "counters", {}))  # e.g. the decoder's frames run and kept
-            self.send(proto.Pong(msg.token, dict(self.counters, **engine_counters, streams=len(self.streams), in_flight=self.in_flight)))
+            engine_counters = getattr(self.engine, "counters", {})  # e.g. the decoder's frames run and kept
+            self.send(proto.Pong(msg.token, {**engine_counters, **self.counters, "streams": len(self.streams), "in_flight": self.in_flight}))
         elif isinstance(msg, proto.Shutdown):
             return False
         elif isinstance(msg, StepsDone):

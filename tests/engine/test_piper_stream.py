@@ -17,7 +17,7 @@ import pytest
 from onnx import helper
 
 from voxgate.engine.base import SynthesisOptions
-from voxgate.engine.piper_engine import PiperEngine, embedded_voice_path
+from voxgate.engine.piper_engine import FLOW_AHEAD_FRAMES, PiperEngine, embedded_voice_path
 from voxgate.engine.piper_split import split_voice
 from voxgate.engine.windows import WindowSchedule
 
@@ -46,10 +46,12 @@ def engine() -> PiperEngine:
     return e
 
 
-def stream(engine: PiperEngine, text: str, options: SynthesisOptions, slack_s: float | None):
-    """Encoder step, then windows; returns the chunks and the sentence's state after encoding."""
+def stream(engine: PiperEngine, text: str, options: SynthesisOptions, slack_s):
+    """Encoder step, then windows; returns the chunks and the sentence's state after encoding.
+
+    `slack_s`: the listener's buffered audio (None: a direct call), or (slack_s, load)."""
     job = engine.start(text, options)
-    job.slack_s = slack_s
+    job.slack_s, job.load = slack_s if isinstance(slack_s, tuple) else (slack_s, 1.0)
     assert engine.step([job])[0] is None  # the encoder pass makes no audio
     sentence = job.current
     z_p, mask = sentence.z_p.copy(), sentence.mask.copy()
@@ -84,6 +86,8 @@ SCHEDULES = {
     "growing": (WindowSchedule(), None),  # a direct call: windows grow from the first
     "many seams": (WindowSchedule(first=8, largest=8), 0.0),  # every window 8 frames
     "buffered": (WindowSchedule(), 1.0),  # a second of audio buffered: big windows
+    # 4 streams per core, a little buffered: small windows, the flow run ahead.
+    "loaded": (WindowSchedule(first=8, largest=24), (0.5, 4.0)),
 }
 
 
@@ -255,9 +259,11 @@ def test_the_flow_runs_ahead_under_load_once_the_listener_has_audio(engine):
     # Under load with audio buffered, the rest of the sentence flows in one segment
     # from the first window on: no flow seam at all in a sentence under 512 frames.
     run_loaded, kept_loaded = _flow_segments(engine, load=4.0, slack_s=0.5)
-    assert kept == kept_loaded
+    assert kept == kept_loaded and kept < FLOW_AHEAD_FRAMES  # one segment can hold it
     assert run_loaded == kept_loaded
     assert run_idle >= kept + 2 * 32
-    # A listener with nothing buffered still gets the short first segment.
-    run_waiting, _ = _flow_segments(engine, load=4.0, slack_s=0.0)
-    assert run_waiting > kept
+    # A listener with nothing buffered, or too little to cover the longer step,
+    # still gets the short first segment.
+    for slack_s in (0.0, 0.01):
+        run_waiting, _ = _flow_segments(engine, load=4.0, slack_s=slack_s)
+        assert run_waiting > kept

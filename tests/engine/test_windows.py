@@ -44,11 +44,13 @@ def test_a_first_window_with_nothing_buffered_stays_small():
 
 def test_a_tail_the_buffered_audio_does_not_cover_is_not_folded():
     schedule = WindowSchedule()
-    # 4 streams per core: a first window of 48 frames, a 20-frame tail after it.
-    # With a sliver of audio buffered, the step is not made longer for the tail.
-    assert plan(schedule, 48 + 20, slack=0.01, load=4.0)[0].end == 48
-    # Covered (2 x 10 frames buffered): folded.
-    assert plan(schedule, 48 + 20, slack=20 / FOLD_COVER, load=4.0)[0].end == 68
+    # 4 streams per core: a first window of 48 frames (COVER x slack stays under
+    # it), a 14-frame tail after it. With a sliver of audio buffered, the step is
+    # not made longer for the tail.
+    assert plan(schedule, 48 + 14, slack=0.01, load=4.0)[0].end == 48
+    # Covered (FOLD_COVER x 7 frames buffered = 14): folded; just short of it: not.
+    assert plan(schedule, 48 + 14, slack=14 / FOLD_COVER, load=4.0)[0].end == 62
+    assert plan(schedule, 48 + 14, slack=14 / FOLD_COVER - 0.1, load=4.0)[0].end == 48
     # A later window of a listener who has run dry (nothing buffered) is not lengthened either.
     w = schedule.next(done=100, total=100 + 48 + 20, index=1, context=12, slack_frames=0.0, load=1.0)
     assert w.end == 100 + 48
