@@ -24,11 +24,17 @@ class LaggingTrack:
         return await self.track.recv()
 
 
-async def test_wait_tail_covers_decoding_that_lags_the_wire(tone_server):
+def lagging_client(url: str) -> tuple[RtcClient, asyncio.Event]:
+    """A client whose decoded frames are held back until the event is set."""
     release = asyncio.Event()
-    client = RtcClient(tone_server.url)
+    client = RtcClient(url)
     record = client._record
     client._record = lambda track: record(LaggingTrack(track, release))
+    return client, release
+
+
+async def test_wait_tail_covers_decoding_that_lags_the_wire(tone_server):
+    client, release = lagging_client(tone_server.url)
     async with client:
         text = "One, two, three."
         client.send({"type": "speak", "text": text, "id": "u"})
@@ -40,10 +46,7 @@ async def test_wait_tail_covers_decoding_that_lags_the_wire(tone_server):
 
 
 async def test_frames_after_an_event_are_those_sent_after_it_however_late_decoded(tone_server):
-    release = asyncio.Event()
-    client = RtcClient(tone_server.url)
-    record = client._record
-    client._record = lambda track: record(LaggingTrack(track, release))
+    client, release = lagging_client(tone_server.url)
     async with client:
         # 1.2 s of "A" symbols, then the utterance whose start is the event. All of
         # it is decoded only after audio.started of the second has arrived.
