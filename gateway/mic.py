@@ -126,7 +126,7 @@ class Microphone:
             else:
                 assert self._resampler is not None
                 pcm = self._resampler.process(self._law(packet.payload))
-                ticks = len(packet.payload)  # one byte a sample at 8 kHz
+                ticks = self._ticks(packet.payload)
         except (opus.OpusError, ValueError) as exc:
             log.debug("microphone packet not decoded: %s", exc)
             return
