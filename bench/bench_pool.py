@@ -3,23 +3,24 @@
     python bench/bench_pool.py --out bench/results/pool.json
     python bench/bench_pool.py --quick      # fewer repetitions
 
-One local Ray (2 CPUs) runs Serve's HTTP proxy and one pool replica with the
+One local Ray (2 CPUs) runs Serve's HTTP proxy and one pool replica, with
+Serve's direct ingress on (the replica also listens itself), with the
 piper voice (joe), 2 synthesis steps at once and 2 threads per step: the same
 settings as the local worker it is compared with (EngineConfig(parallel=2,
 threads=2)). Both engines stay loaded for the whole run and are used in
 alternation, so drift on this shared machine hits both alike.
 
 1. TTFA overhead (server side, at the gateway's engine client, before Opus):
-   push_text of one sentence to its first chunk, through RemoteEngineClient
-   (HTTP to Serve's proxy, the replica, frames back) and through EngineClient
-   (pipe to the worker process), interleaved rep by rep. overhead = remote -
-   local per rep; target p50 <= +5 ms.
+   push_text of one sentence to its first chunk, through EngineClient (pipe to
+   the worker process) and through two RemoteEngineClients: `direct` (HTTP
+   straight to the replica's own port, the gateway's default) and `proxy`
+   (HTTP through Serve's proxy, --no-engine-direct), interleaved rep by rep in
+   rotating order. overhead = remote - local per rep; target p50 <= +5 ms.
 2. Ingress round trip of a request that does no synthesis: GET /v1/stats
-   through Serve's HTTP proxy against the local worker's ping over its pipe.
-   gRPC was not measured: Serve's gRPC proxy needs protobuf-generated servicer
-   code (grpcio-tools is not installed here), see docs/scaling.md.
+   through Serve's proxy and straight to the replica, against the local
+   worker's ping over its pipe.
 3. Throughput at 8 streams: audio seconds per wall second, 8 four-sentence
-   replies at once; remote / local ratio of the medians of alternating runs;
+   replies at once; remote / local ratio of the medians of rotating runs;
    target >= 0.95.
 4. A replica killed mid-speech: 2 gateway processes (`voxgate serve
    --engine-url`) with 2 WebRTC sessions each (aiortc over loopback) speaking
@@ -46,6 +47,7 @@ from _common import arg_parser, finish, fmt_ms, free_port, machine, print_machin
 from voxgate.engine.base import SynthesisOptions  # noqa: E402
 from voxgate.engine.client import EngineClient, EngineConfig  # noqa: E402
 from voxgate.engine.pool import APP_NAME, PoolConfig, start_local  # noqa: E402
+from voxgate.engine.pool_protocol import STATS_PATH  # noqa: E402
 from voxgate.engine.remote import RemoteEngineClient  # noqa: E402
 
 SENTENCES = [
@@ -72,15 +74,21 @@ async def throughput(client, streams: int) -> float:
     return sum(audio) / (time.perf_counter() - t0)
 
 
-async def round_trips(local: EngineClient, remote: RemoteEngineClient, reps: int) -> dict:
-    out: dict = {"local_ping": [], "remote_http": []}
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        await local.worker_stats()
-        out["local_ping"].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        await remote.worker_stats()
-        out["remote_http"].append(time.perf_counter() - t0)
+async def round_trips(local: EngineClient, proxy: RemoteEngineClient, replica_url: str, reps: int) -> dict:
+    import aiohttp
+
+    out: dict = {"local_ping": [], "proxy_http": [], "direct_http": []}
+    async with aiohttp.ClientSession() as http:
+        async def direct_stats() -> None:
+            async with http.get(replica_url + STATS_PATH) as resp:
+                await resp.read()
+
+        for _ in range(reps):
+            for name, call in (("local_ping", local.worker_stats), ("proxy_http", proxy.worker_stats),
+                               ("direct_http", direct_stats)):
+                t0 = time.perf_counter()
+                await call()
+                out[name].append(time.perf_counter() - t0)
     return out
 
 
@@ -154,50 +162,59 @@ async def run(args) -> dict:
     pool_start_s = time.perf_counter() - t0
     url = f"http://127.0.0.1:{port}/"
     local = EngineClient(EngineConfig(engine="piper", parallel=2, threads=2))
-    remote = RemoteEngineClient(url)
-    await local.start()
-    await remote.start()
+    direct = RemoteEngineClient(url)
+    proxy = RemoteEngineClient(url, direct=False)
+    clients = {"local": local, "direct": direct, "proxy": proxy}
+    for client in clients.values():
+        await client.start()
+    if len(direct.replicas) != 1:
+        raise SystemExit(f"expected the pool to list its one replica (direct ingress), got {direct.replicas}")
     results: dict = {"settings": {"engine": "piper", "voice": local.info.get("voices", [None])[0], "parallel": 2,
-                                  "threads": 2, "ray_cpus": 2, "replicas": 1}, "pool_start_s": round(pool_start_s, 1)}
-    for client in (local, remote):  # warm both: first runs load kernels
+                                  "threads": 2, "ray_cpus": 2, "replicas": 1, "direct_ingress": True},
+                     "pool_start_s": round(pool_start_s, 1)}
+    for client in clients.values():  # warm all: first runs load kernels
         for text in SENTENCES[:3]:
             await first_chunk_s(client, text)
 
-    section("1. TTFA: remote pool vs local worker (server side, engine client, before Opus)")
-    ttfa: dict = {"local": [], "remote": [], "overhead": []}
+    section("1. TTFA: remote pool (direct to the replica; through Serve's proxy) vs local worker "
+            "(server side, engine client, before Opus)")
+    names = list(clients)
+    ttfa: dict = {name: [] for name in names}
     for i in range(reps):
         text = SENTENCES[i % len(SENTENCES)]
-        order = (local, remote) if i % 2 == 0 else (remote, local)
-        got = {}
-        for client in order:
-            got[client is remote] = await first_chunk_s(client, text)
-        ttfa["local"].append(got[False])
-        ttfa["remote"].append(got[True])
-        ttfa["overhead"].append(got[True] - got[False])
+        for name in names[i % 3:] + names[:i % 3]:  # rotating order: drift hits all three alike
+            ttfa[name].append(await first_chunk_s(clients[name], text))
+    for name in ("direct", "proxy"):
+        ttfa[f"overhead_{name}"] = [r - l for r, l in zip(ttfa[name], ttfa["local"])]
     results["ttfa_ms"] = {k: summary_ci_ms(v) for k, v in ttfa.items()}
-    results["ttfa_ms"]["ratio_p50"] = round(ratio(results["ttfa_ms"]["remote"]["p50"], results["ttfa_ms"]["local"]["p50"]), 3)
-    for k in ("local", "remote", "overhead"):
-        print(f"{k:9s} {fmt_ms(results['ttfa_ms'][k])}  p50 95% CI {results['ttfa_ms'][k].get('p50_ci95')}")
+    for name in ("direct", "proxy"):
+        results["ttfa_ms"][f"ratio_p50_{name}"] = round(ratio(results["ttfa_ms"][name]["p50"], results["ttfa_ms"]["local"]["p50"]), 3)
+    for k in ttfa:
+        print(f"{k:16s} {fmt_ms(results['ttfa_ms'][k])}  p50 95% CI {results['ttfa_ms'][k].get('p50_ci95')}")
+    print(f"routes: direct client {direct.requests_by_route}, proxy client {proxy.requests_by_route}")
+    results["routes"] = {"direct_client": dict(direct.requests_by_route), "proxy_client": dict(proxy.requests_by_route)}
 
-    section("2. Per-request round trip without synthesis: Serve HTTP ingress vs worker pipe (server side)")
-    trips = await round_trips(local, remote, reps * 2)
+    section("2. Per-request round trip without synthesis: Serve's proxy, the replica's own port, the worker pipe (server side)")
+    trips = await round_trips(local, proxy, direct.replicas[0], reps * 2)
     results["round_trip_ms"] = {k: summary_ci_ms(v) for k, v in trips.items()}
     results["round_trip_ms"]["grpc"] = "not measured: Serve's gRPC proxy needs protobuf-generated servicers (no grpcio-tools here)"
-    for k in ("local_ping", "remote_http"):
+    for k in trips:
         print(f"{k:12s} {fmt_ms(results['round_trip_ms'][k])}")
 
     section("3. Throughput at 8 streams: audio s per wall s (server side)")
-    tput: dict = {"local": [], "remote": []}
+    tput: dict = {name: [] for name in names}
     for r in range(rounds):
-        for name, client in ((("local", local), ("remote", remote)) if r % 2 == 0 else (("remote", remote), ("local", local))):
-            tput[name].append(await throughput(client, 8))
+        for name in names[r % 3:] + names[:r % 3]:
+            tput[name].append(await throughput(clients[name], 8))
     med = {k: sorted(v)[len(v) // 2] for k, v in tput.items()}
     results["throughput_8"] = {"runs": {k: [round(x, 3) for x in v] for k, v in tput.items()},
                                "median": {k: round(v, 3) for k, v in med.items()},
-                               "ratio_remote_over_local": round(ratio(med["remote"], med["local"]), 3)}
-    print(f"local {med['local']:.2f}  remote {med['remote']:.2f}  ratio {results['throughput_8']['ratio_remote_over_local']:.3f}")
-    await local.close()
-    await remote.close()
+                               "ratio_direct_over_local": round(ratio(med["direct"], med["local"]), 3),
+                               "ratio_proxy_over_local": round(ratio(med["proxy"], med["local"]), 3)}
+    print(f"medians {results['throughput_8']['median']}  direct/local {results['throughput_8']['ratio_direct_over_local']:.3f}"
+          f"  proxy/local {results['throughput_8']['ratio_proxy_over_local']:.3f}")
+    for client in clients.values():
+        await client.close()
 
     section("4. Replica killed mid-speech: 2 gateways, 4 WebRTC sessions")
     results["replica_killed"] = await kill_outcome(url)

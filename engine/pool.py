@@ -14,15 +14,23 @@ A request's response is a generator: when the gateway closes the stream, Serve
 cancels it, its `finally` cancels the scheduler stream, and the replica's work
 on it stops within one step.
 
-Ray is imported only inside `build_app` and `serve_forever`, so the gateway can
+With Serve's direct ingress on (`start_local` turns it on; in a cluster, set
+RAY_SERVE_ENABLE_DIRECT_INGRESS=1 on every node), each replica also listens
+itself, and `GET /v1/replicas` lists those addresses as Serve's controller knows
+them: gateways (engine/remote.py) send their streams there and skip the
+proxy's hop, which costs about 7 ms a request here (bench/bench_pool.py).
+
+Ray is imported only inside `build_app`, `serve_forever` and the replica, so the gateway can
 import this module's neighbours without the `[scale]` extra.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import itertools
 import logging
+import math
 import os
 import socket
 import threading
@@ -31,7 +39,10 @@ from dataclasses import dataclass, fields
 
 from . import proto
 from .base import SynthesisOptions
-from .pool_protocol import INFO_PATH, REPLICA_HEADER, STATS_PATH, STREAM_PATH, PoolProtocolError, StreamRequest, pack_frame
+from .pool_protocol import (
+    INFO_PATH, MAX_REPLICAS_LISTED, REPLICA_HEADER, REPLICAS_PATH, REPLICAS_REFRESH_S, STATS_PATH, STREAM_PATH, PoolProtocolError, StreamRequest,
+    pack_frame, replica_url,
+)
 from .registry import create_engine
 from .worker import Scheduler
 
@@ -42,6 +53,17 @@ DEPLOYMENT_NAME = "EnginePool"
 # Chunks a request may have made ahead of what its response has handed on.
 REQUEST_WINDOW = 3
 SCALE_HINT = "the engine pool needs Ray Serve: pip install 'voxgate[scale]'"
+# Ray Serve's switch for replicas that listen themselves (read when Ray's processes start).
+DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
+# How long a replica reuses its listing of the replicas: gateways ask every few
+# seconds, and anyone on the pool's network may ask, so the controller is asked
+# at most once per this.
+REPLICAS_CACHE_S = 2.0
+# A replica Serve stops keeps serving its own port this long (Serve's default is
+# 30 s, for external load balancers): long enough for every gateway to read a
+# listing without it, so none sends it a stream it would cut.
+DRAIN_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+DRAIN_S = REPLICAS_REFRESH_S + REPLICAS_CACHE_S + 1.0
 
 
 def require_ray():
@@ -196,12 +218,72 @@ def chunk_header(msg: proto.Chunk) -> dict:
     }
 
 
+class ReplicaListing:
+    """The addresses of the pool's replicas where they listen themselves (Serve's
+    direct ingress), read from Serve's controller and cached for REPLICAS_CACHE_S.
+
+    Serve has no public call for these addresses in Ray 2.60 (its HAProxy
+    integration reads them the same way), so this reads the controller's
+    `get_target_groups`; if a Ray upgrade changes it, the listing is empty, the
+    log says why, and gateways keep using the proxy."""
+
+    def __init__(self) -> None:
+        self._at = -math.inf
+        self._value: dict = {"replicas": []}
+        self._lock: asyncio.Lock | None = None
+
+    async def get(self) -> dict:
+        self._lock = self._lock or asyncio.Lock()
+        async with self._lock:
+            if time.monotonic() - self._at >= REPLICAS_CACHE_S:
+                self._value = await _list_replicas()
+                self._at = time.monotonic()
+        return self._value
+
+
+async def _list_replicas() -> dict:
+    try:
+        import ray
+        from ray import serve
+        from ray.serve._private.common import RequestProtocol
+        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        app = serve.get_replica_context().app_name
+        groups, http = await asyncio.gather(controller.get_target_groups.remote(app), controller.get_http_config.remote())
+        bind = _literal_ip(http.host)
+        replicas = []
+        for group in groups:
+            if group.protocol != RequestProtocol.HTTP or group.app_name != app:
+                continue
+            for target in group.targets:
+                # Without direct ingress (or before a replica runs) Serve lists its proxies here instead.
+                if not target.name.startswith("SERVE_REPLICA::"):
+                    continue
+                # A replica listens where Serve's HTTP options say; the node's address only when that is every address.
+                host = target.ip if bind is None or bind.is_unspecified else str(bind)
+                replicas.append({"url": replica_url(host, target.port, group.route_prefix), "id": target.name})
+        return {"replicas": replicas[:MAX_REPLICAS_LISTED]}
+    except Exception as exc:  # Ray's private API moved: the proxy still works
+        log.warning("cannot list the replicas' own addresses (%s: %s); gateways use Serve's proxy",
+                    type(exc).__name__, exc)
+        return {"replicas": [], "reason": f"{type(exc).__name__}"}
+
+
+def _literal_ip(host: str | None):
+    try:
+        return ipaddress.ip_address(host or "")
+    except ValueError:
+        return None
+
+
 class PoolIngress:
     """The Serve deployment's class: HTTP in, a streamed body of frames out."""
 
     def __init__(self, config: PoolConfig) -> None:
         logging.basicConfig(level=os.environ.get("VOXGATE_LOG_LEVEL", "INFO"))
         self.host = EngineHost(config)
+        self.listing = ReplicaListing()
 
     async def __call__(self, request):
         from starlette.responses import JSONResponse, StreamingResponse
@@ -214,6 +296,8 @@ class PoolIngress:
             return JSONResponse(self.host.info)
         if request.method == "GET" and path == STATS_PATH:
             return JSONResponse(self.host.stats())
+        if request.method == "GET" and path == REPLICAS_PATH:
+            return JSONResponse(await self.listing.get())
         if request.method != "POST" or path != STREAM_PATH:
             return JSONResponse({"error": "not_found", "message": f"use POST {STREAM_PATH}"}, status_code=404)
         try:
@@ -278,19 +362,26 @@ def app_builder(args: dict):
 
 
 def start_local(config: PoolConfig, host: str, port: int, num_cpus: int | None = None,
-                name: str = APP_NAME, route_prefix: str = "/") -> None:
-    """Start (or join) a local Ray, start Serve's HTTP proxy on host:port and deploy the pool."""
+                name: str = APP_NAME, route_prefix: str = "/", direct_ingress: bool = True) -> None:
+    """Start (or join) a local Ray, start Serve's HTTP proxy on host:port and deploy the pool.
+
+    With `direct_ingress`, each replica also listens on host (Serve picks ports
+    from 30000 up) and gateways reach it without the proxy's hop. Ray's processes
+    read the switch when they start, so it applies only to a Ray this call starts."""
     ray, serve = require_ray()
     if not ray.is_initialized():
+        os.environ[DIRECT_INGRESS_ENV] = "1" if direct_ingress else "0"
+        os.environ.setdefault(DRAIN_ENV, str(DRAIN_S))
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(config), name=name, route_prefix=route_prefix)
 
 
-def serve_forever(config: PoolConfig, host: str, port: int, num_cpus: int | None = None) -> None:
+def serve_forever(config: PoolConfig, host: str, port: int, num_cpus: int | None = None,
+                  direct_ingress: bool = True) -> None:
     """`voxgate engine serve`: a local pool until interrupted."""
     ray, serve = require_ray()
-    start_local(config, host, port, num_cpus)
+    start_local(config, host, port, num_cpus, direct_ingress=direct_ingress)
     print(f"voxgate engine pool ({config.engine}) on http://{host}:{port}/ ; Ctrl-C stops it", flush=True)
     stop = threading.Event()
     try:

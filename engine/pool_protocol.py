@@ -18,17 +18,25 @@ window. The response streams frames until an `end` frame:
     {"kind": "error", "message"}                   the engine refused the text
     {"kind": "end"}                                 every unit was synthesized
 
-A response that stops without `end` means the replica died mid-stream. JSON, not
+A response that stops without `end` means the replica died mid-stream.
+
+    GET /v1/replicas  {"replicas": [{"url": "http://IP:PORT", "id": ...}, ...]}
+
+lists the replicas' own addresses when Serve's direct ingress is on (each
+replica then listens itself, beside Serve's proxy): a gateway sends its streams
+there and skips the proxy's hop. An empty list means: use the proxy. JSON, not
 pickle: a pool and its gateways trust each other's shapes, never each other's code.
 This module imports neither Ray nor aiohttp: gateways and replicas both use it.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import struct
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -38,6 +46,12 @@ from .units import MAX_UNIT_CHARS
 STREAM_PATH = "/v1/stream"
 INFO_PATH = "/v1/info"
 STATS_PATH = "/v1/stats"
+REPLICAS_PATH = "/v1/replicas"
+# How often a gateway reads the listing again (replicas come and go with autoscaling).
+REPLICAS_REFRESH_S = 5.0
+# Replicas a gateway takes from one listing; a pool larger than this is reached
+# through the proxy for the rest.
+MAX_REPLICAS_LISTED = 256
 # Names the replica that serves a response, so a gateway counts each lost replica once.
 REPLICA_HEADER = "x-voxgate-replica"
 
@@ -146,3 +160,36 @@ def parse_header(data: bytes) -> dict:
     if not isinstance(header, dict) or header.get("kind") not in ("chunk", "error", "end"):
         raise PoolProtocolError("frame header has no known kind")
     return header
+
+
+def replica_url(host: str, port: int, route_prefix: str = "/") -> str:
+    """A replica's base URL, as the gateway joins the paths above to it."""
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{int(port)}{route_prefix.rstrip('/')}"
+
+
+def parse_replicas(data: object) -> list[str]:
+    """The replicas' base URLs from a /v1/replicas answer: plain http URLs with a
+    numeric host and port and nothing else (no credentials, query or fragment),
+    at most MAX_REPLICAS_LISTED, duplicates dropped. Entries of any other shape are
+    skipped: a gateway never follows a listing to a name it would resolve, or to
+    another scheme."""
+    if not isinstance(data, dict) or not isinstance(data.get("replicas"), list):
+        raise PoolProtocolError("a replicas listing is {\"replicas\": [{\"url\": ...}, ...]}")
+    urls: list[str] = []
+    for entry in data["replicas"][:MAX_REPLICAS_LISTED]:
+        url = entry.get("url") if isinstance(entry, dict) else None
+        if not isinstance(url, str) or len(url) > 200:
+            continue
+        try:
+            parts = urlsplit(url)
+            ipaddress.ip_address(parts.hostname or "")
+            port = parts.port
+        except ValueError:
+            continue
+        if parts.scheme != "http" or port is None or parts.username or parts.password or parts.query or parts.fragment:
+            continue
+        if url.rstrip("/") not in urls:
+            urls.append(url.rstrip("/"))
+    return urls

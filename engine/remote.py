@@ -13,6 +13,12 @@ are pending as one HTTP request (engine/pool_protocol.py) with the stream's
 playout deadline, and reads the response's frames into the stream, as many as
 the stream's credit allows.
 
+Where the pool lists its replicas' own addresses (Serve's direct ingress,
+`GET /v1/replicas`), each request goes straight to the replica with the fewest
+of this gateway's requests, skipping the proxy's hop; the listing is refreshed
+every few seconds, a replica that cannot be connected to is dropped from it, and
+that request goes through the proxy instead.
+
 A replica that dies mid-stream cuts its responses short (no `end` frame): those
 streams end with EngineCrashed, as with the local worker; Serve replaces the
 replica and the next utterance goes to a live one.
@@ -33,8 +39,8 @@ from .base import WordTiming
 from .client import STREAM_WINDOW, EngineClient, EngineConfig
 from .errors import EngineCrashed, EngineStreamError, EngineUnavailable
 from .pool_protocol import (
-    FRAME_HEAD, INFO_PATH, MAX_UNITS_PER_REQUEST, REPLICA_HEADER, STATS_PATH, STREAM_PATH, PoolProtocolError, StreamRequest,
-    frame_sizes, parse_header,
+    FRAME_HEAD, INFO_PATH, MAX_UNITS_PER_REQUEST, REPLICA_HEADER, REPLICAS_PATH, REPLICAS_REFRESH_S, STATS_PATH, STREAM_PATH, PoolProtocolError,
+    StreamRequest, frame_sizes, parse_header, parse_replicas,
 )
 from .stream import TTSStream
 
@@ -55,14 +61,23 @@ CRASHED_TEXT = "the engine pool's replica stopped unexpectedly; it is being rest
 class RemoteEngineClient(EngineClient):
     """EngineClient's interface with a Ray Serve engine pool (engine/pool.py) instead of a worker process."""
 
-    def __init__(self, url: str, config: EngineConfig | None = None, read_timeout_s: float = READ_TIMEOUT_S) -> None:
+    def __init__(self, url: str, config: EngineConfig | None = None, read_timeout_s: float = READ_TIMEOUT_S,
+                 direct: bool = True) -> None:
         super().__init__(config)
         self.url = url.rstrip("/")
         self.read_timeout_s = read_timeout_s
+        self.direct = direct
         self._http: aiohttp.ClientSession | None = None
         self._transports: dict[int, RemoteTransport] = {}
         self._is_ready = False
         self._lost_replicas: deque = deque(maxlen=MAX_LOST_REPLICAS)
+        # The replicas' own base URLs (empty: everything goes through self.url, Serve's proxy).
+        self.replicas: list[str] = []
+        self._inflight: dict[str, int] = {}
+        self._turn = 0
+        self._refresher: asyncio.Future | None = None
+        # Requests sent straight to a replica, and through the proxy.
+        self.requests_by_route = {"direct": 0, "proxy": 0}
 
     # Lifecycle
     async def start(self) -> None:
@@ -86,12 +101,17 @@ class RemoteEngineClient(EngineClient):
                     ) from None
                 await asyncio.sleep(delay)  # the pool may still be deploying
                 delay = min(delay * 2, 2.0)
+        if self.direct:
+            await self.refresh_replicas()
+            self._refresher = asyncio.ensure_future(self._refresh_forever())
         self._is_ready = True
         self._started = True
 
     async def close(self) -> None:
         self._closing = True
         self._is_ready = False
+        if self._refresher is not None:
+            self._refresher.cancel()
         self._fail_all(EngineUnavailable("the engine is shutting down"))
         for transport in list(self._transports.values()):
             transport.cancel()
@@ -119,6 +139,42 @@ class RemoteEngineClient(EngineClient):
         if not isinstance(data, dict):
             raise ValueError(f"{path} answered no object")
         return data
+
+    # The replicas' own addresses
+    async def refresh_replicas(self) -> None:
+        """Read the pool's listing of its replicas (through the proxy). A pool
+        without direct ingress, or an older one, lists none; a failed read keeps
+        the last listing, since the replicas may be fine while the proxy is not."""
+        try:
+            listed = parse_replicas(await self._get_json(REPLICAS_PATH))
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            if isinstance(exc, ValueError) and "answered 404" in str(exc):
+                self.replicas = []  # a pool that predates the listing
+            log.debug("engine pool replica listing not read: %s", exc)
+            return
+        if listed != self.replicas:
+            log.info("engine pool: %d replica(s) reached directly", len(listed))
+        self.replicas = listed
+        self._inflight = {url: n for url, n in self._inflight.items() if url in listed or n}
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(REPLICAS_REFRESH_S)
+            await self.refresh_replicas()
+
+    def _pick_replica(self) -> str | None:
+        """The listed replica with the fewest of this gateway's requests open, ties taken in turn."""
+        if not self.replicas:
+            return None
+        start = self._turn % len(self.replicas)
+        self._turn += 1
+        ring = self.replicas[start:] + self.replicas[:start]
+        return min(ring, key=lambda url: self._inflight.get(url, 0))
+
+    def _drop_replica(self, url: str) -> None:
+        if url in self.replicas:
+            log.warning("engine pool replica %s cannot be reached; using the proxy until the next listing", url)
+            self.replicas = [u for u in self.replicas if u != url]
 
     # EngineClient.stream() opens a stream with OpenStream: here, its transport.
     def _send(self, message: proto.ToWorker) -> None:
@@ -234,14 +290,31 @@ class RemoteTransport:
             self.client._finish(self.sid, EngineUnavailable(f"the engine pool stream failed: {type(exc).__name__}"))
 
     async def _request(self, stream: TTSStream, batch: list) -> None:
+        """One request: straight to a replica when the pool lists them, else (or if
+        that replica cannot be connected to, so nothing reached it) through the proxy."""
+        client = self.client
+        replica = client._pick_replica()
+        if replica is not None:
+            client._inflight[replica] = client._inflight.get(replica, 0) + 1
+            try:
+                await self._request_at(replica, stream, batch, direct=True)
+                return
+            except _NotConnected:
+                client._drop_replica(replica)
+            finally:
+                client._inflight[replica] -= 1
+        await self._request_at(client.url, stream, batch)
+
+    async def _request_at(self, base: str, stream: TTSStream, batch: list, direct: bool = False) -> None:
         http = self.client._http
         if http is None:
             raise EngineUnavailable("the engine is shutting down")
         playing = self.first_audio_at is not None
         body = StreamRequest(self.options, batch, self.deadline_in(), playing).encode()
         try:
-            async with http.post(self.client.url + STREAM_PATH, data=body,
+            async with http.post(base + STREAM_PATH, data=body,
                                  headers={"content-type": "application/json"}) as resp:
+                self.client.requests_by_route["direct" if direct else "proxy"] += 1
                 self.replica = resp.headers.get(REPLICA_HEADER, self.replica)
                 if resp.status == 400:
                     raise EngineStreamError((await resp.text())[:500])
@@ -256,6 +329,8 @@ class RemoteTransport:
                     if not resp.content.at_eof():
                         resp.close()  # a cancelled stream: the connection goes, and with it the replica's work
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            if direct:
+                raise _NotConnected() from None
             # Not connected at all (the pool down, or every connection busy): nothing
             # crashed. Clients get plain words; the pool's address stays in the log.
             log.warning("cannot reach the engine pool at %s: %s", self.client.url, exc)
@@ -294,6 +369,10 @@ class RemoteTransport:
             self.audio_s += (n_pcm // 2) / chunk.sample_rate
             self.credit -= 1
             stream.on_chunk(chunk, pcm)
+
+
+class _NotConnected(Exception):
+    """A replica listed by the pool refused the connection: the request never reached it."""
 
 
 async def _read_frame(content: aiohttp.StreamReader) -> tuple[dict, bytes]:

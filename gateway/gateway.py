@@ -53,7 +53,7 @@ def _engine_client(settings: Settings) -> EngineClient:
     if settings.engine_url:
         from ..engine.remote import RemoteEngineClient
 
-        return RemoteEngineClient(settings.engine_url, config)
+        return RemoteEngineClient(settings.engine_url, config, direct=settings.engine_direct)
     return EngineClient(config)
 
 

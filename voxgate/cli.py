@@ -130,7 +130,7 @@ def _engine_serve(args: argparse.Namespace) -> int:
         max_ongoing_requests=settings.max_ongoing_requests,
     )
     try:
-        serve_forever(config, settings.host, settings.port, settings.ray_cpus or None)
+        serve_forever(config, settings.host, settings.port, settings.ray_cpus or None, settings.direct_ingress)
     except RuntimeError as exc:  # no Ray: the message names the extra
         print(f"voxgate: {exc}", file=sys.stderr)
         return 2

@@ -46,6 +46,8 @@ class Settings:
     first_unit_timeout_ms: int = 350
     # An engine pool (engine/pool.py) to synthesize on instead of a local worker.
     engine_url: str | None = None
+    # Send streams straight to the pool's replicas when it lists them (Serve's direct ingress).
+    engine_direct: bool = True
     # Outbound Opus
     opus_bitrate: int = 32000
     opus_fec: bool = True
@@ -206,6 +208,9 @@ _HELP = {
     "engine_url": "URL of an engine pool on Ray Serve (`voxgate engine serve`, a KubeRay RayService), e.g. "
     "http://pool:8000/: synthesis runs there instead of in a local worker process (--engine, --voice and "
     "--device are then the pool's settings)",
+    "engine_direct": "with --engine-url: send each stream straight to a pool replica that listens itself (Serve's "
+    "direct ingress, which `voxgate engine serve` turns on), skipping the proxy's hop; the proxy still serves "
+    "when the pool lists no replicas or one cannot be reached",
     "opus_bitrate": "outbound Opus bitrate in bit/s",
     "opus_fec": "Opus in-band forward error correction",
     "opus_dtx": "Opus discontinuous transmission",
@@ -365,6 +370,7 @@ class PoolSettings:
     target_ongoing_requests: int = 16
     max_ongoing_requests: int = 64
     ray_cpus: int = 0
+    direct_ingress: bool = True
 
     def check(self) -> None:
         if self.num_gpus < 0 or self.replica_cpus <= 0:
@@ -389,6 +395,8 @@ _POOL_HELP = {
     "target_ongoing_requests": "streams per replica the autoscaler aims for",
     "max_ongoing_requests": "most streams one replica takes at once; more wait in Serve's queue",
     "ray_cpus": "CPUs of the local Ray this command starts (0: every core)",
+    "direct_ingress": "each replica also listens itself (Serve's direct ingress, ports from 30000 on --host), so "
+    "gateways skip the proxy's hop of about 7 ms a request",
 }
 
 _SCHEMES = {Settings: (_HELP, "VOXGATE_"), PoolSettings: (_POOL_HELP, "VOXGATE_POOL_")}

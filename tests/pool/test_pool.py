@@ -9,9 +9,11 @@ import pytest
 from voxgate.engine import tone
 from voxgate.engine.base import SynthesisOptions
 from voxgate.engine.pool_protocol import (
-    FRAME_HEAD, MAX_PCM_BYTES, STREAM_PATH, PoolProtocolError, StreamRequest, frame_sizes, pack_frame, parse_header,
+    FRAME_HEAD, INFO_PATH, MAX_PCM_BYTES, MAX_REPLICAS_LISTED, STREAM_PATH, PoolProtocolError, StreamRequest, frame_sizes,
+    pack_frame, parse_header, parse_replicas,
 )
 from voxgate.engine.remote import RemoteEngineClient
+from tests.conftest import free_port
 
 
 @pytest.fixture
@@ -38,6 +40,68 @@ async def test_remote_stream_decodes_to_exactly_the_text(remote):
     assert "".join(c.text for c in chunks) == text
     assert tone.decode(np.concatenate([c.pcm for c in chunks]), chunks[0].sample_rate) == text
     assert remote.active_streams == 0 and remote.info["engine"] == "tone"
+
+
+async def speak_exactly(client: RemoteEngineClient, text: str) -> None:
+    stream = client.stream(SynthesisOptions())
+    stream.push_text(text)
+    stream.end_input()
+    chunks = [chunk async for chunk in stream]
+    assert tone.decode(np.concatenate([c.pcm for c in chunks]), chunks[0].sample_rate) == text
+
+
+async def test_streams_go_straight_to_the_replica_that_listens_itself(remote, pool):
+    """Serve's direct ingress (on in start_local): the pool lists its replica's own
+    address, and the gateway's requests skip the proxy."""
+    (replica,) = remote.replicas
+    assert replica.rstrip("/") != pool.url.rstrip("/")
+    async with aiohttp.ClientSession() as http:
+        async with http.get(replica + INFO_PATH) as resp:
+            assert (await resp.json())["pid"] == remote.info["pid"]  # the replica itself answers there
+    before = pool.stats()["requests"]
+    await speak_exactly(remote, "Straight to the replica.")
+    assert remote.requests_by_route == {"direct": 1, "proxy": 0}
+    assert pool.stats()["requests"] == before + 1
+
+
+async def test_a_replica_that_cannot_be_reached_falls_back_to_the_proxy(pool):
+    client = RemoteEngineClient(pool.url)
+    await client.start()
+    try:
+        gone = f"http://127.0.0.1:{free_port()}"  # nothing listens there: a replica that moved or died
+        client.replicas = [gone]
+        await speak_exactly(client, "Through the proxy instead.")
+        assert client.requests_by_route == {"direct": 0, "proxy": 1}
+        assert client.replicas == []  # dropped until the next listing
+        await client.refresh_replicas()
+        assert len(client.replicas) == 1 and gone not in client.replicas
+    finally:
+        await client.close()
+
+
+async def test_a_gateway_told_not_to_goes_through_the_proxy(pool):
+    client = RemoteEngineClient(pool.url, direct=False)
+    await client.start()
+    try:
+        await speak_exactly(client, "Proxy only.")
+        assert client.replicas == [] and client.requests_by_route == {"direct": 0, "proxy": 1}
+    finally:
+        await client.close()
+
+
+def test_a_replica_listing_yields_only_plain_numeric_http_addresses():
+    listing = {"replicas": [
+        {"url": "http://10.0.0.7:30000"}, {"url": "http://[::1]:30001/"}, {"url": "http://10.0.0.7:30000/"},
+        {"url": "http://evil.example:30000"}, {"url": "https://10.0.0.8:30000"}, {"url": "http://u:p@10.0.0.9:1"},
+        {"url": "http://10.0.0.9"}, {"url": "http://10.0.0.9:99999"}, {"url": "file:///etc/passwd"},
+        {"url": "http://10.0.0.9:1/?q=1"}, {"url": 7}, "http://10.0.0.9:2", None, {"url": "http://1.2.3.4:5" + "0" * 300},
+    ]}
+    assert parse_replicas(listing) == ["http://10.0.0.7:30000", "http://[::1]:30001"]
+    many = {"replicas": [{"url": f"http://10.0.{i // 250}.{i % 250}:1"} for i in range(MAX_REPLICAS_LISTED * 4)]}
+    assert len(parse_replicas(many)) == MAX_REPLICAS_LISTED
+    for bad in (None, [], {"replicas": "x"}, {"nope": []}):
+        with pytest.raises(PoolProtocolError):
+            parse_replicas(bad)
 
 
 async def test_closing_the_response_stops_the_replica_work(pool):
