@@ -16,9 +16,11 @@ alternation, so drift on this shared machine hits both alike.
    straight to the replica's own port, the gateway's default) and `proxy`
    (HTTP through Serve's proxy, --no-engine-direct), interleaved rep by rep in
    rotating order. overhead = remote - local per rep; target p50 <= +5 ms.
-2. Ingress round trip of a request that does no synthesis: GET /v1/stats
-   through Serve's proxy and straight to the replica, against the local
-   worker's ping over its pipe.
+2. Ingress round trip of a request that does no synthesis (the replica's
+   stats), over HTTP and over gRPC, each through Serve's proxy and straight to
+   the replica, against the local worker's ping over its pipe; and the first
+   frame of one raw stream request (one sentence, the same bytes) over the four
+   routes, to pick the ingress that streams with less overhead.
 3. Throughput at 8 streams: audio seconds per wall second, 8 four-sentence
    replies at once; remote / local ratio of the medians of rotating runs;
    target >= 0.95.
@@ -46,8 +48,8 @@ from _common import arg_parser, finish, fmt_ms, free_port, machine, print_machin
 
 from voxgate.engine.base import SynthesisOptions  # noqa: E402
 from voxgate.engine.client import EngineClient, EngineConfig  # noqa: E402
-from voxgate.engine.pool import APP_NAME, PoolConfig, start_local  # noqa: E402
-from voxgate.engine.pool_protocol import STATS_PATH  # noqa: E402
+from voxgate.engine.pool import APP_NAME, GRPC_SERVICE, PoolConfig, start_local  # noqa: E402
+from voxgate.engine.pool_protocol import FRAME_HEAD, STATS_PATH, STREAM_PATH, StreamRequest, frame_sizes  # noqa: E402
 from voxgate.engine.remote import RemoteEngineClient  # noqa: E402
 
 SENTENCES = [
@@ -74,22 +76,77 @@ async def throughput(client, streams: int) -> float:
     return sum(audio) / (time.perf_counter() - t0)
 
 
-async def round_trips(local: EngineClient, proxy: RemoteEngineClient, replica_url: str, reps: int) -> dict:
+def grpc_replica_address() -> str:
+    """The replica's own gRPC port, as Serve's controller lists it (this bench is the Ray driver)."""
+    import ray
+    from ray.serve._private.common import RequestProtocol
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    for group in ray.get(controller.get_target_groups.remote(APP_NAME)):
+        if group.protocol == RequestProtocol.GRPC:
+            for target in group.targets:
+                if target.name.startswith("SERVE_REPLICA::"):
+                    return f"127.0.0.1:{target.port}"
+    raise SystemExit("the replica lists no gRPC port: direct ingress or the gRPC options did not engage")
+
+
+async def ingress_compare(local: EngineClient, http_urls: dict, grpc_targets: dict, reps: int) -> dict:
+    """Round trips (stats) and the first frame of one raw stream request over HTTP and gRPC,
+    through the proxy and straight to the replica, rep by rep in rotating order."""
     import aiohttp
+    import grpc
 
-    out: dict = {"local_ping": [], "proxy_http": [], "direct_http": []}
+    metadata = (("application", APP_NAME),)
+    channels = {name: grpc.aio.insecure_channel(target) for name, target in grpc_targets.items()}
+
+    async def http_stats(base: str) -> None:
+        async with http.get(base + STATS_PATH) as resp:
+            await resp.read()
+
+    async def grpc_stats(channel) -> None:
+        await channel.unary_unary(f"/{GRPC_SERVICE}/Stats")(b"", metadata=metadata)
+
+    async def http_first_frame(base: str, body: bytes) -> float:
+        t0 = time.perf_counter()
+        first = None
+        async with http.post(base + STREAM_PATH, data=body) as resp:
+            while True:
+                n_head, n_pcm = frame_sizes(await resp.content.readexactly(FRAME_HEAD.size))
+                head = await resp.content.readexactly(n_head + n_pcm)
+                first = first or time.perf_counter() - t0
+                if b'"end"' in head[:n_head] or b'"error"' in head[:n_head]:
+                    return first
+
+    async def grpc_first_frame(channel, body: bytes) -> float:
+        t0 = time.perf_counter()
+        first = None
+        async for _ in channel.unary_stream(f"/{GRPC_SERVICE}/Stream")(body, metadata=metadata):
+            first = first or time.perf_counter() - t0
+        return first
+
+    trips: dict = {"local_ping": [], **{f"{n}_http": [] for n in http_urls}, **{f"{n}_grpc": [] for n in channels}}
+    frames: dict = {**{f"{n}_http": [] for n in http_urls}, **{f"{n}_grpc": [] for n in channels}}
     async with aiohttp.ClientSession() as http:
-        async def direct_stats() -> None:
-            async with http.get(replica_url + STATS_PATH) as resp:
-                await resp.read()
-
-        for _ in range(reps):
-            for name, call in (("local_ping", local.worker_stats), ("proxy_http", proxy.worker_stats),
-                               ("direct_http", direct_stats)):
+        calls = [("local_ping", local.worker_stats)]
+        calls += [(f"{n}_http", (lambda b=b: http_stats(b))) for n, b in http_urls.items()]
+        calls += [(f"{n}_grpc", (lambda c=c: grpc_stats(c))) for n, c in channels.items()]
+        streams = [(f"{n}_http", (lambda body, b=b: http_first_frame(b, body))) for n, b in http_urls.items()]
+        streams += [(f"{n}_grpc", (lambda body, c=c: grpc_first_frame(c, body))) for n, c in channels.items()]
+        for _ in range(2):  # warm every route
+            for _, call in calls:
+                await call()
+        for i in range(reps):
+            for name, call in calls[i % len(calls):] + calls[:i % len(calls)]:
                 t0 = time.perf_counter()
                 await call()
-                out[name].append(time.perf_counter() - t0)
-    return out
+                trips[name].append(time.perf_counter() - t0)
+            body = StreamRequest({}, [[0, SENTENCES[i % len(SENTENCES)]]]).encode()
+            for name, first_frame in streams[i % len(streams):] + streams[:i % len(streams)]:
+                frames[name].append(await first_frame(body))
+    for channel in channels.values():
+        await channel.close()
+    return {"round_trip": trips, "first_frame": frames}
 
 
 def start_gateway(url: str) -> tuple[subprocess.Popen, str]:
@@ -155,10 +212,12 @@ async def kill_outcome(pool_url: str) -> dict:
 
 async def run(args) -> dict:
     reps = 10 if args.quick else 40
-    rounds = 2 if args.quick else 3
+    rounds = 2 if args.quick else 5
     port = free_port()
     t0 = time.perf_counter()
-    start_local(PoolConfig(engine="piper", num_cpus=2, parallel=2, threads=2), "127.0.0.1", port, num_cpus=2)
+    grpc_port = free_port()
+    start_local(PoolConfig(engine="piper", num_cpus=2, parallel=2, threads=2), "127.0.0.1", port, num_cpus=2,
+                grpc_port=grpc_port)
     pool_start_s = time.perf_counter() - t0
     url = f"http://127.0.0.1:{port}/"
     local = EngineClient(EngineConfig(engine="piper", parallel=2, threads=2))
@@ -194,12 +253,17 @@ async def run(args) -> dict:
     print(f"routes: direct client {direct.requests_by_route}, proxy client {proxy.requests_by_route}")
     results["routes"] = {"direct_client": dict(direct.requests_by_route), "proxy_client": dict(proxy.requests_by_route)}
 
-    section("2. Per-request round trip without synthesis: Serve's proxy, the replica's own port, the worker pipe (server side)")
-    trips = await round_trips(local, proxy, direct.replicas[0], reps * 2)
-    results["round_trip_ms"] = {k: summary_ci_ms(v) for k, v in trips.items()}
-    results["round_trip_ms"]["grpc"] = "not measured: Serve's gRPC proxy needs protobuf-generated servicers (no grpcio-tools here)"
-    for k in trips:
-        print(f"{k:12s} {fmt_ms(results['round_trip_ms'][k])}")
+    section("2. HTTP and gRPC ingress, through Serve's proxy and straight to the replica (server side, raw requests)")
+    compared = await ingress_compare(local, {"proxy": url.rstrip("/"), "direct": direct.replicas[0]},
+                                     {"proxy": f"127.0.0.1:{grpc_port}", "direct": grpc_replica_address()}, reps)
+    results["round_trip_ms"] = {k: summary_ci_ms(v) for k, v in compared["round_trip"].items()}
+    results["raw_first_frame_ms"] = {k: summary_ci_ms(v) for k, v in compared["first_frame"].items()}
+    print("round trip, stats request:")
+    for k, v in results["round_trip_ms"].items():
+        print(f"  {k:12s} {fmt_ms(v)}")
+    print("first frame of a one-sentence stream request:")
+    for k, v in results["raw_first_frame_ms"].items():
+        print(f"  {k:12s} {fmt_ms(v)}")
 
     section("3. Throughput at 8 streams: audio s per wall s (server side)")
     tput: dict = {name: [] for name in names}

@@ -18,7 +18,7 @@ With Serve's direct ingress on (`start_local` turns it on; in a cluster, set
 RAY_SERVE_ENABLE_DIRECT_INGRESS=1 on every node), each replica also listens
 itself, and `GET /v1/replicas` lists those addresses as Serve's controller knows
 them: gateways (engine/remote.py) send their streams there and skip the
-proxy's hop, which costs about 7 ms a request here (bench/bench_pool.py).
+proxy's hop, about 5 ms a request here (bench/bench_pool.py).
 
 Ray is imported only inside `build_app`, `serve_forever` and the replica, so the gateway can
 import this module's neighbours without the `[scale]` extra.
@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import itertools
+import json
 import logging
 import math
 import os
@@ -285,6 +286,21 @@ class PoolIngress:
         self.host = EngineHost(config)
         self.listing = ReplicaListing()
 
+    # Serve's gRPC ingress (start_local's grpc_port): the same bytes as over HTTP.
+    async def Stats(self, request: bytes) -> "RawMessage":
+        return RawMessage(json.dumps(self.host.stats()).encode())
+
+    async def Stream(self, request: bytes):
+        """A StreamRequest body in, frames out; a bad request is one `error` frame."""
+        try:
+            stream_request = StreamRequest.decode(bytes(request))
+            SynthesisOptions.from_dict(stream_request.options)
+        except (PoolProtocolError, ValueError, TypeError) as exc:
+            yield RawMessage(pack_frame({"kind": "error", "message": str(exc)[:500]}))
+            return
+        async for frame in self.host.stream(stream_request):
+            yield RawMessage(frame)
+
     async def __call__(self, request):
         from starlette.responses import JSONResponse, StreamingResponse
 
@@ -315,6 +331,39 @@ class PoolIngress:
         host = getattr(self, "host", None)
         if host is not None:
             host.close()
+
+
+GRPC_SERVICE = "voxgate.EnginePool"
+GRPC_SERVICER = "voxgate.engine.pool:add_EnginePoolServicer_to_server"
+
+
+class RawMessage:
+    """What a Serve replica hands back over gRPC: it calls SerializeToString on each message."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 (protobuf's name)
+        return self.data
+
+
+def add_EnginePoolServicer_to_server(servicer, server) -> None:  # noqa: N802 (the name gRPC codegen would give)
+    """The pool's gRPC service for Serve's `grpc_servicer_functions`, written by hand
+    instead of generated: requests and responses are raw bytes (no serializers), the
+    same StreamRequest body and frames as the HTTP ingress.
+
+        /voxgate.EnginePool/Stats   b""            -> the replica's stats as JSON
+        /voxgate.EnginePool/Stream  StreamRequest  -> frames, one message each
+    """
+    import grpc
+
+    handlers = {
+        "Stats": grpc.unary_unary_rpc_method_handler(servicer.Stats),
+        "Stream": grpc.unary_stream_rpc_method_handler(servicer.Stream),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(GRPC_SERVICE, handlers),))
 
 
 async def _read_capped(request) -> bytes:
@@ -362,18 +411,22 @@ def app_builder(args: dict):
 
 
 def start_local(config: PoolConfig, host: str, port: int, num_cpus: int | None = None,
-                name: str = APP_NAME, route_prefix: str = "/", direct_ingress: bool = True) -> None:
+                name: str = APP_NAME, route_prefix: str = "/", direct_ingress: bool = True,
+                grpc_port: int | None = None) -> None:
     """Start (or join) a local Ray, start Serve's HTTP proxy on host:port and deploy the pool.
 
     With `direct_ingress`, each replica also listens on host (Serve picks ports
     from 30000 up) and gateways reach it without the proxy's hop. Ray's processes
-    read the switch when they start, so it applies only to a Ray this call starts."""
+    read the switch when they start, so it applies only to a Ray this call starts.
+    With `grpc_port`, Serve's gRPC proxy listens there too (and each replica on a
+    port from 40000 up, with direct ingress); bench/bench_pool.py compares the two."""
     ray, serve = require_ray()
     if not ray.is_initialized():
         os.environ[DIRECT_INGRESS_ENV] = "1" if direct_ingress else "0"
         os.environ.setdefault(DRAIN_ENV, str(DRAIN_S))
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": host, "port": port})
+    grpc_options = {"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]} if grpc_port else None
+    serve.start(http_options={"host": host, "port": port}, grpc_options=grpc_options)
     serve.run(build_app(config), name=name, route_prefix=route_prefix)
 
 

@@ -24,7 +24,7 @@ import pytest
 import yaml
 from referencing import Registry, Resource
 
-from voxgate.engine.pool import DEPLOYMENT_NAME, PoolConfig
+from voxgate.engine.pool import DEPLOYMENT_NAME, DIRECT_INGRESS_ENV, DRAIN_ENV, DRAIN_S, PoolConfig
 from voxgate.engine.registry import ENGINES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -117,6 +117,13 @@ def rayservice_problems(doc: dict) -> list[str]:
     if SERVE_PORT not in [p["containerPort"] for p in head.get("ports", [])]:
         problems.append(f"the head container must expose Serve's HTTP port {SERVE_PORT} (the -serve-svc targets it)")
     for group in [cluster["headGroupSpec"], *workers]:
+        for container in group["template"]["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            # Every Ray node's Serve must agree, or some replicas listen themselves and others do not.
+            if env.get(DIRECT_INGRESS_ENV) != "1":
+                problems.append(f"{container['name']}: {DIRECT_INGRESS_ENV}=1 lets gateways skip the proxy's hop")
+            if float(env.get(DRAIN_ENV) or 30) < DRAIN_S:
+                problems.append(f"{container['name']}: {DRAIN_ENV} under {DRAIN_S} s cuts streams gateways still send")
         security = group["template"]["spec"].get("securityContext", {})
         if not security.get("runAsNonRoot") or security.get("runAsUser", 0) == 0:
             problems.append("Ray pods must run as a non-root user")
@@ -174,6 +181,8 @@ BROKEN = [
     ("replica bigger than a worker", _edit_serve(lambda a: _dep(a)["ray_actor_options"].__setitem__("num_cpus", 16))),
     ("no serve port", lambda d: d["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"].pop(2)),
     ("root", lambda d: d["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["securityContext"].__setitem__("runAsUser", 0)),
+    ("no direct ingress on workers", lambda d: d["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0].pop("env")),
+    ("short drain on the head", lambda d: d["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"][1].__setitem__("value", "1")),
     ("old ray", lambda d: d["spec"]["rayClusterConfig"].__setitem__("rayVersion", "2.9.0")),
 ]
 

@@ -25,8 +25,9 @@ from voxgate.engine.pool_protocol import STATS_PATH  # noqa: E402
 
 
 class Pool:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, grpc_address: str) -> None:
         self.url = url
+        self.grpc_address = grpc_address  # Serve's gRPC proxy
 
     def stats(self) -> dict:
         with urllib.request.urlopen(self.url + STATS_PATH.lstrip("/"), timeout=10) as resp:
@@ -56,10 +57,10 @@ class Pool:
 
 @pytest.fixture(scope="package")
 def pool():
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
     # parallel=1: the tone engine is instant; one step at a time keeps the order simple to reason about.
-    start_local(PoolConfig(engine="tone", num_cpus=1, parallel=1), "127.0.0.1", port, num_cpus=2)
-    yield Pool(f"http://127.0.0.1:{port}/")
+    start_local(PoolConfig(engine="tone", num_cpus=1, parallel=1), "127.0.0.1", port, num_cpus=2, grpc_port=grpc_port)
+    yield Pool(f"http://127.0.0.1:{port}/", f"127.0.0.1:{grpc_port}")
     serve.shutdown()
     ray.shutdown()
 

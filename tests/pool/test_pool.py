@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import aiohttp
 import numpy as np
 import pytest
@@ -87,6 +89,34 @@ async def test_a_gateway_told_not_to_goes_through_the_proxy(pool):
         assert client.replicas == [] and client.requests_by_route == {"direct": 0, "proxy": 1}
     finally:
         await client.close()
+
+
+async def test_the_grpc_ingress_streams_the_same_frames(pool):
+    """Serve's gRPC proxy with the hand-written servicer (engine/pool.py): raw bytes
+    in and out, the same request body and frames as over HTTP."""
+    import grpc
+
+    from voxgate.engine.pool import APP_NAME, GRPC_SERVICE
+
+    metadata = (("application", APP_NAME),)
+    async with grpc.aio.insecure_channel(pool.grpc_address) as channel:
+        stream = channel.unary_stream(f"/{GRPC_SERVICE}/Stream")
+        text = "Over gRPC."
+        frames = [bytes(m) async for m in stream(StreamRequest({}, [[0, text]]).encode(), metadata=metadata)]
+        parsed = [split_frame(f) for f in frames]
+        assert [h["kind"] for h, _ in parsed][-1] == "end"
+        pcm = np.concatenate([np.frombuffer(p, dtype=np.int16) for h, p in parsed if h["kind"] == "chunk"])
+        assert tone.decode(pcm, parsed[0][0]["sample_rate"]) == text
+        refused = [split_frame(bytes(m)) async for m in stream(b"not json", metadata=metadata)]
+        assert [h["kind"] for h, _ in refused] == ["error"] and "JSON" in refused[0][0]["message"]
+        stats = await channel.unary_unary(f"/{GRPC_SERVICE}/Stats")(b"", metadata=metadata)
+        assert json.loads(stats)["requests"] >= 1
+
+
+def split_frame(frame: bytes) -> tuple[dict, bytes]:
+    n_head, n_pcm = frame_sizes(frame[:FRAME_HEAD.size])
+    assert len(frame) == FRAME_HEAD.size + n_head + n_pcm
+    return parse_header(frame[FRAME_HEAD.size:FRAME_HEAD.size + n_head]), frame[FRAME_HEAD.size + n_head:]
 
 
 def test_a_replica_listing_yields_only_plain_numeric_http_addresses():
