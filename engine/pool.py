@@ -60,9 +60,15 @@ DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
 # seconds, and anyone on the pool's network may ask, so the controller is asked
 # at most once per this.
 REPLICAS_CACHE_S = 2.0
+LISTING_TIMEOUT_S = 2.0
+# Serve's gRPC ingress takes messages up to 2 GiB by default; a request body is
+# at most MAX_REQUEST_BYTES and a frame a few MiB (pool_protocol's caps).
+GRPC_MAX_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
+GRPC_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 # A replica Serve stops keeps serving its own port this long (Serve's default is
-# 30 s, for external load balancers): long enough for every gateway to read a
-# listing without it, so none sends it a stream it would cut.
+# 30 s, for external load balancers): a gateway's 5 s refresh plus this
+# replica's 2 s cache, so a gateway that reads its listing on time sends it no
+# new stream it would cut (one whose refresh failed is refused, and uses the proxy).
 DRAIN_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 DRAIN_S = REPLICAS_REFRESH_S + REPLICAS_CACHE_S + 1.0
 
@@ -226,30 +232,37 @@ class ReplicaListing:
     Serve has no public call for these addresses in Ray 2.60 (its HAProxy
     integration reads them the same way), so this reads the controller's
     `get_target_groups`; if a Ray upgrade changes it, the listing is empty, the
-    log says why, and gateways keep using the proxy."""
+    log says why, and gateways keep using the proxy. The controller is looked up
+    once, off the event loop, and each read is bounded by LISTING_TIMEOUT_S."""
 
     def __init__(self) -> None:
         self._at = -math.inf
         self._value: dict = {"replicas": []}
         self._lock: asyncio.Lock | None = None
+        self._controller = None
 
     async def get(self) -> dict:
         self._lock = self._lock or asyncio.Lock()
         async with self._lock:
             if time.monotonic() - self._at >= REPLICAS_CACHE_S:
-                self._value = await _list_replicas()
+                try:
+                    self._value = await asyncio.wait_for(self._read(), LISTING_TIMEOUT_S)
+                except Exception as exc:  # Ray's private API moved, or the controller is slow: the proxy still works
+                    log.warning("cannot list the replicas' own addresses (%s: %s); gateways use Serve's proxy",
+                                type(exc).__name__, exc)
+                    self._value = {"replicas": [], "reason": type(exc).__name__}
                 self._at = time.monotonic()
         return self._value
 
-
-async def _list_replicas() -> dict:
-    try:
+    async def _read(self) -> dict:
         import ray
         from ray import serve
         from ray.serve._private.common import RequestProtocol
         from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
-        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        if self._controller is None:  # a blocking call to Ray's GCS: not on the loop that streams frames
+            self._controller = await asyncio.to_thread(ray.get_actor, SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        controller = self._controller
         app = serve.get_replica_context().app_name
         groups, http = await asyncio.gather(controller.get_target_groups.remote(app), controller.get_http_config.remote())
         bind = _literal_ip(http.host)
@@ -265,10 +278,6 @@ async def _list_replicas() -> dict:
                 host = target.ip if bind is None or bind.is_unspecified else str(bind)
                 replicas.append({"url": replica_url(host, target.port, group.route_prefix), "id": target.name})
         return {"replicas": replicas[:MAX_REPLICAS_LISTED]}
-    except Exception as exc:  # Ray's private API moved: the proxy still works
-        log.warning("cannot list the replicas' own addresses (%s: %s); gateways use Serve's proxy",
-                    type(exc).__name__, exc)
-        return {"replicas": [], "reason": f"{type(exc).__name__}"}
 
 
 def _literal_ip(host: str | None):
@@ -424,6 +433,7 @@ def start_local(config: PoolConfig, host: str, port: int, num_cpus: int | None =
     if not ray.is_initialized():
         os.environ[DIRECT_INGRESS_ENV] = "1" if direct_ingress else "0"
         os.environ.setdefault(DRAIN_ENV, str(DRAIN_S))
+        os.environ.setdefault(GRPC_MAX_MESSAGE_ENV, str(GRPC_MAX_MESSAGE_BYTES))
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     grpc_options = {"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]} if grpc_port else None
     serve.start(http_options={"host": host, "port": port}, grpc_options=grpc_options)

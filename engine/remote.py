@@ -27,6 +27,7 @@ replica and the next utterance goes to a live one.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import deque
@@ -39,7 +40,7 @@ from .base import WordTiming
 from .client import STREAM_WINDOW, EngineClient, EngineConfig
 from .errors import EngineCrashed, EngineStreamError, EngineUnavailable
 from .pool_protocol import (
-    FRAME_HEAD, INFO_PATH, MAX_UNITS_PER_REQUEST, REPLICA_HEADER, REPLICAS_PATH, REPLICAS_REFRESH_S, STATS_PATH, STREAM_PATH, PoolProtocolError,
+    FRAME_HEAD, INFO_PATH, MAX_REPLICAS_LISTED, MAX_UNITS_PER_REQUEST, REPLICA_HEADER, REPLICAS_PATH, REPLICAS_REFRESH_S, STATS_PATH, STREAM_PATH, PoolProtocolError,
     StreamRequest, frame_sizes, parse_header, parse_replicas,
 )
 from .stream import TTSStream
@@ -49,6 +50,15 @@ log = logging.getLogger(__name__)
 # Connections to the pool at once, for every stream of this gateway together.
 MAX_CONNECTIONS = 512
 CONNECT_TIMEOUT_S = 5.0
+# A listed replica that does not answer a connection within this long is taken
+# for unreachable from here (a firewall, a route, a dead node still listed), and
+# the request goes through the proxy: a playing stream must not wait 5 s.
+DIRECT_CONNECT_TIMEOUT_S = 1.0
+# A replica that could not be reached is not tried again for this long, even if
+# the next listing still names it.
+FAILED_HOLD_S = 30.0
+# The largest answer read from the pool's GET endpoints (its info lists voices).
+MAX_JSON_BYTES = 256 * 1024
 # The longest wait for the next frame while the stream wants one: a replica
 # serves urgent streams first, so a stream with audio to spare can wait seconds.
 READ_TIMEOUT_S = 60.0
@@ -76,6 +86,8 @@ class RemoteEngineClient(EngineClient):
         self._inflight: dict[str, int] = {}
         self._turn = 0
         self._refresher: asyncio.Future | None = None
+        # Replicas that could not be reached, and until when they are left out.
+        self._failed: dict[str, float] = {}
         # Requests sent straight to a replica, and through the proxy.
         self.requests_by_route = {"direct": 0, "proxy": 0}
 
@@ -101,7 +113,7 @@ class RemoteEngineClient(EngineClient):
                     ) from None
                 await asyncio.sleep(delay)  # the pool may still be deploying
                 delay = min(delay * 2, 2.0)
-        if self.direct:
+        if self.direct and not self._closing:
             await self.refresh_replicas()
             self._refresher = asyncio.ensure_future(self._refresh_forever())
         self._is_ready = True
@@ -132,10 +144,16 @@ class RemoteEngineClient(EngineClient):
 
     async def _get_json(self, path: str) -> dict:
         assert self._http is not None
-        async with self._http.get(self.url + path, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+        async with self._http.get(self.url + path, timeout=aiohttp.ClientTimeout(total=10), allow_redirects=False) as resp:
             if resp.status != 200:
                 raise ValueError(f"{path} answered {resp.status}")
-            data = await resp.json()
+            body = await resp.content.read(MAX_JSON_BYTES + 1)
+        if len(body) > MAX_JSON_BYTES:
+            raise ValueError(f"{path} answered over {MAX_JSON_BYTES} bytes")
+        try:
+            data = json.loads(body)
+        except RecursionError:  # nested past Python's limit: refused like any bad answer
+            raise ValueError(f"{path} answered JSON nested too deep") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path} answered no object")
         return data
@@ -152,15 +170,21 @@ class RemoteEngineClient(EngineClient):
                 self.replicas = []  # a pool that predates the listing
             log.debug("engine pool replica listing not read: %s", exc)
             return
+        now = time.monotonic()
+        self._failed = {url: until for url, until in self._failed.items() if until > now}
+        listed = [url for url in listed if url not in self._failed]
         if listed != self.replicas:
             log.info("engine pool: %d replica(s) reached directly", len(listed))
         self.replicas = listed
         self._inflight = {url: n for url, n in self._inflight.items() if url in listed or n}
 
     async def _refresh_forever(self) -> None:
-        while True:
+        while not self._closing:
             await asyncio.sleep(REPLICAS_REFRESH_S)
-            await self.refresh_replicas()
+            try:
+                await self.refresh_replicas()
+            except Exception:  # whatever a listing does, the next one is still read
+                log.exception("engine pool replica listing failed")
 
     def _pick_replica(self) -> str | None:
         """The listed replica with the fewest of this gateway's requests open, ties taken in turn."""
@@ -171,10 +195,13 @@ class RemoteEngineClient(EngineClient):
         ring = self.replicas[start:] + self.replicas[:start]
         return min(ring, key=lambda url: self._inflight.get(url, 0))
 
-    def _drop_replica(self, url: str) -> None:
+    def _drop_replica(self, url: str, why: str) -> None:
+        """Leave a replica out for FAILED_HOLD_S: its requests go through the proxy."""
         if url in self.replicas:
-            log.warning("engine pool replica %s cannot be reached; using the proxy until the next listing", url)
+            log.warning("engine pool replica %s: %s; sending through the proxy for %.0f s", url, why, FAILED_HOLD_S)
             self.replicas = [u for u in self.replicas if u != url]
+        if url in self._failed or len(self._failed) < MAX_REPLICAS_LISTED:
+            self._failed[url] = time.monotonic() + FAILED_HOLD_S
 
     # EngineClient.stream() opens a stream with OpenStream: here, its transport.
     def _send(self, message: proto.ToWorker) -> None:
@@ -299,8 +326,8 @@ class RemoteTransport:
             try:
                 await self._request_at(replica, stream, batch, direct=True)
                 return
-            except _NotConnected:
-                client._drop_replica(replica)
+            except _NotConnected as exc:
+                client._drop_replica(replica, str(exc))
             finally:
                 client._inflight[replica] -= 1
         await self._request_at(client.url, stream, batch)
@@ -311,9 +338,17 @@ class RemoteTransport:
             raise EngineUnavailable("the engine is shutting down")
         playing = self.first_audio_at is not None
         body = StreamRequest(self.options, batch, self.deadline_in(), playing).encode()
+        timeout = None
+        if direct:
+            timeout = aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S, sock_connect=DIRECT_CONNECT_TIMEOUT_S)
+        asked_at = time.monotonic()
         try:
-            async with http.post(base + STREAM_PATH, data=body,
+            async with http.post(base + STREAM_PATH, data=body, timeout=timeout, allow_redirects=False,
                                  headers={"content-type": "application/json"}) as resp:
+                if direct and resp.status not in (200, 400):
+                    # Not the replica's answer to a stream (its port taken over, or it
+                    # sheds load): nothing was synthesized, so the proxy may place it.
+                    raise _NotConnected(f"answered {resp.status}")
                 self.client.requests_by_route["direct" if direct else "proxy"] += 1
                 self.replica = resp.headers.get(REPLICA_HEADER, self.replica)
                 if resp.status == 400:
@@ -329,11 +364,14 @@ class RemoteTransport:
                     if not resp.content.at_eof():
                         resp.close()  # a cancelled stream: the connection goes, and with it the replica's work
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-            if direct:
-                raise _NotConnected() from None
+            # A connection never made: nothing reached the replica. (A wait for a free
+            # connection of this gateway's own pool says nothing about the replica.)
+            if direct and not (isinstance(exc, aiohttp.ConnectionTimeoutError)
+                               and time.monotonic() - asked_at >= CONNECT_TIMEOUT_S):
+                raise _NotConnected(f"no connection ({type(exc).__name__})") from None
             # Not connected at all (the pool down, or every connection busy): nothing
             # crashed. Clients get plain words; the pool's address stays in the log.
-            log.warning("cannot reach the engine pool at %s: %s", self.client.url, exc)
+            log.warning("cannot reach the engine pool at %s: %s", base, exc)
             if playing:
                 self.client._replica_lost(self.replica)
                 raise EngineCrashed(CRASHED_TEXT) from None
@@ -346,7 +384,7 @@ class RemoteTransport:
             if playing:
                 self.client._replica_lost(self.replica)
                 raise EngineCrashed(CRASHED_TEXT) from None
-            log.warning("engine pool connection at %s failed: %s", self.client.url, exc)
+            log.warning("engine pool connection at %s failed: %s", base, exc)
             raise EngineUnavailable("the engine pool cannot be reached; try again in a moment") from None
 
     async def _read_frames(self, stream: TTSStream, resp: aiohttp.ClientResponse) -> None:
@@ -372,7 +410,7 @@ class RemoteTransport:
 
 
 class _NotConnected(Exception):
-    """A replica listed by the pool refused the connection: the request never reached it."""
+    """A listed replica could not be reached, or answered as no replica does: the request never reached its engine."""
 
 
 async def _read_frame(content: aiohttp.StreamReader) -> tuple[dict, bytes]:

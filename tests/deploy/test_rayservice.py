@@ -182,7 +182,7 @@ BROKEN = [
     ("no serve port", lambda d: d["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"].pop(2)),
     ("root", lambda d: d["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["securityContext"].__setitem__("runAsUser", 0)),
     ("no direct ingress on workers", lambda d: d["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0].pop("env")),
-    ("short drain on the head", lambda d: d["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"][1].__setitem__("value", "1")),
+    ("short drain on the workers", lambda d: d["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["env"][1].__setitem__("value", "1")),
     ("old ray", lambda d: d["spec"]["rayClusterConfig"].__setitem__("rayVersion", "2.9.0")),
 ]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import aiohttp
+import aiohttp.web
 import numpy as np
 import pytest
 
@@ -14,6 +15,7 @@ from voxgate.engine.pool_protocol import (
     FRAME_HEAD, INFO_PATH, MAX_PCM_BYTES, MAX_REPLICAS_LISTED, STREAM_PATH, PoolProtocolError, StreamRequest, frame_sizes,
     pack_frame, parse_header, parse_replicas,
 )
+from voxgate.engine.errors import EngineCrashed
 from voxgate.engine.remote import RemoteEngineClient
 from tests.conftest import free_port
 
@@ -70,15 +72,111 @@ async def test_a_replica_that_cannot_be_reached_falls_back_to_the_proxy(pool):
     client = RemoteEngineClient(pool.url)
     await client.start()
     try:
+        (live,) = client.replicas
         gone = f"http://127.0.0.1:{free_port()}"  # nothing listens there: a replica that moved or died
         client.replicas = [gone]
+        before = pool.stats()["requests"]
         await speak_exactly(client, "Through the proxy instead.")
         assert client.requests_by_route == {"direct": 0, "proxy": 1}
-        assert client.replicas == []  # dropped until the next listing
+        assert pool.stats()["requests"] == before + 1  # synthesized once, through the proxy
+        assert client.replicas == []
+        # A replica that failed stays out for a while, even when the next listing names it.
+        client._drop_replica(live, "unreachable in this test")
         await client.refresh_replicas()
-        assert len(client.replicas) == 1 and gone not in client.replicas
+        assert client.replicas == []
+        client._failed.clear()
+        await client.refresh_replicas()
+        assert client.replicas == [live]
     finally:
         await client.close()
+
+
+class FakeServer:
+    """A plain aiohttp server on loopback standing in for what a listing may name: a
+    port another program holds, a replica that dies after answering, a broken pool."""
+
+    def __init__(self, routes) -> None:
+        self.app = aiohttp.web.Application()
+        self.app.add_routes(routes)
+        self.hits = 0
+
+    async def __aenter__(self) -> str:
+        self.runner = aiohttp.web.AppRunner(self.app)
+        await self.runner.setup()
+        port = free_port()
+        await aiohttp.web.TCPSite(self.runner, "127.0.0.1", port).start()
+        return f"http://127.0.0.1:{port}"
+
+    async def __aexit__(self, *exc) -> None:
+        await self.runner.cleanup()
+
+
+async def test_a_listed_port_that_answers_as_no_replica_does_goes_through_the_proxy(pool):
+    async def busy(request):
+        return aiohttp.web.Response(status=503, text="not a replica")
+
+    client = RemoteEngineClient(pool.url)
+    await client.start()
+    try:
+        async with FakeServer([aiohttp.web.post(STREAM_PATH, busy)]) as other:
+            client.replicas = [other]
+            await speak_exactly(client, "Placed by the proxy.")
+        assert client.requests_by_route == {"direct": 0, "proxy": 1} and other in client._failed
+    finally:
+        await client.close()
+
+
+async def test_a_replica_that_fails_after_answering_is_not_asked_again_through_the_proxy(pool):
+    """Once a replica has the request, it may have synthesized: a cut response ends
+    the stream (EngineCrashed) instead of running the text a second time."""
+    async def cut(request):
+        resp = aiohttp.web.StreamResponse()
+        await resp.prepare(request)
+        await resp.write(FRAME_HEAD.pack(10, 0))  # half a frame, then the connection goes
+        raise ConnectionResetError
+
+    client = RemoteEngineClient(pool.url)
+    await client.start()
+    try:
+        before = pool.stats()["requests"]
+        async with FakeServer([aiohttp.web.post(STREAM_PATH, cut)]) as dying:
+            client.replicas = [dying]
+            stream = client.stream(SynthesisOptions())
+            stream.push_text("Said once at most.")
+            stream.end_input()
+            with pytest.raises(EngineCrashed):
+                [chunk async for chunk in stream]
+        assert client.requests_by_route == {"direct": 1, "proxy": 0}
+        assert pool.stats()["requests"] == before
+    finally:
+        await client.close()
+
+
+async def test_a_broken_listing_neither_stops_the_gateway_nor_its_refresher(pool):
+    """Deeply nested or oversized JSON at /v1/replicas (a pool gone wrong): the
+    gateway starts, lists nothing, and reads the next listing again."""
+    answers = {"body": "[" * 100_000 + "]" * 100_000}
+
+    async def info(request):
+        return aiohttp.web.json_response({"engine": "tone", "voices": ["tone"]})
+
+    async def replicas(request):
+        return aiohttp.web.Response(text=answers["body"], content_type="application/json")
+
+    async with FakeServer([aiohttp.web.get(INFO_PATH, info), aiohttp.web.get("/v1/replicas", replicas)]) as broken:
+        client = RemoteEngineClient(broken)
+        await client.start()
+        try:
+            assert client.replicas == [] and client.ready
+            answers["body"] = json.dumps({"replicas": [{"url": "http://127.0.0.1:1"}] * 50_000})  # over the size cap
+            await client.refresh_replicas()
+            assert client.replicas == []
+            answers["body"] = json.dumps({"replicas": [{"url": "http://127.0.0.1:1"}]})
+            await client.refresh_replicas()
+            assert client.replicas == ["http://127.0.0.1:1"]
+            assert client._refresher is not None and not client._refresher.done()
+        finally:
+            await client.close()
 
 
 async def test_a_gateway_told_not_to_goes_through_the_proxy(pool):
