@@ -28,7 +28,9 @@ What it does, per session (one `RTCPeerConnection`, no ICE servers):
 
 `--opus matched` changes only aiortc's encoder in this process (mono,
 `--opus-bitrate`, `--opus-complexity`, FEC and DTX as given, 5 % expected
-loss, VoIP, 20 ms): the ratio against it separates Voxgate's architecture from
+loss, 20 ms, and `--opus-application`: voip for Voxgate's `--opus-signal
+voice`, audio for music and auto, which libopus then codes with CELT alone as
+Voxgate does on a listener without loss; FFmpeg has no signal option): the ratio against it separates Voxgate's architecture from
 its encoder settings. `--opus default` is aiortc as shipped: stereo, 96 kbit/s,
 complexity 10, no FEC.
 """
@@ -268,7 +270,7 @@ async def handle_stats(request: web.Request) -> web.Response:
     return web.json_response(COUNTERS.as_dict(len(SESSIONS)))
 
 
-def match_opus(bitrate: int, complexity: int, fec: bool, dtx: bool) -> None:
+def match_opus(bitrate: int, complexity: int, fec: bool, dtx: bool, application: str = "voip") -> None:
     """Give aiortc's Opus encoder Voxgate's settings, in this process only."""
     from aiortc.codecs import opus
 
@@ -280,7 +282,7 @@ def match_opus(bitrate: int, complexity: int, fec: bool, dtx: bool) -> None:
         self.codec.sample_rate = opus.SAMPLE_RATE
         self.codec.time_base = opus.TIME_BASE
         self.codec.options = {
-            "application": "voip",
+            "application": application,
             "frame_duration": "20",
             "packet_loss": "5",
             "fec": "1" if fec else "0",
@@ -302,11 +304,12 @@ def main() -> None:
     parser.add_argument("--opus-complexity", type=int, default=5)
     parser.add_argument("--opus-fec", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--opus-dtx", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--opus-application", choices=("voip", "audio"), default="voip")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     restrict_host_addresses([args.host])
     if args.opus == "matched":
-        match_opus(args.opus_bitrate, args.opus_complexity, args.opus_fec, args.opus_dtx)
+        match_opus(args.opus_bitrate, args.opus_complexity, args.opus_fec, args.opus_dtx, args.opus_application)
     app = web.Application()
     app.router.add_post("/v1/offer", handle_offer)
     app.router.add_get("/stats", handle_stats)

@@ -943,7 +943,8 @@ async def run(args) -> dict:
         products.append(ProductServer(name, shlex.split(flags)))
     settings = product_settings(shlex.split(args.product_args[0]))
     matched_flags = ["--opus", "matched", "--opus-bitrate", str(settings.opus_bitrate), "--opus-complexity", str(settings.opus_complexity),
-                     "--opus-fec" if settings.opus_fec else "--no-opus-fec", "--opus-dtx" if settings.opus_dtx else "--no-opus-dtx"]
+                     "--opus-fec" if settings.opus_fec else "--no-opus-fec", "--opus-dtx" if settings.opus_dtx else "--no-opus-dtx",
+                     "--opus-application", "voip" if settings.opus_signal == "voice" else "audio"]
     servers: list[Server] = [p for p in products if "product" in args.sides]
     if "baseline" in args.sides:
         servers.append(BaselineServer("baseline", ["--opus", "default"]))
@@ -956,7 +957,8 @@ async def run(args) -> dict:
         "args": vars(args),
         "machine_start": info,
         "servers": {s.name: {"kind": s.kind, "command": " ".join(shlex.quote(c) for c in s.cmd[1:])} for s in servers},
-        "product_opus": {"bitrate": settings.opus_bitrate, "complexity": settings.opus_complexity, "fec": settings.opus_fec, "dtx": settings.opus_dtx},
+        "product_opus": {"bitrate": settings.opus_bitrate, "complexity": settings.opus_complexity, "fec": settings.opus_fec,
+                         "dtx": settings.opus_dtx, "signal": settings.opus_signal},
         "microphone": mic_info,
         "calibration": calibration,
         "scenarios": {s.key: s.title for s in scenarios},

@@ -7,7 +7,9 @@ What runs, all in this process:
 - The embedded voice says a set of sentences (whole-unit synthesis), and the
   audio is fed exactly as the gateway feeds it: resampled to the encoder's
   input rate (`OpusSettings.input_rate`), cut into 20 ms frames.
-- For each complexity in --complexities, the product's Opus encoder
+- For each complexity in --complexities (signal voice: SILK or hybrid, with
+  in-band FEC) and in --music-complexities (signal music: CELT alone, what
+  `--opus-signal auto` codes while the listener reports no loss), the product's Opus encoder
   (`gateway.encoder.OpusEncoder`, the product's bitrate, FEC and loss settings)
   encodes every sentence; the time per frame is taken over the whole set,
   interleaved by complexity and repeated, on one thread (as the encode pool
@@ -48,13 +50,16 @@ SENTENCES = FIRST_SENTENCES + [
 def main() -> None:
     parser = arg_parser(__doc__)
     parser.add_argument("--complexities", default="0,1,2,3,5,10", help="comma-separated Opus complexities")
+    parser.add_argument("--music-complexities", default="0,10",
+                        help="complexities also run with the signal set to music (CELT alone, no in-band FEC)")
     parser.add_argument("--reps", type=int, default=5, help="timing repetitions per complexity")
     parser.add_argument("--tolerance", type=float, default=0.02, help="WER above the uncoded audio's still accepted")
     args = parser.parse_args()
     if args.quick:
         args.reps = 2
     sentences = SENTENCES[:6] if args.quick else SENTENCES
-    complexities = [int(c) for c in args.complexities.split(",")]
+    complexities = [(int(c), "voice") for c in args.complexities.split(",")]
+    complexities += [(int(c), "music") for c in args.music_complexities.split(",") if c]
 
     from tests.speech import recognize, word_error_rate
     from voxgate.engine.base import SynthesisOptions
@@ -88,10 +93,10 @@ def main() -> None:
     baseline_wer = score(audio, rate)
     section("cost per 20 ms frame on one thread, and WER after a libopus decode at 16 kHz")
     print(f"uncoded audio: WER {baseline_wer:.3f}")
-    cost: dict[int, list[float]] = {c: [] for c in complexities}
+    cost: dict[tuple, list[float]] = {c: [] for c in complexities}
     for _ in range(args.reps):
         for c in complexities:
-            encoders = [OpusEncoder(OpusSettings(complexity=c)) for _ in audio]
+            encoders = [OpusEncoder(OpusSettings(complexity=c[0], signal=c[1])) for _ in audio]
             t0 = time.thread_time()
             for enc, pcm in zip(encoders, audio):
                 enc.encode(pcm)
@@ -101,20 +106,21 @@ def main() -> None:
         decoded = []
         for pcm in audio:
             dec = opus.Decoder(16000)
-            decoded.append(np.concatenate([dec.decode(p) for p in OpusEncoder(OpusSettings(complexity=c)).encode(pcm)]))
+            packets = OpusEncoder(OpusSettings(complexity=c[0], signal=c[1])).encode(pcm)
+            decoded.append(np.concatenate([dec.decode(p) for p in packets]))
         wer = score(decoded, 16000)
         rows[c] = {"us_per_frame_median": round(float(np.median(cost[c])), 1), "us_per_frame_all": [round(x, 1) for x in cost[c]],
                    "wer": wer, "wer_minus_uncoded": round(wer - baseline_wer, 4)}
-    top = max(complexities)
+    top = max(c for c in complexities if c[1] == "voice")
     for c in complexities:
-        rows[c]["cost_ratio_to_complexity_%d" % top] = round(rows[c]["us_per_frame_median"] / rows[top]["us_per_frame_median"], 3)
-        print(f"complexity {c:>2}: {rows[c]['us_per_frame_median']:6.1f} us/frame "
-              f"({rows[c]['cost_ratio_to_complexity_%d' % top]:.2f}x of complexity {top}), "
+        rows[c]["cost_ratio_to_complexity_%d" % top[0]] = round(rows[c]["us_per_frame_median"] / rows[top]["us_per_frame_median"], 3)
+        print(f"complexity {c[0]:>2}, {c[1]:5s}: {rows[c]['us_per_frame_median']:6.1f} us/frame "
+              f"({rows[c]['cost_ratio_to_complexity_%d' % top[0]]:.2f}x of complexity {top[0]}, voice), "
               f"WER {rows[c]['wer']:.3f} ({rows[c]['wer_minus_uncoded']:+.3f} vs uncoded)")
     good = [c for c in complexities if rows[c]["wer_minus_uncoded"] <= args.tolerance]
     choice = min(good, key=lambda c: rows[c]["us_per_frame_median"]) if good else top
-    print(f"cheapest complexity within {args.tolerance:+.2f} WER of the uncoded audio: {choice} "
-          f"(the product's default: {defaults.complexity})")
+    print(f"cheapest setting within {args.tolerance:+.2f} WER of the uncoded audio: complexity {choice[0]}, {choice[1]} "
+          f"(the product's default: complexity {defaults.complexity}, {defaults.signal})")
     finish("opus-quality", {
         "bench": "opus-quality",
         "sentences": sentences,
@@ -122,10 +128,11 @@ def main() -> None:
         "settings": {"bitrate": defaults.bitrate, "fec": defaults.fec, "packet_loss_pct": defaults.packet_loss_pct,
                      "input_rate": rate, "decoded_at": 16000},
         "uncoded_wer": baseline_wer,
-        "complexities": {str(c): r for c, r in rows.items()},
+        "complexities": {f"{c[0]}" if c[1] == "voice" else f"{c[0]}-music": r for c, r in rows.items()},
         "tolerance": args.tolerance,
-        "cheapest_within_tolerance": choice,
-        "product_default": defaults.complexity,
+        "cheapest_within_tolerance": f"{choice[0]}" if choice[1] == "voice" else f"{choice[0]}-music",
+        "product_default": {"complexity": defaults.complexity, "signal": defaults.signal,
+                            "note": "auto codes as music (CELT alone) while the listener reports no loss, as voice with FEC while it does"},
         "machine_start": start,
     }, started, out=args.out or os.path.join(RESULTS, "opus-quality.json"))
 

@@ -30,6 +30,10 @@ class OpusSettings:
     complexity: int = 0
     packet_loss_pct: int = 5
     application: str = "voip"
+    # What libopus is told the signal is: "voice" (SILK or hybrid, with in-band
+    # FEC), "music" (CELT alone: a third of the cost, no in-band FEC), or "auto":
+    # music until the listener reports loss (gateway/fec.py).
+    signal: str = "auto"
     # Rate the encoder is fed at. The RTP clock is 48 kHz whatever this is; 24 kHz
     # keeps all of a 22.05 kHz voice and costs less to resample and encode.
     input_rate: int = 24000
@@ -62,8 +66,23 @@ class OpusEncoder(FrameEncoder):
         self.settings = settings or OpusSettings()
         self.sample_rate = self.settings.input_rate
         self._encoder = _open(self.settings)
+        self._signal = self._encoder.signal
+
+    def use_signal(self, signal: str) -> None:
+        """The signal ("voice" or "music") the next encode() codes with. Called from
+        the event loop; the encoding thread applies it, so libopus is only ever
+        touched by the thread that encodes."""
+        if signal not in opus.SIGNALS:
+            raise ValueError(f"signal {signal!r}: choose one of {', '.join(opus.SIGNALS)}")
+        self._signal = signal
+
+    @property
+    def signal(self) -> str:
+        return self._signal
 
     def encode(self, pcm: np.ndarray) -> list[bytes]:
+        if self._signal != self._encoder.signal:
+            self._encoder.set_signal(self._signal)
         return self._encoder.encode(pcm)
 
     def silence(self) -> bytes:
@@ -71,7 +90,8 @@ class OpusEncoder(FrameEncoder):
 
 
 def _open(s: OpusSettings) -> opus.Encoder:
-    return opus.Encoder(s.input_rate, s.bitrate, s.complexity, s.fec, s.packet_loss_pct, s.dtx, s.application)
+    signal = "music" if s.signal == "auto" else s.signal  # auto starts as music: gateway/fec.py
+    return opus.Encoder(s.input_rate, s.bitrate, s.complexity, s.fec, s.packet_loss_pct, s.dtx, s.application, signal)
 
 
 @lru_cache(maxsize=32)

@@ -29,6 +29,9 @@ class GatewayMetrics:
         self.loop_lag = Histogram("voxgate_event_loop_lag_seconds", "Event-loop lag measured by a 100 ms ticker", buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0), registry=r)
         self.rejected = Counter("voxgate_sessions_rejected_total", "Sessions refused", ["reason"], registry=r)
         self.errors = Counter("voxgate_protocol_errors_total", "Error events sent to clients", ["code"], registry=r)
+        self.opus_signal = Counter("voxgate_opus_signal_switches_total",
+                                   "Sessions' Opus signal switches on their listeners' loss: to voice (in-band FEC on) or music",
+                                   ["to"], registry=r)
         # Whatever else wants every session's samples (a benchmark's recorder), beside Prometheus;
         # read when a session is made.
         self.observers: list[SessionMetrics] = []
@@ -71,3 +74,6 @@ class _SessionMetrics(SessionMetrics):
 
     def engine_chunk(self, synth_s: float, audio_s: float) -> None:
         self.m.engine_rtf.observe(synth_s / audio_s)
+
+    def opus_signal_switch(self, signal: str) -> None:
+        self.m.opus_signal.labels(signal).inc()

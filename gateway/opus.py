@@ -29,7 +29,18 @@ _SET_INBAND_FEC = 4012
 _SET_PACKET_LOSS_PERC = 4014
 _SET_DTX = 4016
 _SET_SIGNAL = 4024
-_SIGNAL_VOICE = 3001
+# "voice" lets libopus pick SILK or hybrid (SILK below 8 kHz, CELT above), the
+# modes that carry in-band FEC; "music" makes it pick CELT alone, which costs
+# about a third as much per frame here and carries no in-band FEC.
+SIGNALS = {"voice": 3001, "music": 3002}
+# CELT frames normally code their band energies against the previous frame's.
+# The gateway sends one shared, pre-encoded silence packet between and around
+# utterances, made by another encoder, so the decoder's previous frame is not
+# the one this encoder assumed, and the next frame decodes at the wrong level
+# (a tone symbol lost in tests). With prediction off every frame stands alone,
+# which also stops one lost packet from spoiling the next. Only music sets it:
+# SILK's in-band FEC needs the prediction.
+_SET_PREDICTION_DISABLED = 4042
 _OK = 0
 
 # Opus codes at these input rates; the RTP clock is 48 kHz whatever the input.
@@ -107,6 +118,7 @@ class Encoder:
         packet_loss_pct: int,
         dtx: bool,
         application: str = "voip",
+        signal: str = "voice",
     ) -> None:
         if rate not in RATES:
             raise ValueError(f"Opus encodes at {', '.join(map(str, RATES))} Hz, not {rate}")
@@ -122,11 +134,21 @@ class Encoder:
             (_SET_INBAND_FEC, int(fec)),
             (_SET_PACKET_LOSS_PERC, packet_loss_pct),
             (_SET_DTX, int(dtx)),
-            (_SET_SIGNAL, _SIGNAL_VOICE),
         ):
             # opus_encoder_ctl is variadic: plain C ints, no declared argtypes.
             _check(lib.opus_encoder_ctl(ctypes.c_void_p(self._state), ctypes.c_int(request), ctypes.c_int(value)), "opus_encoder_ctl")
+        self.signal = ""
+        self.set_signal(signal)
         self._out = ctypes.create_string_buffer(MAX_PACKET)
+
+    def set_signal(self, signal: str) -> None:
+        """What libopus codes the next frames as (SIGNALS); it switches modes between frames."""
+        if signal not in SIGNALS:
+            raise ValueError(f"signal {signal!r}: choose one of {', '.join(SIGNALS)}")
+        for request, value in ((_SET_SIGNAL, SIGNALS[signal]), (_SET_PREDICTION_DISABLED, int(signal == "music"))):
+            _check(_lib().opus_encoder_ctl(ctypes.c_void_p(self._state), ctypes.c_int(request), ctypes.c_int(value)),
+                   "opus_encoder_ctl")
+        self.signal = signal
 
     def encode(self, pcm: np.ndarray) -> list[bytes]:
         """Whole 20 ms frames of int16 PCM in, one packet per frame out."""

@@ -10,7 +10,7 @@ from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.sdp import SessionDescription, candidate_from_sdp
 
 from .ice import IcePolicy
-from . import rtp_send
+from . import fec, rtp_send
 from .mic import Microphone
 from .session import Session
 from .errors import GatewayError
@@ -90,6 +90,8 @@ class PeerConnection:
             sender = self.pc.addTrack(self.track)
             if self.rtp_sender == "voxgate":
                 rtp_send.install(sender, self.track)
+            if not fec.watch_reports(sender, self.session.on_loss_report):
+                self.session.keep_fec()
         try:
             answer = await self.pc.createAnswer()
             await self.pc.setLocalDescription(answer)

@@ -26,7 +26,8 @@ from ..engine.base import SynthesisOptions
 from ..engine.client import EngineClient
 from ..engine.errors import EngineUnavailable
 from ..engine.stream import TTSStream
-from .encoder import FrameEncoder, OpusSettings, create_encoder
+from .encoder import FrameEncoder, OpusEncoder, OpusSettings, create_encoder
+from .fec import SignalPolicy
 from .feeder import Feeder
 from .playout import Playout, UtterancePlay
 from .errors import GatewayError, checked_voice
@@ -109,6 +110,11 @@ class Session:
         self.stats = {"utterances": 0, "interrupted": 0, "errors": 0}
         self._pending_cancel_at: float | None = None
         self._limiters: dict[str, RateLimiter] = {}
+        # Which Opus signal the speech is coded as, from the listener's loss (gateway/fec.py).
+        # Without FEC, voice would cost more for nothing: auto is then music throughout.
+        opus = self.options.opus
+        self.signal_policy = SignalPolicy() if opus.signal == "auto" and opus.fec else None
+        self._fec_kept = False  # auto, but no loss reports can be watched: voice throughout
 
     # Listeners and output
     def add_listener(self, name: str, listener: Listener) -> None:
@@ -128,7 +134,9 @@ class Session:
     def attach_output(self, codec: str) -> None:
         """Choose the wire codec ('opus', 'pcmu', 'pcma') once the output is known."""
         self.output_codec = codec
-        self.encoder = create_encoder(codec, self.options.opus)
+        if codec != "opus":
+            self.signal_policy = None  # G.711 or no audio: nothing to switch
+        self.encoder = self._new_encoder(codec)
         self.playout.silence = self.encoder.silence()
         # Text queued before anyone could listen: waiting for a listener is not TTFA.
         now = time.perf_counter()
@@ -136,6 +144,37 @@ class Session:
             play.ready_at = now
         if self._feeder is None:
             self._start_feeder()
+
+    def _new_encoder(self, codec: str) -> FrameEncoder:
+        encoder = create_encoder(codec, self.options.opus)
+        if isinstance(encoder, OpusEncoder) and self.signal_policy is not None:
+            encoder.use_signal(self.signal_policy.signal)
+        elif isinstance(encoder, OpusEncoder) and self._fec_kept:
+            encoder.use_signal("voice")
+        return encoder
+
+    def on_loss_report(self, fraction_lost: float) -> None:
+        """One RTCP receiver report from the listener (gateway/fec.py): with
+        --opus-signal auto, in-band FEC goes on while it loses packets."""
+        if self.signal_policy is None:
+            return
+        before = self.signal_policy.signal
+        signal = self.signal_policy.report(fraction_lost, time.monotonic())
+        if signal != before:
+            log.info("session %s: listener lost %.1f %% of packets; Opus signal %s", self.id, 100 * fraction_lost,
+                     signal, extra={"session_id": self.id})
+            self.metrics.opus_signal_switch(signal)
+        if isinstance(self.encoder, OpusEncoder):
+            self.encoder.use_signal(signal)
+
+    def keep_fec(self) -> None:
+        """No loss reports can be watched: in-band FEC throughout (signal voice)."""
+        if self.signal_policy is None:
+            return  # a fixed --opus-signal stays as set
+        self.signal_policy = None
+        self._fec_kept = True
+        if isinstance(self.encoder, OpusEncoder):
+            self.encoder.use_signal("voice")
 
     @property
     def has_output(self) -> bool:
@@ -325,7 +364,7 @@ class Session:
             self._feeder.stop()
         if self.has_output and not self._closed:
             # A fresh encoder: the cancelled audio must not colour what comes next.
-            self.encoder = create_encoder(self.output_codec or "opus", self.options.opus)
+            self.encoder = self._new_encoder(self.output_codec or "opus")
             self._start_feeder()
 
     def _start_feeder(self) -> None:

@@ -18,6 +18,8 @@ import os
 from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
 
+from .gateway.fec import SIGNAL_POLICIES  # light: imports no aiortc
+
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 RTP_SENDERS = ("voxgate", "aiortc")  # gateway/rtp_send.py
 # Settings that hold secrets: each also has a `<name>_file` setting.
@@ -53,6 +55,7 @@ class Settings:
     opus_fec: bool = True
     opus_dtx: bool = False
     opus_complexity: int = 0
+    opus_signal: str = "auto"
     # Who builds the speech track's RTP packets (gateway/rtp_send.py).
     rtp_sender: str = "voxgate"
     # Barge-in defaults for new sessions
@@ -137,6 +140,8 @@ class Settings:
                 "or VOXGATE_API_KEY (and consider --require-token), or pass --allow-no-auth to serve "
                 "it open on purpose."
             )
+        if self.opus_signal not in SIGNAL_POLICIES:
+            raise ConfigError(f"--opus-signal {self.opus_signal!r}: choose one of {', '.join(SIGNAL_POLICIES)}")
         if self.rtp_sender not in RTP_SENDERS:
             raise ConfigError(f"--rtp-sender {self.rtp_sender!r}: choose one of {', '.join(RTP_SENDERS)}")
         self._check_fleet()
@@ -215,6 +220,9 @@ _HELP = {
     "opus_fec": "Opus in-band forward error correction",
     "opus_dtx": "Opus discontinuous transmission",
     "opus_complexity": "Opus encoder complexity 0..10 (0 costs a third of 5 with the same speech WER: bench/bench_opus_quality.py)",
+    "opus_signal": "what libopus codes speech as: music (CELT alone, a third of voice's cost per frame, the same speech "
+    "WER, no in-band FEC), voice (SILK or hybrid, with in-band FEC), or auto: music while the listener's RTCP reports "
+    "show no loss, voice from a report of 1 %% or more until 30 s after the last (with --no-opus-fec, auto is music)",
     "rtp_sender": "who builds the speech track's RTP packets: voxgate (a header template per sender, a "
     "fraction of aiortc's cost per frame) or aiortc (aiortc's own sender loop)",
     "vad": "barge-in by voice on for new sessions",

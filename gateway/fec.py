@@ -1,0 +1,76 @@
+"""In-band FEC only while the listener loses packets: the Opus signal, from RTCP.
+
+libopus told the signal is music codes speech with CELT alone; told it is
+voice, it codes it with SILK or hybrid (SILK below 8 kHz, CELT above). CELT
+alone costs about a third as much per frame here, with the same pocketsphinx
+WER (bench/bench_opus_quality.py), but only SILK carries in-band FEC: a copy of
+each frame at low bitrate inside the next packet, which rebuilds a lost packet.
+
+So with `--opus-signal auto` (the default, with `--opus-fec` on; without FEC,
+auto is music throughout) a session codes its speech as music
+while its listener's RTCP receiver reports show no loss, and as voice, with FEC,
+from the first report of LOSS_ON or more until HOLD_S after the last such
+report. libopus switches modes between two frames without a click; each switch
+applies from the next frame the encoding thread codes.
+
+Receiver reports reach an aiortc sender through its private
+`_handle_rtcp_packet`; `watch_reports` wraps it. If an aiortc upgrade renames
+it, `watch_reports` says so and the session keeps voice (FEC) throughout.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+SIGNAL_POLICIES = ("auto", "voice", "music")
+# One receiver report's fraction lost (RFC 3550: lost / expected since the
+# sender's previous report, an 8-bit count of 256ths, so 1 % means 3/256 or
+# more) from which the listener gets FEC. Reports come every 0.5-1.5 s from
+# aiortc and every few seconds from browsers: FEC starts one report after the
+# loss does.
+LOSS_ON = 0.01
+# How long FEC stays on after the last report of loss: loss comes in bursts, and
+# each switch costs a few frames of the new mode's warm-up.
+HOLD_S = 30.0
+
+
+class SignalPolicy:
+    """The signal a session's Opus encoder codes speech as, from the listener's loss reports."""
+
+    def __init__(self) -> None:
+        self.signal = "music"
+        self._voice_until = -math.inf
+
+    def report(self, fraction_lost: float, now: float) -> str:
+        """One receiver report's fraction lost (0..1) at time `now`; returns the signal to use."""
+        if fraction_lost >= LOSS_ON:
+            self._voice_until = now + HOLD_S
+        self.signal = "voice" if now < self._voice_until else "music"
+        return self.signal
+
+
+def watch_reports(sender, on_fraction_lost: Callable[[float], None]) -> bool:
+    """Call on_fraction_lost(fraction) for each receiver report about `sender`'s
+    stream, after aiortc has read it. False when aiortc offers no place to watch."""
+    handle = getattr(sender, "_handle_rtcp_packet", None)
+    if handle is None:
+        log.warning("aiortc's RTCRtpSender has no _handle_rtcp_packet: Opus keeps in-band FEC (signal voice) throughout")
+        return False
+    from aiortc.rtp import RtcpRrPacket, RtcpSrPacket
+
+    async def handle_and_watch(packet) -> None:
+        await handle(packet)
+        if isinstance(packet, (RtcpRrPacket, RtcpSrPacket)):
+            for report in packet.reports:
+                if report.ssrc == sender._ssrc:
+                    try:
+                        on_fraction_lost(report.fraction_lost / 256.0)
+                    except Exception:  # aiortc's receive loop ends the transport on an error: never from here
+                        log.exception("a loss report could not be applied")
+
+    sender._handle_rtcp_packet = handle_and_watch
+    return True
