@@ -44,9 +44,16 @@ class SignalPolicy:
     def __init__(self) -> None:
         self.signal = "music"
         self._voice_until = -math.inf
+        self._pinned = False
+
+    def pin_voice(self) -> None:
+        """No reports can be watched: FEC throughout, whatever comes."""
+        self.signal, self._pinned = "voice", True
 
     def report(self, fraction_lost: float, now: float) -> str:
         """One receiver report's fraction lost (0..1) at time `now`; returns the signal to use."""
+        if self._pinned:
+            return self.signal
         if fraction_lost >= LOSS_ON:
             self._voice_until = now + HOLD_S
         self.signal = "voice" if now < self._voice_until else "music"

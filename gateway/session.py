@@ -114,7 +114,6 @@ class Session:
         # Without FEC, voice would cost more for nothing: auto is then music throughout.
         opus = self.options.opus
         self.signal_policy = SignalPolicy() if opus.signal == "auto" and opus.fec else None
-        self._fec_kept = False  # auto, but no loss reports can be watched: voice throughout
 
     # Listeners and output
     def add_listener(self, name: str, listener: Listener) -> None:
@@ -149,8 +148,6 @@ class Session:
         encoder = create_encoder(codec, self.options.opus)
         if isinstance(encoder, OpusEncoder) and self.signal_policy is not None:
             encoder.use_signal(self.signal_policy.signal)
-        elif isinstance(encoder, OpusEncoder) and self._fec_kept:
-            encoder.use_signal("voice")
         return encoder
 
     def on_loss_report(self, fraction_lost: float) -> None:
@@ -171,8 +168,7 @@ class Session:
         """No loss reports can be watched: in-band FEC throughout (signal voice)."""
         if self.signal_policy is None:
             return  # a fixed --opus-signal stays as set
-        self.signal_policy = None
-        self._fec_kept = True
+        self.signal_policy.pin_voice()
         if isinstance(self.encoder, OpusEncoder):
             self.encoder.use_signal("voice")
 

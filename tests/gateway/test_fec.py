@@ -122,7 +122,7 @@ async def test_without_a_place_to_watch_reports_the_session_keeps_fec():
     assert session.encoder.signal == "music"
     session.keep_fec()
     assert session.encoder.signal == "voice"
-    session.on_loss_report(0.0)  # no policy any more: nothing turns it back
+    session.on_loss_report(0.0)  # the policy is pinned: nothing turns it back
     session._restart_feeder()  # a cancel makes a fresh encoder
     assert session.encoder.signal == "voice"
     await session.close("test")
