@@ -8,6 +8,7 @@ per nibble, followed by 15 ms of silence.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Iterator
 
 import numpy as np
@@ -42,11 +43,20 @@ def symbol(byte: int, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
     return np.concatenate([tone, np.zeros(n_gap, dtype=np.int16)])
 
 
+@lru_cache(maxsize=1024)  # 256 bytes at a few rates
+def _cached_symbol(byte: int, sample_rate: int) -> np.ndarray:
+    pcm = symbol(byte, sample_rate)
+    pcm.setflags(write=False)  # shared by every caller
+    return pcm
+
+
 def encode(text: str, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
+    """The text's symbols, each made once per process and rate: this engine stands in
+    for synthesis that costs nothing (load runs measure the media path around it)."""
     data = text.encode("utf-8")
     if not data:
         return np.zeros(0, dtype=np.int16)
-    return np.concatenate([symbol(b, sample_rate) for b in data])
+    return np.concatenate([_cached_symbol(b, sample_rate) for b in data])
 
 
 def decode(pcm: np.ndarray, sample_rate: int) -> str:
