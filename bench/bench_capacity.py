@@ -50,7 +50,8 @@ they see the same background load; the idle server costs nothing.
 
 A server is "at its limit" (S! in the tables) when its main process used
 >= 0.9 core (one event loop, one GIL: about all a Python server gets) or sent
-fewer than 95 % of its frames. There its CPU per session is understated (work
+fewer than 95 % of its frames (a frame a DTX keep-alive stood for between
+utterances counts as sent: the clients ask for DTX, as the bundled page does). There its CPU per session is understated (work
 is skipped or late), and it is not run at the larger counts of that scenario.
 
 Ratios: baseline / product server CPU per session (higher: the product is
@@ -330,6 +331,7 @@ class ProductServer(Server):
 LATE_COUNTER = "voxgate_pacer_late_frames_total"
 JITTER_HISTOGRAM = "voxgate_pacer_departure_jitter_seconds"
 UNDERRUN_COUNTER = "voxgate_pacer_underruns_total"
+DTX_COUNTER = "voxgate_pacer_dtx_frames_total"  # frames between utterances a keep-alive covered
 LOOP_LAG_HISTOGRAM = "voxgate_event_loop_lag_seconds"
 
 
@@ -359,6 +361,7 @@ def parse_product_metrics(text: str) -> dict:
     return {
         "frames": value(JITTER_HISTOGRAM + "_count"),
         "late": value(LATE_COUNTER),
+        "dtx_frames": value(DTX_COUNTER),
         "underruns": value(UNDERRUN_COUNTER),
         "jitter_le": jitter_le,
         "jitter_cumulative": jitter_cumulative,
@@ -386,6 +389,7 @@ class BaselineServer(Server):
         return {
             "frames": s["intervals"],
             "late": s["late_frames"],
+            "dtx_frames": 0,  # plain aiortc sends every frame
             "underruns": None,
             "jitter_le": s["jitter_le"],
             "jitter_cumulative": s["jitter_cumulative"],
@@ -531,6 +535,9 @@ class Bench:
         ours = (s1["ours"] - s0["ours"]) / dt
         f0, f1 = s0["figures"], s1["figures"]
         frames = f1["frames"] - f0["frames"]
+        # Frames the listeners' RTP clocks covered: those sent, and those a DTX keep-alive stood
+        # for between utterances (clients ask for DTX as the bundled page does).
+        dtx_frames = f1["dtx_frames"] - f0["dtx_frames"]
         late = f1["late"] - f0["late"]
         le = f1["jitter_le"]
         stalls = over_bound(le, f0["jitter_cumulative"], f1["jitter_cumulative"], STALL_DEVIATION_S) if STALL_DEVIATION_S in le else None
@@ -562,7 +569,9 @@ class Bench:
                 "worker": round(100.0 * worker / max(1, connected), 3),
                 "total": round(100.0 * (main + worker) / max(1, connected), 3),
             },
-            "server_frames": int(frames),
+            "server_frames": int(frames + dtx_frames),
+            "server_dtx_frames": int(dtx_frames),
+            "server_frames_measured": int(frames),  # sent with an interval: what late % is of
             "server_frames_expected": int(connected * 50 * dt),
             "late_frames": int(late),
             "late_pct": round(100.0 * late / frames, 4) if frames else None,
@@ -612,7 +621,7 @@ class Bench:
         )
         row["machine_saturated"] = busy > 0.95 * ncores
         # A server at its limit skips or delays work, so its CPU per session understates the cost.
-        row["server_saturated"] = bool(main >= SERVER_MAIN_LIMIT or frames < 0.95 * row["server_frames_expected"])
+        row["server_saturated"] = bool(main >= SERVER_MAIN_LIMIT or row["server_frames"] < 0.95 * row["server_frames_expected"])
         return row
 
 
@@ -711,7 +720,7 @@ def print_tables(rows: list[dict], summary: dict, scenarios: list[Scenario]) -> 
             print(f"   headline {pair}: {h['ratio']:.2f}x at {h['sessions']} sessions (largest count where neither was at its limit)")
     print("\n(late %: frames sent > 5 ms after their deadline, from the pacer counter; stall: intervals off by > 50 ms,"
           " which that counter skips; jit p99<=: bucket bound of |interval - 20 ms| that 99 % stay under;"
-          " sent: frames sent / 50 per session per second; S!: the server at its limit (main process"
+          " sent: frames the listeners' RTP clocks covered (sent, or stood for by a DTX keep-alive between utterances) / 50 per session per second; S!: the server at its limit (main process"
           f" >= {SERVER_MAIN_LIMIT} core or frames missing), so its CPU per session is understated; G!: a generator"
           " near a full core or lagging; M!: every core of the machine busy; bg: CPU of processes not started by this benchmark)")
 
@@ -812,7 +821,7 @@ async def ramp(bench: Bench, product: Server, scenario: Scenario, deadline: floa
         },
         "tried": sorted(
             ({"sessions": n, "late_or_stalled_pct": r["late_or_stalled_pct"], "late_frames": r["late_frames"], "stalls": r["stalls"],
-              "frames": r["server_frames"], "window_s": r["window_s"], "generator_saturated": r["generator_saturated"],
+              "frames": r["server_frames_measured"], "window_s": r["window_s"], "generator_saturated": r["generator_saturated"],
               "machine_busy_cores": r["machine"]["busy_cores"], "label": r["label"]} for n, r in tried.items()),
             key=lambda x: x["sessions"],
         ),

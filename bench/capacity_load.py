@@ -11,6 +11,8 @@ ICE servers, made cheap so that the generator is not what runs out of CPU:
   the packets before that); RTP handling, the jitter buffer, NACKs and RTCP
   receiver reports stay. Every RTP packet is timed as it reaches the client's
   event loop (before aiortc's jitter buffer);
+- the offer asks for DTX between utterances (`usedtx=1`), as the bundled
+  page's does;
 - the microphone sends Opus packets encoded once by the orchestrator
   (`prepare_mic`): aiortc's sender packs an `av.Packet` without encoding it.
   Each packet carries its audio level in the RTP header (RFC 6464
@@ -160,7 +162,10 @@ class LoadClient:
     def __init__(self, url: str, scenario: Scenario, mic: dict | None, rng: random.Random, mic_class) -> None:
         from voxgate.rtc_client import RtcClient
 
-        self.rtc = RtcClient(url)
+        # Asking for DTX between utterances, as the bundled page does (web/connection.js); a plain
+        # aiortc server ignores it, and `--product-args=--no-opus-dtx-when-asked` measures listeners
+        # that do not ask.
+        self.rtc = RtcClient(url, dtx=True)
         self.scenario = scenario
         self.mic_packets = mic
         self.rng = rng

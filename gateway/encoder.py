@@ -25,6 +25,9 @@ class OpusSettings:
     # Between utterances, send a silent keep-alive packet every 400 ms instead of
     # a silent packet every 20 ms (Opus DTX; receivers fill the gap with silence).
     dtx: bool = False
+    # Between utterances only: DTX for a listener whose offer asks for it (usedtx=1,
+    # RFC 7587), the way a listener says its decoder fills gaps; see peer.py.
+    dtx_when_asked: bool = True
     # 0 costs about a third of 5 per frame on speech with the same pocketsphinx
     # WER (bench/bench_opus_quality.py, bench/results/opus-quality.json).
     complexity: int = 0

@@ -147,7 +147,7 @@ class Gateway:
             voice=voice,  # None: the engine's default voice, which the operator chose
             vad=VadSettings(enabled=s.vad, aggressiveness=s.vad_aggressiveness, min_speech_ms=s.vad_min_speech_ms),
             opus=OpusSettings(bitrate=s.opus_bitrate, fec=s.opus_fec, dtx=s.opus_dtx, complexity=s.opus_complexity,
-                              signal=s.opus_signal),
+                              signal=s.opus_signal, dtx_when_asked=s.opus_dtx_when_asked),
             limits=Limits(max_message_bytes=s.max_message_bytes, max_text_chars=s.max_text_chars, max_messages_per_s=s.max_messages_per_s),
             max_utterance_chars=s.max_utterance_chars,
             max_queued_utterances=s.max_queued_utterances,

@@ -18,6 +18,9 @@ class GatewayMetrics:
         self.aggregation_wait = Histogram("voxgate_text_aggregation_wait_seconds", "Time text waited in the segmenter before the first unit went to the engine", buckets=LATENCY_BUCKETS, registry=r)
         self.cancel_to_silence = Histogram("voxgate_cancel_to_silence_seconds", "Cancel or barge-in to the first silent packet", buckets=LATENCY_BUCKETS, registry=r)
         self.late_frames = Counter("voxgate_pacer_late_frames_total", "Frames sent more than 5 ms after their deadline", registry=r)
+        self.keepalive_frames = Counter("voxgate_pacer_dtx_frames_total",
+                                        "Frames between utterances covered by DTX keep-alives (one packet per 20 frames) "
+                                        "instead of being sent", registry=r)
         self.underruns = Counter("voxgate_pacer_underruns_total", "Underruns inside an utterance, filled with silence", registry=r)
         self.jitter = Histogram("voxgate_pacer_departure_jitter_seconds", "Absolute deviation of inter-departure intervals from 20 ms", buckets=JITTER_BUCKETS, registry=r)
         self.sessions = Gauge("voxgate_active_sessions", "Open sessions", registry=r)
@@ -68,6 +71,9 @@ class _SessionMetrics(SessionMetrics):
         self.m.jitter.observe(abs(interval - 0.020))
         if lateness > 0.005:
             self.m.late_frames.inc()
+
+    def keepalive(self, frames: int) -> None:
+        self.m.keepalive_frames.inc(frames)
 
     def underrun(self) -> None:
         self.m.underruns.inc()

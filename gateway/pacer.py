@@ -152,6 +152,7 @@ class PacerStats:
     late_frames: int = 0  # sent more than LATE_S after their deadline
     stalls: int = 0  # skipped ahead after falling behind
     wakes: int = 0  # sent early for an utterance's first frame
+    keepalive_frames: int = 0  # covered by DTX keep-alives: one packet per `frames` of a wait
     # Recent inter-departure intervals in seconds, for jitter figures.
     intervals: deque = field(default_factory=lambda: deque(maxlen=3000))
 
@@ -184,6 +185,7 @@ class Pacer:
         self._woken = False
         self._clock_stalls = 0  # the clock's stall count at the last departure
         self.on_frame = None  # optional callable(interval_s, late_s) for metrics
+        self.on_keepalive = None  # optional callable(frames covered) for metrics
 
     @property
     def clock(self) -> FrameClock:
@@ -221,9 +223,19 @@ class Pacer:
             self._woken = False
             self.stats.wakes += 1
             self._tick = clock.upcoming() + frame_ticks - 1
-            self._depart(now, woken=True)
+            self._depart(now, measured=False)
             return now
         lateness = now - deadline
+        if frames > 1:
+            # A DTX keep-alive between utterances: its timing is free and its interval
+            # is many frames, so it is neither jitter nor late; it covers `frames`.
+            behind = lateness > clock.stall_s
+            self._tick = clock.upcoming() + frame_ticks - 1 if behind else self._tick + frame_ticks
+            self.stats.keepalive_frames += frames
+            self._depart(now, measured=False)
+            if self.on_keepalive is not None:
+                self.on_keepalive(frames)
+            return now
         if lateness > clock.stall_s:
             # This track fell behind on its own: skip ahead rather than burst.
             self.stats.stalls += 1
@@ -236,13 +248,14 @@ class Pacer:
             if lateness > LATE_S:
                 self.stats.late_frames += 1
             self._tick += frame_ticks
-        self._depart(now, woken=False, lateness=max(0.0, lateness))
+        self._depart(now, measured=True, lateness=max(0.0, lateness))
         return now
 
-    def _depart(self, now: float, woken: bool, lateness: float = 0.0) -> None:
+    def _depart(self, now: float, measured: bool, lateness: float = 0.0) -> None:
+        """A frame left at `now`; `measured`: its interval from the last one is pacer jitter."""
         self._clock_stalls = self.clock.stalls
         self.stats.frames += 1
-        if self._last_departure is not None and not woken:
+        if self._last_departure is not None and measured:
             interval = now - self._last_departure
             self.stats.intervals.append(interval)
             if self.on_frame is not None:

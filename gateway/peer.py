@@ -44,15 +44,29 @@ def negotiated_codec(answer_sdp: str) -> tuple[str, int] | None:
     return None
 
 
-def ask_for_dtx(answer_sdp: str, payload_type: int) -> str:
-    """Add `usedtx=1` to the answer's Opus format line: the peer's encoder then sends
-    a packet every 400 ms while its microphone is silent, instead of every 20 ms."""
+def asks_for_dtx(offer_sdp: str, payload_type: int) -> bool:
+    """Whether the offer's format line for `payload_type` says `usedtx=1`: its decoder
+    prefers DTX (RFC 7587), so a gap between utterances is what it expects."""
+    match = re.search(rf"(?m)^a=fmtp:{payload_type} ([^\r\n]*)", offer_sdp)
+    if match is None:
+        return False
+    params = (p.split("=", 1) for p in match.group(1).split(";"))
+    return any(len(p) == 2 and p[0].strip().lower() == "usedtx" and p[1].strip() == "1" for p in params)
+
+
+def ask_for_dtx(sdp: str, payload_type: int) -> str:
+    """Add `usedtx=1` to the Opus format line of `payload_type` (a line of its own after
+    the codec's rtpmap where there is none, as in aiortc's SDP). In the gateway's answer,
+    the peer's encoder then sends a packet every 400 ms while its microphone is silent,
+    instead of every 20 ms; in a client's offer, the gateway does so between utterances."""
 
     def add(match: re.Match) -> str:
         line = match.group(0)
         return line if "usedtx=" in line else line + ";usedtx=1"
 
-    return re.sub(rf"(?m)^a=fmtp:{payload_type} [^\r\n]*", add, answer_sdp, count=1)
+    if re.search(rf"(?m)^a=fmtp:{payload_type} ", sdp):
+        return re.sub(rf"(?m)^a=fmtp:{payload_type} [^\r\n]*", add, sdp, count=1)
+    return re.sub(rf"(?m)^(a=rtpmap:{payload_type} [^\r\n]*)(\r?\n)", rf"\1\2a=fmtp:{payload_type} usedtx=1\2", sdp, count=1)
 
 
 class PeerConnection:
@@ -87,6 +101,7 @@ class PeerConnection:
             self.track = SpeechTrack(self.session.playout)
             self.track.on_departure = self.session.on_departure
             self.track.pacer.on_frame = self.session.on_frame_paced
+            self.track.pacer.on_keepalive = self.session.on_keepalive
             sender = self.pc.addTrack(self.track)
             if self.rtp_sender == "voxgate":
                 rtp_send.install(sender, self.track)
@@ -105,7 +120,10 @@ class PeerConnection:
             self.session.attach_output(codec)
             assert self.track is not None and self.session.encoder is not None
             self.track.set_clock_rate(self.session.encoder.clock_rate)
-            self.track.dtx = codec == "opus" and self.session.options.opus.dtx
+            opus_settings = self.session.options.opus
+            self.track.dtx = codec == "opus" and (
+                opus_settings.dtx or (opus_settings.dtx_when_asked and asks_for_dtx(sdp, payload_type))
+            )
             self._attach_mic(codec, payload_type)
             if codec == "opus":
                 local = ask_for_dtx(local, payload_type)

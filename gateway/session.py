@@ -349,6 +349,10 @@ class Session:
         """The output's pacer reports each frame's spacing and lateness."""
         self.metrics.frame_sent(interval, lateness)
 
+    def on_keepalive(self, frames: int) -> None:
+        """The output sent a DTX keep-alive covering `frames` frames."""
+        self.metrics.keepalive(frames)
+
     def on_departure(self, now: float) -> None:
         """Called by the output after each frame; measures cancel-to-silence."""
         if self._pending_cancel_at is not None:

@@ -54,6 +54,7 @@ class Settings:
     opus_bitrate: int = 32000
     opus_fec: bool = True
     opus_dtx: bool = False
+    opus_dtx_when_asked: bool = True
     opus_complexity: int = 0
     opus_signal: str = "auto"
     # Who builds the speech track's RTP packets (gateway/rtp_send.py).
@@ -218,7 +219,9 @@ _HELP = {
     "when the pool lists no replicas or one cannot be reached",
     "opus_bitrate": "outbound Opus bitrate in bit/s",
     "opus_fec": "Opus in-band forward error correction",
-    "opus_dtx": "Opus discontinuous transmission",
+    "opus_dtx": "Opus discontinuous transmission for every listener, inside utterances too (libopus DTX)",
+    "opus_dtx_when_asked": "between utterances, send a silent keep-alive every 400 ms instead of silence every 20 ms "
+    "to listeners whose offer asks for DTX (usedtx=1 on its Opus format line, as the bundled page's does)",
     "opus_complexity": "Opus encoder complexity 0..10 (0 costs a third of 5 with the same speech WER: bench/bench_opus_quality.py)",
     "opus_signal": "what libopus codes speech as: music (CELT alone, a third of voice's cost per frame, the same speech "
     "WER, no in-band FEC), voice (SILK or hybrid, with in-band FEC), or auto: music while the listener's RTCP reports "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import fractions
 import json
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -138,6 +139,14 @@ class ReceivedAudio:
         return None
 
 
+def offer_with_dtx(sdp: str) -> str:
+    """The offer with `usedtx=1` on its Opus format line (aiortc's own decoder takes gaps as they come)."""
+    from .gateway.peer import ask_for_dtx
+
+    match = re.search(r"(?mi)^a=rtpmap:(\d+) opus/48000", sdp)
+    return ask_for_dtx(sdp, int(match.group(1))) if match else sdp
+
+
 class RtcClient:
     def __init__(
         self,
@@ -149,8 +158,11 @@ class RtcClient:
         voice: str | None = None,
         session_id: str | None = None,
         token: str | None = None,
+        dtx: bool = False,
     ) -> None:
         self.join = {"session_id": session_id, "token": token}
+        # Ask for DTX between utterances (usedtx=1 on the offer's Opus line), as the bundled page does.
+        self.dtx = dtx
         self.base_url = base_url.rstrip("/")
         if ice_hosts:
             restrict_host_addresses(list(ice_hosts))
@@ -198,6 +210,8 @@ class RtcClient:
 
         await pc.setLocalDescription(await pc.createOffer())
         body = {"sdp": pc.localDescription.sdp, "type": "offer"}
+        if self.dtx:
+            body["sdp"] = offer_with_dtx(body["sdp"])
         if self.voice:
             body["voice"] = self.voice
         body.update({k: v for k, v in self.join.items() if v})

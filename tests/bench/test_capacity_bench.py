@@ -78,6 +78,8 @@ def test_a_renamed_product_metric_is_an_error() -> None:
         "voxgate_event_loop_lag_seconds_sum 0.0\n"
         "# TYPE voxgate_pacer_underruns_total counter\n"
         "voxgate_pacer_underruns_total 0.0\n"
+        "# TYPE voxgate_pacer_dtx_frames_total counter\n"
+        "voxgate_pacer_dtx_frames_total 40.0\n"
     )
     assert bench_capacity.parse_product_metrics(text + "# TYPE voxgate_pacer_late_frames_total counter\nvoxgate_pacer_late_frames_total 1.0\n")["late"] == 1
     with pytest.raises(KeyError, match="voxgate_pacer_late_frames_total"):

@@ -87,6 +87,25 @@ async def test_dtx_sends_a_keepalive_while_idle_and_the_rtp_clock_keeps_counting
     assert bytes(third) == b"speech"
 
 
+async def test_dtx_keepalives_count_the_frames_they_cover_and_are_not_pacer_jitter():
+    """A keep-alive's interval is 20 frames by design: as jitter it would read as a 380 ms stall."""
+    track, playout, _ = track_with(dtx=True)
+    intervals, covered = [], []
+    track.pacer.on_frame = lambda interval, lateness: intervals.append(interval)
+    track.pacer.on_keepalive = covered.append
+    for _ in range(3):
+        await track.recv()
+    assert intervals == [] and covered == [KEEPALIVE_FRAMES] * 3
+    assert track.pacer.stats.keepalive_frames == 3 * KEEPALIVE_FRAMES and track.pacer.stats.late_frames == 0
+    play = UtterancePlay(id="u")
+    playout.add(play)
+    playout.push(play, [b"a", b"b", b"c"])
+    for _ in range(3):
+        await track.recv()
+    # The first speech frame is woken early (not jitter); the next two are 20 ms apart.
+    assert len(intervals) == 2 and all(abs(i - 0.020) < 1e-6 for i in intervals), intervals
+
+
 async def test_new_speech_wakes_an_idle_track_without_waiting_for_its_tick():
     track, playout, time_source = track_with()
     await track.recv()

@@ -12,6 +12,7 @@ microphone, and chromium's default fake device plays a beep that is not speech.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,8 @@ import wave
 import numpy as np
 import pytest
 import soxr
+
+from voxgate.gateway.peer import asks_for_dtx
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
 
@@ -132,8 +135,14 @@ def set_rate(page, rate: float) -> None:
 
 def test_speak_queue_and_rate(page, piper_server, artifacts_dir):
     requests: list[str] = []
+    offers: list[dict] = []
     page.on("request", lambda r: requests.append(r.url))
+    page.on("request", lambda r: offers.append(r.post_data_json) if r.url.endswith("/v1/offer") else None)
     open_page(page, piper_server)
+    # The page asks for DTX between utterances on its Opus line (gateway/peer.py).
+    assert len(offers) == 1
+    opus = re.search(r"(?m)^a=rtpmap:(\d+) opus/48000", offers[0]["sdp"])
+    assert opus and asks_for_dtx(offers[0]["sdp"], int(opus.group(1))), offers[0]["sdp"]
     assert page.input_value("#voice") == "joe"
     assert page.text_content("#fig-codec").lower().startswith("opus")
 
