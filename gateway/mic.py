@@ -24,15 +24,26 @@ This reads aiortc's receiver one step below its public API: the RTP packet
 handler of `RTCRtpReceiver`, which the DTLS transport calls for each packet.
 aiortc's own decoding of this track is not used at all, so nothing queues up
 there either.
+
+One step further down, each microphone datagram is taken as aioice hands it
+over (`Connection.data_received`), SRTP-unprotected with the DTLS transport's
+session and read here, in the same call: aiortc would queue it on an
+asyncio.Queue, wake its receive task, read the clock through `datetime` and
+parse the whole packet into objects first, which was most of a microphone's
+cost per packet. Everything else (DTLS, the data channel, RTCP) still goes to
+aiortc's queue. Where this aiortc or aioice lacks what that reads, packets
+take aiortc's path as before.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import Callable
+import struct
+from typing import Callable, NamedTuple
 
 import numpy as np
+import pylibsrtp
 
 from . import opus
 from .encoder import alaw_decode, ulaw_decode
@@ -49,6 +60,44 @@ MAX_GAP_FRAMES = 50  # a longer silence than 1 s tells the VAD nothing more
 QUIET_DBOV = 55
 # 0 dBov on the VAD's scale (20 log10 of the int16 RMS): a level L in the header is FULL_SCALE_DB - L.
 FULL_SCALE_DB = 20 * math.log10(32767)
+
+
+_DTLS_RX_COUNTERS = ("_RTCDtlsTransport__rx_bytes", "_RTCDtlsTransport__rx_packets")
+
+
+class RtpFields(NamedTuple):
+    payload_type: int
+    timestamp: int
+    payload: bytes
+    extension: tuple[int, bytes] | None  # (profile, the extension block's data)
+
+
+def parse_rtp(data: bytes) -> RtpFields | None:
+    """What the microphone reads from a plain RTP packet (RFC 3550), or None where
+    aiortc's `RtpPacket.parse` would refuse it."""
+    if len(data) < 12 or data[0] >> 6 != 2:
+        return None
+    first = data[0]
+    pos = 12 + 4 * (first & 0x0F)  # past the CSRCs
+    extension = None
+    if first & 0x10:
+        if len(data) < pos + 4:
+            return None
+        profile, words = struct.unpack_from("!HH", data, pos)
+        end = pos + 4 + 4 * words
+        if len(data) < end:
+            return None
+        extension = (profile, data[pos + 4 : end])
+        pos = end
+    end = len(data)
+    if first & 0x20:  # padding: its length is the last byte
+        padding = data[-1]
+        if padding == 0 or padding > end - pos:
+            return None
+        end -= padding
+    if pos > end:
+        return None
+    return RtpFields(data[1] & 0x7F, int.from_bytes(data[4:8], "big"), data[pos:end], extension)
 
 
 class Microphone:
@@ -76,6 +125,7 @@ class Microphone:
         self.packets = 0
         self.decoded = 0
         self.gated = 0  # quiet by the packet's own level: silence, not decoded
+        self.direct = False  # datagrams taken from aioice, not packets from aiortc
         self._next_ts: int | None = None  # RTP time the next packet should carry
         if codec == "opus":
             self._decoder: opus.Decoder | None = opus.Decoder(VAD_RATE)
@@ -86,8 +136,44 @@ class Microphone:
             self._resampler = StreamResampler(8000, VAD_RATE)
 
     def attach(self, receiver) -> None:
-        """Take the receiver's RTP packets from now on."""
+        """Take the receiver's RTP packets from now on: as datagrams where this aiortc allows,
+        and from aiortc's packet handler for whatever still reaches it."""
         receiver._handle_rtp_packet = self._on_rtp
+        self.direct = self._take_datagrams(getattr(receiver, "transport", None))
+
+    def _take_datagrams(self, dtls) -> bool:
+        connection = getattr(getattr(dtls, "transport", None), "_connection", None)
+        extensions = getattr(dtls, "_rtp_header_extensions_map", None)
+        if (connection is None or extensions is None or not hasattr(connection, "data_received")
+                or not all(hasattr(dtls, name) for name in ("_rx_srtp", *_DTLS_RX_COUNTERS))):
+            log.info("this aiortc's transports lack what the direct microphone path reads; using aiortc's")
+            return False
+        to_aiortc = connection.data_received
+
+        def data_received(data: bytes, component: int) -> None:
+            srtp = dtls._rx_srtp
+            # SRTP but not SRTCP (RFC 5761 demultiplexing, as aiortc's), once the keys exist.
+            if srtp is None or len(data) < 12 or not 127 < data[0] < 192 or 192 <= data[1] <= 208:
+                to_aiortc(data, component)
+                return
+            try:
+                plain = srtp.unprotect(data)
+            except pylibsrtp.Error:
+                return  # aiortc drops these too
+            dtls._RTCDtlsTransport__rx_bytes += len(data)
+            dtls._RTCDtlsTransport__rx_packets += 1
+            fields = parse_rtp(plain)
+            if fields is None:
+                return
+            try:
+                level = extensions.get(*fields.extension).audio_level if fields.extension else None
+            except (ValueError, IndexError, struct.error, UnicodeDecodeError):
+                return  # a malformed header extension: aiortc's parse drops the packet too
+            self._on_packet(fields.payload_type, fields.timestamp, fields.payload, level)
+
+        # aioice's protocol looks this up on the connection for every datagram.
+        connection.data_received = data_received
+        return True
 
     def _ticks(self, payload: bytes) -> int:
         """The packet's length on the RTP clock, without decoding it."""
@@ -96,23 +182,26 @@ class Microphone:
         return len(payload)  # G.711: one byte a sample at 8 kHz
 
     async def _on_rtp(self, packet, arrival_time_ms: int = 0) -> None:
-        if packet.payload_type != self.payload_type or not packet.payload:
+        """aiortc's path: a parsed `RtpPacket`."""
+        self._on_packet(packet.payload_type, packet.timestamp, packet.payload, packet.extensions.audio_level)
+
+    def _on_packet(self, payload_type: int, ts: int, payload: bytes, level: tuple[bool, int] | None) -> None:
+        """One microphone packet; `level`: its RFC 6464 (voice flag, -dBov), if it carries one."""
+        if payload_type != self.payload_type or not payload:
             return  # comfort noise, DTMF events, padding
         self.packets += 1
         if not self.wanted():
             self._next_ts = None
             return
-        ts = packet.timestamp
         if self._next_ts is not None:
             ahead = (ts - self._next_ts) & 0xFFFFFFFF
             if ahead >= 0x80000000:
                 return  # a duplicate, or older than what was already heard: too late for the VAD
             if ahead >= self.frame_ticks:
                 self.on_gap(min(ahead // self.frame_ticks, MAX_GAP_FRAMES))
-        level = packet.extensions.audio_level  # (the sender's voice flag, -dBov) or None
         if level is not None and not level[0] and level[1] >= QUIET_DBOV:
             try:
-                ticks = self._ticks(packet.payload)
+                ticks = self._ticks(payload)
             except (opus.OpusError, ValueError):
                 return
             self.gated += 1
@@ -121,12 +210,12 @@ class Microphone:
             return
         try:
             if self._decoder is not None:
-                pcm = self._decoder.decode(packet.payload)
+                pcm = self._decoder.decode(payload)
                 ticks = len(pcm) * RTP_CLOCK["opus"] // VAD_RATE  # 20, 40 or 60 ms a packet
             else:
                 assert self._resampler is not None
-                pcm = self._resampler.process(self._law(packet.payload))
-                ticks = self._ticks(packet.payload)
+                pcm = self._resampler.process(self._law(payload))
+                ticks = self._ticks(payload)
         except (opus.OpusError, ValueError) as exc:
             log.debug("microphone packet not decoded: %s", exc)
             return

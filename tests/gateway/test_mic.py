@@ -1,5 +1,7 @@
 """The microphone reader: RTP packets to 16 kHz PCM for the VAD, gaps as silence, nothing decoded when unwanted."""
 
+import asyncio
+
 import numpy as np
 import pytest
 from aiortc.rtp import RtpPacket
@@ -184,3 +186,90 @@ def test_speech_after_gated_silence_is_heard_as_soon_as_after_decoded_silence():
     assert abs(after_gated - after_decoded) <= 1
     late = _frames_to_speech(unleveled, speech)
     assert late is None or late >= after_decoded + 3  # what the floor's level saves
+
+
+async def test_a_real_peers_microphone_is_read_from_its_datagrams_not_aiortcs_queue():
+    """In-process gateway and aiortc peer on loopback: the microphone's packets reach the VAD
+    through the direct path (aiortc's packet handler sees none), the data channel and RTCP still
+    go through aiortc, and speech on the microphone is heard (speech.started)."""
+    from aiohttp import web
+
+    from tests.conftest import free_port
+    from voxgate.config import Settings
+    from voxgate.rtc_client import RtcClient
+    from voxgate.signaling.server import create_app
+
+    app = create_app(Settings(engine="tone", host="127.0.0.1", ice_host=["127.0.0.1"], web=False))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with RtcClient(f"http://127.0.0.1:{port}", mic=True) as client:
+            mic = app["gateway"].peers[client.session_id].mic
+            via_aiortc = []
+            aiortc_handler = mic._on_rtp
+            mic_receiver = next(t.receiver for t in app["gateway"].peers[client.session_id].pc.getTransceivers())
+
+            async def counted(packet, arrival_time_ms: int = 0) -> None:
+                via_aiortc.append(packet)
+                await aiortc_handler(packet, arrival_time_ms)
+
+            mic_receiver._handle_rtp_packet = counted
+            # RTCP (the listener's receiver reports) must still reach aiortc's sender.
+            sender = next(t.sender for t in app["gateway"].peers[client.session_id].pc.getTransceivers())
+            reported = asyncio.Event()
+            rtcp_handler = sender._handle_rtcp_packet
+
+            async def report_seen(packet) -> None:
+                reported.set()
+                await rtcp_handler(packet)
+
+            sender._handle_rtcp_packet = report_seen
+            client.mic.play(synthesize_48k("Hello there, can you hear me now?"))
+            await client.wait_for("speech.started", timeout=15)
+            client.send({"type": "ping", "t": 1})
+            await client.wait_for("pong", timeout=5)  # the data channel still goes through aiortc
+            await asyncio.wait_for(reported.wait(), 15)
+            assert mic.direct and mic.decoded > 0 and via_aiortc == []
+    finally:
+        await runner.cleanup()
+
+
+def header_extensions(*uris: str):
+    from aiortc.rtcrtpparameters import RTCRtpHeaderExtensionParameters, RTCRtpParameters
+    from aiortc.rtp import HeaderExtensionsMap
+
+    m = HeaderExtensionsMap()
+    m.configure(RTCRtpParameters(headerExtensions=[RTCRtpHeaderExtensionParameters(id=i + 1, uri=u) for i, u in enumerate(uris)]))
+    return m
+
+
+@pytest.mark.parametrize("csrcs", [[], [1, 2, 3]])
+@pytest.mark.parametrize("level", [None, (False, 127), (True, 30)])
+@pytest.mark.parametrize("padding", [0, 1, 7])
+def test_parse_rtp_reads_what_aiortcs_parser_reads(csrcs, level, padding):
+    from voxgate.gateway.mic import parse_rtp
+
+    ext_map = header_extensions("urn:ietf:params:rtp-hdrext:sdes:mid", "urn:ietf:params:rtp-hdrext:ssrc-audio-level")
+    packet = RtpPacket(payload_type=PT, sequence_number=7, timestamp=0xFEDCBA98, ssrc=5, marker=1, payload=b"\xf8opus")
+    packet.csrc = csrcs
+    packet.padding_size = padding
+    packet.extensions.mid = "0"
+    packet.extensions.audio_level = level
+    data = packet.serialize(ext_map)
+    theirs = RtpPacket.parse(data, ext_map)
+    ours = parse_rtp(data)
+    assert (ours.payload_type, ours.timestamp, ours.payload) == (theirs.payload_type, theirs.timestamp, theirs.payload)
+    assert (ext_map.get(*ours.extension).audio_level if ours.extension else None) == theirs.extensions.audio_level
+
+
+@pytest.mark.parametrize("data", [b"", b"\x80" * 11, b"\x40" + b"\x00" * 20, b"\x90" + b"\x00" * 13,
+                                  b"\x90\x6f" + b"\x00" * 10 + b"\xbe\xde\x00\x09", b"\xa0\x6f" + b"\x00" * 10 + b"\x00\x00\x05",
+                                  b"\xa0\x6f" + b"\x00" * 10 + b"\x00"])
+def test_parse_rtp_refuses_what_aiortc_refuses(data):
+    from voxgate.gateway.mic import parse_rtp
+
+    with pytest.raises(ValueError):
+        RtpPacket.parse(data)
+    assert parse_rtp(data) is None
