@@ -62,6 +62,7 @@ QUIET_DBOV = 55
 FULL_SCALE_DB = 20 * math.log10(32767)
 
 
+MAX_SRTP_BYTES = 1500  # pylibsrtp's buffer: a longer SRTP or SRTCP datagram cannot be unprotected
 _DTLS_RX_COUNTERS = ("_RTCDtlsTransport__rx_bytes", "_RTCDtlsTransport__rx_packets")
 
 
@@ -126,6 +127,7 @@ class Microphone:
         self.decoded = 0
         self.gated = 0  # quiet by the packet's own level: silence, not decoded
         self.direct = False  # datagrams taken from aioice, not packets from aiortc
+        self.failures = 0
         self._next_ts: int | None = None  # RTP time the next packet should carry
         if codec == "opus":
             self._decoder: opus.Decoder | None = opus.Decoder(VAD_RATE)
@@ -151,6 +153,10 @@ class Microphone:
         to_aiortc = connection.data_received
 
         def data_received(data: bytes, component: int) -> None:
+            # Called from asyncio's datagram callback: nothing a peer sends may raise out of
+            # here (the loop would log a traceback per datagram for every session to pay for).
+            if not data or (127 < data[0] < 192 and len(data) > MAX_SRTP_BYTES):
+                return  # aiortc fails on these (an index error, pylibsrtp's buffer) and closes the transport
             srtp = dtls._rx_srtp
             # SRTP but not SRTCP (RFC 5761 demultiplexing, as aiortc's), once the keys exist.
             if srtp is None or len(data) < 12 or not 127 < data[0] < 192 or 192 <= data[1] <= 208:
@@ -158,7 +164,7 @@ class Microphone:
                 return
             try:
                 plain = srtp.unprotect(data)
-            except pylibsrtp.Error:
+            except (pylibsrtp.Error, ValueError):
                 return  # aiortc drops these too
             dtls._RTCDtlsTransport__rx_bytes += len(data)
             dtls._RTCDtlsTransport__rx_packets += 1
@@ -169,7 +175,12 @@ class Microphone:
                 level = extensions.get(*fields.extension).audio_level if fields.extension else None
             except (ValueError, IndexError, struct.error, UnicodeDecodeError):
                 return  # a malformed header extension: aiortc's parse drops the packet too
-            self._on_packet(fields.payload_type, fields.timestamp, fields.payload, level)
+            try:
+                self._on_packet(fields.payload_type, fields.timestamp, fields.payload, level)
+            except Exception:
+                self.failures += 1
+                if self.failures == 1:
+                    log.exception("microphone packet handling failed (logged once per session)")
 
         # aioice's protocol looks this up on the connection for every datagram.
         connection.data_received = data_received

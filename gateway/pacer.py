@@ -222,6 +222,9 @@ class Pacer:
             # nearest one frame from now, and this frame is not counted as jitter.
             self._woken = False
             self.stats.wakes += 1
+            if frames > 1 and self._last_departure is not None:
+                # Cut short in a DTX keep-alive's wait: the frames since the last one were covered too.
+                self._keepalive(round((now - self._last_departure) / clock.frame_s) - 1)
             self._tick = clock.upcoming() + frame_ticks - 1
             self._depart(now, measured=False)
             return now
@@ -231,10 +234,8 @@ class Pacer:
             # is many frames, so it is neither jitter nor late; it covers `frames`.
             behind = lateness > clock.stall_s
             self._tick = clock.upcoming() + frame_ticks - 1 if behind else self._tick + frame_ticks
-            self.stats.keepalive_frames += frames
+            self._keepalive(frames)
             self._depart(now, measured=False)
-            if self.on_keepalive is not None:
-                self.on_keepalive(frames)
             return now
         if lateness > clock.stall_s:
             # This track fell behind on its own: skip ahead rather than burst.
@@ -250,6 +251,12 @@ class Pacer:
             self._tick += frame_ticks
         self._depart(now, measured=True, lateness=max(0.0, lateness))
         return now
+
+    def _keepalive(self, frames: int) -> None:
+        if frames > 0:
+            self.stats.keepalive_frames += frames
+            if self.on_keepalive is not None:
+                self.on_keepalive(frames)
 
     def _depart(self, now: float, measured: bool, lateness: float = 0.0) -> None:
         """A frame left at `now`; `measured`: its interval from the last one is pacer jitter."""

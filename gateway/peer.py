@@ -28,6 +28,10 @@ def validate_offer_sdp(sdp: str) -> None:
         parsed = SessionDescription.parse(sdp)
     except Exception as exc:
         raise GatewayError("invalid_sdp", f"the offer SDP could not be parsed: {type(exc).__name__}") from None
+    audio = sum(1 for media in parsed.media if media.kind == "audio")
+    if audio > 1:
+        # Speech out and the microphone in share one audio section (mic.py reads its packets by payload type).
+        raise GatewayError("invalid_sdp", f"the offer has {audio} audio sections: offer one, for speech and the microphone")
     # Bundled WebRTC needs a mid per section; aiortc half-builds a peer without one.
     for media in parsed.media:
         if not media.rtp.muxId:
@@ -44,10 +48,20 @@ def negotiated_codec(answer_sdp: str) -> tuple[str, int] | None:
     return None
 
 
+def _audio_section(sdp: str) -> tuple[int, int]:
+    """Where the first audio m-section's lines are: payload type numbers are per section."""
+    start = re.search(r"(?m)^m=audio ", sdp)
+    if start is None:
+        return 0, 0
+    end = re.compile(r"(?m)^m=").search(sdp, start.end())
+    return start.start(), end.start() if end else len(sdp)
+
+
 def asks_for_dtx(offer_sdp: str, payload_type: int) -> bool:
-    """Whether the offer's format line for `payload_type` says `usedtx=1`: its decoder
+    """Whether the offer's audio format line for `payload_type` says `usedtx=1`: its decoder
     prefers DTX (RFC 7587), so a gap between utterances is what it expects."""
-    match = re.search(rf"(?m)^a=fmtp:{payload_type} ([^\r\n]*)", offer_sdp)
+    start, end = _audio_section(offer_sdp)
+    match = re.compile(rf"(?m)^a=fmtp:{payload_type} ([^\r\n]*)").search(offer_sdp, start, end)
     if match is None:
         return False
     params = (p.split("=", 1) for p in match.group(1).split(";"))
@@ -55,18 +69,23 @@ def asks_for_dtx(offer_sdp: str, payload_type: int) -> bool:
 
 
 def ask_for_dtx(sdp: str, payload_type: int) -> str:
-    """Add `usedtx=1` to the Opus format line of `payload_type` (a line of its own after
-    the codec's rtpmap where there is none, as in aiortc's SDP). In the gateway's answer,
+    """Add `usedtx=1` to the audio section's format line for `payload_type` (a line of its own
+    after the codec's rtpmap where there is none, as in aiortc's SDP). In the gateway's answer,
     the peer's encoder then sends a packet every 400 ms while its microphone is silent,
     instead of every 20 ms; in a client's offer, the gateway does so between utterances."""
+    start, end = _audio_section(sdp)
+    section = sdp[start:end]
 
     def add(match: re.Match) -> str:
         line = match.group(0)
         return line if "usedtx=" in line else line + ";usedtx=1"
 
-    if re.search(rf"(?m)^a=fmtp:{payload_type} ", sdp):
-        return re.sub(rf"(?m)^a=fmtp:{payload_type} [^\r\n]*", add, sdp, count=1)
-    return re.sub(rf"(?m)^(a=rtpmap:{payload_type} [^\r\n]*)(\r?\n)", rf"\1\2a=fmtp:{payload_type} usedtx=1\2", sdp, count=1)
+    if re.search(rf"(?m)^a=fmtp:{payload_type} ", section):
+        section = re.sub(rf"(?m)^a=fmtp:{payload_type} [^\r\n]*", add, section, count=1)
+    else:
+        section = re.sub(rf"(?m)^(a=rtpmap:{payload_type} [^\r\n]*)(\r?\n)", rf"\1\2a=fmtp:{payload_type} usedtx=1\2",
+                         section, count=1)
+    return sdp[:start] + section + sdp[end:]
 
 
 class PeerConnection:

@@ -273,3 +273,64 @@ def test_parse_rtp_refuses_what_aiortc_refuses(data):
     with pytest.raises(ValueError):
         RtpPacket.parse(data)
     assert parse_rtp(data) is None
+
+
+class FakeConnection:
+    """aioice's Connection as the microphone sees it: what is not taken goes to aiortc's queue."""
+
+    def __init__(self) -> None:
+        self.to_aiortc: list[bytes] = []
+
+    def data_received(self, data: bytes, component: int) -> None:
+        self.to_aiortc.append(data)
+
+
+def srtp_pair():
+    import os
+
+    from pylibsrtp import Policy, Session
+
+    key = os.urandom(30)
+    tx = Session(Policy(key=key, ssrc_type=Policy.SSRC_ANY_OUTBOUND, srtp_profile=Policy.SRTP_PROFILE_AES128_CM_SHA1_80))
+    rx = Session(Policy(key=key, ssrc_type=Policy.SSRC_ANY_INBOUND, srtp_profile=Policy.SRTP_PROFILE_AES128_CM_SHA1_80))
+    return tx, rx
+
+
+def test_hostile_datagrams_never_raise_out_of_the_direct_path(caplog):
+    """Empty, oversized, undecryptable or unparsable datagrams are dropped, a failing handler is
+    logged once, and DTLS and RTCP still go to aiortc: nothing reaches asyncio's datagram callback."""
+    from types import SimpleNamespace
+
+    tx, rx = srtp_pair()
+    connection = FakeConnection()
+    dtls = SimpleNamespace(transport=SimpleNamespace(_connection=connection), _rx_srtp=rx,
+                           _rtp_header_extensions_map=header_extensions("urn:ietf:params:rtp-hdrext:ssrc-audio-level"),
+                           _RTCDtlsTransport__rx_bytes=0, _RTCDtlsTransport__rx_packets=0)
+    rec = Recorder()
+    mic = Microphone("opus", PT, rec.pcm.append, rec.gap, lambda: True)
+    mic.attach(SimpleNamespace(_handle_rtp_packet=None, transport=dtls))
+    assert mic.direct
+    receive = connection.data_received  # the microphone's wrapper now
+    payload = opus_packets(np.zeros(960, dtype=np.int16))[0]
+    good = tx.protect(rtp(payload, 1, 960).serialize())
+    dtls_record = b"\x17\xfe\xfd" + b"\x00" * 30
+    rtcp = b"\x81\xc9\x00\x07" + b"\x00" * 28
+    # An audio-level element two bytes long (it is one): aiortc's own parse raises struct.error.
+    bad_level = b"\x90\x6f\x00\x09" + (960).to_bytes(4, "big") + b"\x00\x00\x00\x05" + b"\xbe\xde\x00\x01\x11\x00\x00\x00" + payload
+    for data in (b"", b"\x80" * 3000, b"\x80" * 40, good[:-1] + bytes([good[-1] ^ 1]), tx.protect(bad_level)):
+        receive(data, 1)  # dropped without raising
+    assert mic.packets == 0 and connection.to_aiortc == []
+    receive(dtls_record, 1)
+    receive(rtcp, 1)
+    assert connection.to_aiortc == [dtls_record, rtcp]
+    receive(good, 1)
+    assert mic.decoded == 1 and len(rec.pcm) == 1
+    assert dtls._RTCDtlsTransport__rx_packets == 2  # the bad-level packet decrypted, then was dropped
+
+    def broken(pcm) -> None:
+        raise RuntimeError("a bug downstream")
+
+    mic.on_audio = broken
+    for seq in (2, 3):
+        receive(tx.protect(rtp(payload, seq, 960 * seq).serialize()), 1)
+    assert mic.failures == 2 and caplog.text.count("microphone packet handling failed") == 1

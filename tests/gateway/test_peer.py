@@ -98,3 +98,35 @@ async def test_between_utterances_a_listener_that_asks_gets_keepalives_and_then_
         done = await client.wait_for("utterance.done", id="after", timeout=30)
         await client.wait_tail(done)
         assert tone.decode(client.audio.pcm(sent), client.audio.sample_rate) == text
+
+
+def test_dtx_is_read_and_asked_for_in_the_audio_section_only():
+    """Payload type numbers are per m-section: a video line with the same number is not Opus's."""
+    video_first = (
+        "v=0\r\nm=video 9 UDP/TLS/RTP/SAVPF 111\r\na=rtpmap:111 VP8/90000\r\na=fmtp:111 usedtx=1\r\n"
+        "m=audio 9 UDP/TLS/RTP/SAVPF 111\r\na=rtpmap:111 opus/48000/2\r\n"
+    )
+    assert not asks_for_dtx(video_first, 111)
+    marked = offer_with_dtx(video_first)
+    assert asks_for_dtx(marked, 111)
+    assert marked.count("usedtx=1") == 2 and marked.startswith(video_first.split("m=audio")[0])
+
+
+async def test_an_offer_with_two_audio_sections_is_refused_in_plain_words():
+    """The microphone is read by payload type on the one audio section that also carries speech."""
+    from aiortc import RTCConfiguration, RTCPeerConnection
+
+    from voxgate.gateway.errors import GatewayError
+    from voxgate.gateway.peer import validate_offer_sdp
+
+    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    pc.addTransceiver("audio", direction="sendrecv")
+    pc.addTransceiver("audio", direction="recvonly")
+    pc.createDataChannel("control")
+    await pc.setLocalDescription(await pc.createOffer())
+    try:
+        with pytest.raises(GatewayError, match="2 audio sections: offer one") as refused:
+            validate_offer_sdp(pc.localDescription.sdp)
+        assert refused.value.code == "invalid_sdp"
+    finally:
+        await pc.close()

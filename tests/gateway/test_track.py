@@ -106,6 +106,22 @@ async def test_dtx_keepalives_count_the_frames_they_cover_and_are_not_pacer_jitt
     assert len(intervals) == 2 and all(abs(i - 0.020) < 1e-6 for i in intervals), intervals
 
 
+async def test_a_wake_inside_a_keepalive_wait_counts_the_frames_it_covered():
+    track, playout, time_source = track_with(dtx=True)
+    covered = []
+    track.pacer.on_keepalive = covered.append
+    await track.recv()
+    time_source.hold = asyncio.get_running_loop().create_future()
+    pending = asyncio.ensure_future(track.recv())
+    await asyncio.sleep(0.01)
+    time_source.t += 10 * 0.020  # ten frames into the next keep-alive's wait
+    play = UtterancePlay(id="u")
+    playout.add(play)
+    playout.push(play, [b"speech"])  # wakes the track
+    assert bytes(await asyncio.wait_for(pending, 5)) == b"speech"
+    assert covered == [KEEPALIVE_FRAMES, 9]  # the nine between the keep-alive and the speech
+
+
 async def test_new_speech_wakes_an_idle_track_without_waiting_for_its_tick():
     track, playout, time_source = track_with()
     await track.recv()
