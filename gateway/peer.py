@@ -80,9 +80,8 @@ def ask_for_dtx(sdp: str, payload_type: int) -> str:
         line = match.group(0)
         return line if "usedtx=" in line else line + ";usedtx=1"
 
-    if re.search(rf"(?m)^a=fmtp:{payload_type} ", section):
-        section = re.sub(rf"(?m)^a=fmtp:{payload_type} [^\r\n]*", add, section, count=1)
-    else:
+    section, found = re.subn(rf"(?m)^a=fmtp:{payload_type} [^\r\n]*", add, section, count=1)
+    if not found:
         section = re.sub(rf"(?m)^(a=rtpmap:{payload_type} [^\r\n]*)(\r?\n)", rf"\1\2a=fmtp:{payload_type} usedtx=1\2",
                          section, count=1)
     return sdp[:start] + section + sdp[end:]

@@ -113,7 +113,8 @@ async def test_a_wake_inside_a_keepalive_wait_counts_the_frames_it_covered():
     await track.recv()
     time_source.hold = asyncio.get_running_loop().create_future()
     pending = asyncio.ensure_future(track.recv())
-    await asyncio.sleep(0.01)
+    while track.pacer._sleeper is None:  # until the track waits on its next keep-alive
+        await asyncio.sleep(0)
     time_source.t += 10 * 0.020  # ten frames into the next keep-alive's wait
     play = UtterancePlay(id="u")
     playout.add(play)
