@@ -289,26 +289,17 @@ def first_chunk_section(reps: int) -> dict:
 
 
 def _spinning_engine(spin: bool) -> PiperEngine:
-    """A 2-thread engine whose onnxruntime pools spin between ops, or not.
-
-    piper_voice.SPIN_WHILE_RUNNING is read when a voice's sessions are made,
-    so it is set around load() only.
-    """
-    from voxgate.engine import piper_voice
-
-    saved = piper_voice.SPIN_WHILE_RUNNING
-    piper_voice.SPIN_WHILE_RUNNING = spin
-    try:
-        engine = PiperEngine(threads=os.cpu_count() or 1)
-        engine.load()
-    finally:
-        piper_voice.SPIN_WHILE_RUNNING = saved
+    """A 2-thread engine whose onnxruntime pools always spin between ops, or never do."""
+    engine = PiperEngine(threads=os.cpu_count() or 1, spin="always" if spin else "never")
+    engine.load()
     return engine
 
 
 def spinning_section(reps: int) -> dict:
-    section("2b. onnxruntime pool threads spinning between ops or not: first chunk on every core, idle and beside one busy process")
-    engines = {"no_spin": _spinning_engine(False), "spin": _spinning_engine(True)}
+    section("2b. onnxruntime pool threads spinning between ops, never, or when the machine is quiet (auto, the default): "
+            "first chunk on every core, in this process, idle and beside one busy process")
+    engines = {"no_spin": _spinning_engine(False), "spin": _spinning_engine(True), "auto": PiperEngine(threads=os.cpu_count() or 1)}
+    engines["auto"].load()
     texts = ("Hello.", LONG_SENTENCES[2])
     out: dict = {"threads": os.cpu_count() or 1}
     for busy in (0, 1):
@@ -329,7 +320,9 @@ def spinning_section(reps: int) -> dict:
             print(f"busy processes {busy}, {key:7}, {text[:40]!r:44}: first chunk {fmt_ms(row[f'{key} {text}'])}")
         long = texts[1]
         row["spin_over_no_spin_p50"] = round(row[f"spin {long}"]["p50"] / row[f"no_spin {long}"]["p50"], 3)
-        print(f"busy processes {busy}: spin / no spin, long sentence p50 {row['spin_over_no_spin_p50']:.2f}x")
+        row["auto_over_no_spin_p50"] = round(row[f"auto {long}"]["p50"] / row[f"no_spin {long}"]["p50"], 3)
+        print(f"busy processes {busy}: long sentence p50, spin / no spin {row['spin_over_no_spin_p50']:.2f}x, "
+              f"auto / no spin {row['auto_over_no_spin_p50']:.2f}x")
         out[f"busy_{busy}"] = row
     return out
 

@@ -40,6 +40,7 @@ from .base import (
     WordTiming,
     words_by_length,
 )
+from .other_load import OtherLoad
 from .piper_voice import (
     DEFAULT_VOICE,
     EMBEDDED_NAMES,
@@ -51,7 +52,7 @@ from .piper_voice import (
     voice_catalog,
 )
 from .units import cap_phonemes, cap_text
-from .windows import WindowSchedule, chunk_text, words_in_window
+from .windows import WindowSchedule, chunk_text, says_last_word, words_in_window
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +68,16 @@ FLOW_S_PER_FRAME = 0.0002
 class _Runner:
     """Runs one step's model calls on the sessions for its thread count, stoppably."""
 
-    def __init__(self, voice: LoadedVoice | None, threads: int, stop: StopSignal | None) -> None:
+    def __init__(self, voice: LoadedVoice | None, threads: int, stop: StopSignal | None, quiet: bool = False) -> None:
         self.threads = threads
         self.stop = stop
+        self.quiet = quiet
         self.sessions: StageSessions | None = None
         if voice is not None:
             self.bind(voice)
 
     def bind(self, voice: LoadedVoice) -> None:
-        self.sessions = voice.sessions_for(self.threads)
+        self.sessions = voice.sessions_for(self.threads, self.quiet)
 
     def __call__(self, session, feed: dict) -> list:
         if self.stop is None:
@@ -147,6 +149,7 @@ class PiperEngine(Engine):
         max_loaded_voices: int = MAX_LOADED_VOICES,
         split: bool = True,
         schedule: WindowSchedule | None = None,
+        spin: str = "auto",
         **_: object,
     ) -> None:
         self.default_voice, self.catalog = voice_catalog(voice, voice_dir)
@@ -159,6 +162,10 @@ class PiperEngine(Engine):
         self._voices_lock = threading.Lock()
         self.split = split
         self.schedule = schedule or WindowSchedule()
+        # Pool threads spin between ops of an every-core step only while the
+        # rest of the machine is quiet (piper_voice.SPIN_POLICIES).
+        self.spin = spin
+        self._other_load = OtherLoad()
         self._providers: list[str] = []
         # Latent frames the flow and the decoder ran (with the windows' context)
         # and kept: their ratios are what the seams cost (the worker's stats,
@@ -192,7 +199,7 @@ class PiperEngine(Engine):
             if loaded is None:
                 if not self._providers:
                     self._providers = choose_providers(self.device)
-                loaded = LoadedVoice(path, self._providers, self.threads, self.split)
+                loaded = LoadedVoice(path, self._providers, self.threads, self.split, self.spin)
                 self._voices[name] = loaded
                 # A bounded cache: the least recently used voice goes, never the default.
                 while len(self._voices) > self.max_loaded_voices:
@@ -208,10 +215,15 @@ class PiperEngine(Engine):
         loaded = self._voice(None)
         # onnxruntime allocates on the first run of each session; pay that here,
         # not on a listener's first words.
-        for threads in loaded.sessions:
-            job = self.start("Ready.", SynthesisOptions())
-            while not job.done:
-                self.step([job], threads)
+        for sets in (loaded.sessions, loaded.spinning):
+            for sessions in sets.values():
+                job = self.start("Ready.", SynthesisOptions())
+                self._bind(job)
+                run = _Runner(job.voice, sessions.threads, None)
+                run.sessions = sessions
+                while not job.done:
+                    self._step(job, run)
+        self._other_load.others_cores()  # the first reading, for the first step's comparison
         log.info(
             "piper voice %s loaded on %s (%s)", self.default_voice, self._providers[0], self.describe(loaded)
         )
@@ -246,7 +258,8 @@ class PiperEngine(Engine):
     def step(
         self, jobs: Sequence[SynthesisJob], threads: int = 1, stop: StopSignal | None = None
     ) -> list[AudioChunk | None]:
-        return [self._step(job, _Runner(job.voice, threads, stop)) for job in jobs]  # type: ignore[union-attr]
+        quiet = threads > 1 and self.spin == "auto" and self._other_load.quiet()
+        return [self._step(job, _Runner(job.voice, threads, stop, quiet)) for job in jobs]  # type: ignore[union-attr]
 
     def synthesize(self, text: str, options: SynthesisOptions) -> Iterator[AudioChunk]:
         job = self.start(text, options)
@@ -367,7 +380,7 @@ class PiperEngine(Engine):
         words = words_in_window(s.words, t0, t1, last)
         if last:
             job.current = None
-        return self._chunk(job, s, samples, words, last)
+        return self._chunk(job, s, samples, words, last, says_last_word(s.words, t0, t1, last))
 
     def _whole(self, job: PiperJob, run: "_Runner") -> AudioChunk:
         """The fallback for a graph that would not split: the sentence in one run."""
@@ -381,12 +394,15 @@ class PiperEngine(Engine):
         duration = len(audio) / loaded.sample_rate
         s.words = word_timings(s.text, s.phonemes, s.ids, id_samples, loaded, duration)
         job.current = None
-        return self._chunk(job, s, audio, s.words, True)
+        return self._chunk(job, s, audio, s.words, True, True)
 
-    def _chunk(self, job: PiperJob, s: _Sentence, samples: np.ndarray, words: list[WordTiming], last: bool) -> AudioChunk:
+    def _chunk(
+        self, job: PiperJob, s: _Sentence, samples: np.ndarray, words: list[WordTiming], last: bool, says_last: bool
+    ) -> AudioChunk:
         pcm = (np.clip(samples, -1.0, 1.0) * 32767.0).astype(np.int16)
         unit_end = last and s.last_of_unit
-        text = chunk_text(" ".join(w.text for w in words) if job.voice.graphs is not None else s.text, unit_end)
+        said = " ".join(w.text for w in words) if job.voice.graphs is not None else s.text
+        text = chunk_text(said, s.last_of_unit and says_last)
         chunk = AudioChunk(
             pcm=pcm,
             sample_rate=job.voice.sample_rate,

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from .base import EngineError
+from .other_load import SPIN_POLICIES
 from .piper_split import SplitError, Stage, VoiceGraphs, split_voice
 from .windows import FIRST_WINDOW_FRAMES, WindowSchedule
 
@@ -90,37 +91,44 @@ def choose_providers(device: str) -> list[str]:
     return ["CPUExecutionProvider"]
 
 
-# Whether onnxruntime's pool threads spin between ops. They do not: a spinning
-# thread burns its core, and when that core is busy with anything else (the
-# gateway's event loop and Opus encoding, another step, a browser) every op of a
-# many-thread run waits for the descheduled spinner. Spinning saves a little on
-# an idle machine and costs far more on a busy one (bench/bench_streaming.py
-# --only spinning; bench/results/streaming.json, "spinning").
-SPIN_WHILE_RUNNING = False
+# Whether onnxruntime's pool threads may spin between the ops of a run on
+# every core: "auto" (when the rest of the machine is quiet, `other_load`),
+# "always" or "never". Spinning threads always stop when the run returns
+# ("session.force_spinning_stop"): without that stop each stage's pool (prior,
+# flow, decoder) spun on after its run and fought the next stage's threads for
+# the same cores, which had made spinning look 1.7x slower than sleeping. With
+# it, a first chunk on 2 idle cores is about a fifth faster; beside one busy
+# process it is 1.5x slower, hence "auto" (bench/bench_streaming.py --only
+# spinning,first_chunk; bench/results/streaming.json). The policies are
+# other_load.SPIN_POLICIES.
 
 
 class StageSessions:
     """onnxruntime sessions for a voice's stages, all at one intra-op thread count."""
 
-    def __init__(self, graphs: VoiceGraphs | None, whole: bytes, threads: int, providers: list[str]) -> None:
+    def __init__(
+        self, graphs: VoiceGraphs | None, whole: bytes, threads: int, providers: list[str], spin: bool = False
+    ) -> None:
         self.threads = threads
+        self.spin = spin
         if graphs is None:
-            self.whole = _session(whole, threads, providers)
+            self.whole = _session(whole, threads, providers, spin)
             self.prior = self.flow = self.decoder = None
         else:
             self.whole = None
-            self.prior = _session(graphs.prior.model.SerializeToString(), threads, providers)
-            self.flow = _session(graphs.flow.model.SerializeToString(), threads, providers) if graphs.flow else None
-            self.decoder = _session(graphs.decoder.model.SerializeToString(), threads, providers)
+            self.prior = _session(graphs.prior.model.SerializeToString(), threads, providers, spin)
+            self.flow = _session(graphs.flow.model.SerializeToString(), threads, providers, spin) if graphs.flow else None
+            self.decoder = _session(graphs.decoder.model.SerializeToString(), threads, providers, spin)
 
 
-def _session(model: bytes, threads: int, providers: list[str]):
+def _session(model: bytes, threads: int, providers: list[str], spin: bool):
     import onnxruntime
 
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
-    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if SPIN_WHILE_RUNNING else "0")
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    options.add_session_config_entry("session.force_spinning_stop", "1")
     options.log_severity_level = 3
     return onnxruntime.InferenceSession(model, sess_options=options, providers=providers)
 
@@ -128,7 +136,7 @@ def _session(model: bytes, threads: int, providers: list[str]):
 class LoadedVoice:
     """A Piper voice: its phonemizer and config, split stages, and sessions per thread count."""
 
-    def __init__(self, path: Path, providers: list[str], threads: int, split: bool = True) -> None:
+    def __init__(self, path: Path, providers: list[str], threads: int, split: bool = True, spin: str = "auto") -> None:
         import json
 
         import onnx
@@ -160,15 +168,17 @@ class LoadedVoice:
         if split:
             self.graphs = self._split(model, alignment, config.hop_length)
         whole = b"" if self.graphs is not None else model.SerializeToString()
-        self.sessions = {n: StageSessions(self.graphs, whole, n, providers) for n in sorted({1, threads})}
+        if spin not in SPIN_POLICIES:
+            raise EngineError(f"spin policy {spin!r} (--engine-spin): use one of {', '.join(SPIN_POLICIES)}")
+        self.spin = spin
+        self.sessions, self.spinning = self._sessions(whole, threads, providers)
         if self.graphs is not None:
             try:
                 self._check_windows()
             except SplitError as exc:
                 self.why_whole = str(exc)
                 self.graphs = None
-                whole = model.SerializeToString()
-                self.sessions = {n: StageSessions(None, whole, n, providers) for n in sorted({1, threads})}
+                self.sessions, self.spinning = self._sessions(model.SerializeToString(), threads, providers)
         if self.graphs is None:
             log.warning("piper voice %s: whole-unit synthesis, no streaming inside sentences: %s", path, self.why_whole)
         elif self.graphs.flow is None:
@@ -189,10 +199,25 @@ class LoadedVoice:
             return None
         return graphs
 
-    def sessions_for(self, threads: int) -> StageSessions:
-        """The sessions with the most threads not above `threads`."""
+    def _sessions(self, whole: bytes, threads: int, providers: list[str]):
+        """({threads: sessions whose threads sleep between ops}, {threads: sessions whose threads spin}).
+
+        One thread has no pool to spin; "always" and "never" keep one set per
+        thread count, "auto" keeps both for every-core steps.
+        """
+        counts = sorted({1, threads})
+        many = [n for n in counts if n > 1]
+        sleeping = {n: StageSessions(self.graphs, whole, n, providers, spin=self.spin == "always") for n in counts}
+        spinning = {n: StageSessions(self.graphs, whole, n, providers, spin=True) for n in many} if self.spin == "auto" else {}
+        return sleeping, spinning
+
+    def sessions_for(self, threads: int, quiet: bool = False) -> StageSessions:
+        """The sessions with the most threads not above `threads`; spinning ones on a quiet machine when kept."""
         usable = [n for n in self.sessions if n <= max(1, threads)]
-        return self.sessions[max(usable)]
+        n = max(usable)
+        if quiet and n in self.spinning:
+            return self.spinning[n]
+        return self.sessions[n]
 
     def _check_windows(self) -> None:
         """Windowed runs of each stage against one run over the same frames, on a probe.

@@ -30,7 +30,7 @@ import numpy as np
 from .base import AudioChunk, Engine, EngineError, SynthesisJob, SynthesisOptions, WordTiming
 from .piper_engine import DEFAULT_VOICE, PiperEngine, split_words_over, word_timings
 from .units import cap_phonemes, cap_text
-from .windows import FIRST_WINDOW_FRAMES, Window, WindowSchedule, chunk_text, words_in_window
+from .windows import FIRST_WINDOW_FRAMES, Window, WindowSchedule, chunk_text, says_last_word, words_in_window
 
 try:
     import torch
@@ -428,7 +428,8 @@ class TorchEngine(Engine):
         if last_window:
             job.current = None
         unit_end = last_window and s.last_of_unit
-        text = chunk_text(" ".join(x.text for x in words), unit_end)
+        says_end = s.last_of_unit and says_last_word(s.words, t0, t1, last_window)
+        text = chunk_text(" ".join(x.text for x in words), says_end)
         chunk = AudioChunk(
             pcm=pcm,
             sample_rate=voice.sample_rate,

@@ -20,9 +20,12 @@ from dataclasses import dataclass
 
 from .base import WordTiming
 
-# About 140 ms of audio at 22,050 Hz and 256 samples per frame: little work,
-# and enough audio to cover the next window's time on a busy core.
-FIRST_WINDOW_FRAMES = 12
+# About 93 ms of audio at 22,050 Hz and 256 samples per frame: little work
+# (with the decoder's 12 frames of context each side, 20 frames decoded instead
+# of 24 for 12, and 4 fewer frames of flow: 2-3 ms off a first chunk of 50-60 ms
+# on 2 threads), and still more audio than the next window takes on a busy core
+# (32 frames, 56 with context: about 20 ms on one core).
+FIRST_WINDOW_FRAMES = 8
 # About 3 s of audio, some 0.3 s of one core: a step no longer than that.
 MAX_WINDOW_FRAMES = 256
 # Each window of a sentence may be this many times the one before. Every seam
@@ -105,12 +108,20 @@ class WindowSchedule:
         return Window(done, end, max(0, done - context), min(total, end + context))
 
 
-def chunk_text(text: str, unit_end: bool) -> str:
-    """What a chunk says: with a trailing space unless it ends its unit, so that
-    a unit's chunk texts joined give its words with single spaces between."""
-    if text and not unit_end and not text.endswith(" "):
+def chunk_text(text: str, says_unit_end: bool) -> str:
+    """What a chunk says: with a trailing space unless it says its unit's last
+    word, so that a unit's chunk texts joined give its words with single
+    spaces between and nothing after. A sentence's last window may say no word
+    at all (its last word started in the window before), so the chunk that says
+    the last word is not always the one that ends the unit."""
+    if text and not says_unit_end and not text.endswith(" "):
         text += " "
     return text
+
+
+def says_last_word(words: list[WordTiming], t0: float, t1: float, last: bool) -> bool:
+    """Whether the window [t0, t1) of a sentence says its last word (see `words_in_window`)."""
+    return last or (bool(words) and t0 <= words[-1].start < t1)
 
 
 def words_in_window(words: list[WordTiming], t0: float, t1: float, last: bool) -> list[WordTiming]:

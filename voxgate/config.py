@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
 
+from .engine.other_load import SPIN_POLICIES  # light: imports nothing of onnxruntime
 from .gateway.fec import SIGNAL_POLICIES  # light: imports no aiortc
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -45,6 +46,7 @@ class Settings:
     device: str = "auto"
     engine_parallel: int = 0  # 0: chosen per engine
     engine_threads: int = 0  # 0: chosen per engine
+    engine_spin: str = "auto"
     first_unit_timeout_ms: int = 350
     # An engine pool (engine/pool.py) to synthesize on instead of a local worker.
     engine_url: str | None = None
@@ -141,6 +143,8 @@ class Settings:
                 "or VOXGATE_API_KEY (and consider --require-token), or pass --allow-no-auth to serve "
                 "it open on purpose."
             )
+        if self.engine_spin not in SPIN_POLICIES:
+            raise ConfigError(f"--engine-spin {self.engine_spin!r}: choose one of {', '.join(SPIN_POLICIES)}")
         if self.opus_signal not in SIGNAL_POLICIES:
             raise ConfigError(f"--opus-signal {self.opus_signal!r}: choose one of {', '.join(SIGNAL_POLICIES)}")
         if self.rtp_sender not in RTP_SENDERS:
@@ -210,6 +214,9 @@ _HELP = {
     "engine_parallel": "synthesis steps the worker runs at once (0: one per core; 1 for torch, which batches)",
     "engine_threads": "most intra-op threads one synthesis step may use (0: every core; piper gives them to a "
     "step that runs alone and one each to steps under load)",
+    "engine_spin": "piper: whether onnxruntime's threads spin between the ops of a step on every core: auto (while "
+    "other processes keep under a third of a core busy: a fifth off a long sentence's first chunk on an idle machine, "
+    "1.5x slower beside a busy process), always, or never",
     "first_unit_timeout_ms": "speak the first words after this long even without a clause boundary",
     "engine_url": "URL of an engine pool on Ray Serve (`voxgate engine serve`, a KubeRay RayService), e.g. "
     "http://pool:8000/: synthesis runs there instead of in a local worker process (--engine, --voice and "

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from voxgate.engine.windows import FOLD_COVER, FOLD_FRACTION, WindowSchedule
+from voxgate.engine.base import WordTiming
+from voxgate.engine.windows import FOLD_COVER, FOLD_FRACTION, WindowSchedule, chunk_text, says_last_word, words_in_window
 
 
 def plan(schedule: WindowSchedule, total: int, slack: float | None, load: float = 1.0, context: int = 12) -> list:
@@ -24,7 +25,7 @@ def test_windows_cover_the_sentence_once_with_context_inside_it():
 
 
 def test_a_short_tail_joins_the_window_before_it_once_the_listener_has_audio():
-    schedule = WindowSchedule()
+    schedule = WindowSchedule(first=12)  # the figures below are worked out for a first window of 12 frames
     # 20 frames buffered: windows of 6 x 20 = 120 frames. 150 frames would leave a
     # 30-frame tail window that pays 12 frames of context: it is folded in.
     assert [(w.start, w.end) for w in plan(schedule, 150, slack=20.0)] == [(0, 150)]
@@ -35,7 +36,7 @@ def test_a_short_tail_joins_the_window_before_it_once_the_listener_has_audio():
 
 
 def test_a_first_window_with_nothing_buffered_stays_small():
-    schedule = WindowSchedule()
+    schedule = WindowSchedule(first=12)  # the figures below are worked out for a first window of 12 frames
     # Nobody has audio yet: a first window keeps its size (here 4 x 12 frames, at
     # 4 streams per core) even when the tail after it is short.
     for slack in (None, 0.0):
@@ -43,7 +44,7 @@ def test_a_first_window_with_nothing_buffered_stays_small():
 
 
 def test_a_tail_the_buffered_audio_does_not_cover_is_not_folded():
-    schedule = WindowSchedule()
+    schedule = WindowSchedule(first=12)  # the figures below are worked out for a first window of 12 frames
     # 4 streams per core: a first window of 48 frames (COVER x slack stays under
     # it), a 14-frame tail after it. With a sliver of audio buffered, the step is
     # not made longer for the tail.
@@ -57,7 +58,7 @@ def test_a_tail_the_buffered_audio_does_not_cover_is_not_folded():
 
 
 def test_folding_stays_within_the_cap():
-    schedule = WindowSchedule()
+    schedule = WindowSchedule(first=12)  # the figures below are worked out for a first window of 12 frames
     # The tail would fit the fold's fraction, but the window would pass the cap.
     windows = plan(schedule, schedule.largest + 40, slack=1000.0)
     assert [w.end - w.start for w in windows] == [schedule.largest, 40]
@@ -66,3 +67,19 @@ def test_folding_stays_within_the_cap():
         for slack in (None, 0.0, 20.0, 1000.0):
             for w in plan(schedule, total, slack):
                 assert w.end - w.start <= schedule.largest or w.end - w.start < schedule.largest + schedule.first // 2
+
+
+def test_chunk_texts_join_exactly_when_a_sentences_last_window_says_no_word():
+    # The last word starts at 0.5 s, in the second of three windows: the third
+    # window holds only its tail. Joined, the chunks must give the sentence with
+    # nothing after it (a trailing space had been left on the second chunk).
+    words = [WordTiming("Hello", 0.0, 0.3), WordTiming("there.", 0.5, 0.9)]
+    bounds = [(0.0, 0.4, False), (0.4, 0.8, False), (0.8, 1.0, True)]
+    texts = []
+    for t0, t1, last in bounds:
+        said = " ".join(w.text for w in words_in_window(words, t0, t1, last))
+        texts.append(chunk_text(said, says_last_word(words, t0, t1, last)))
+    assert texts == ["Hello ", "there.", ""]
+    assert "".join(texts) == "Hello there."
+    # Mid-unit (another sentence follows), the same windows keep the space.
+    assert "".join(chunk_text(" ".join(w.text for w in words_in_window(words, a, b, c)), False) for a, b, c in bounds) == "Hello there. "
