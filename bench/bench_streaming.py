@@ -289,7 +289,7 @@ def first_chunk_section(reps: int) -> dict:
 
 
 def _spinning_engine(spin: bool) -> PiperEngine:
-    """A 2-thread engine whose onnxruntime pools always spin between ops, or never do."""
+    """An every-core engine whose onnxruntime pools always spin between ops, or never do."""
     engine = PiperEngine(threads=os.cpu_count() or 1, spin="always" if spin else "never")
     engine.load()
     return engine

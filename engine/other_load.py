@@ -1,13 +1,19 @@
 """How busy the machine's cores are with work other than this process's.
 
-The engine asks before a step on every core whether the rest of the machine is
-quiet: only then may onnxruntime's pool threads spin between ops, which cuts
-the first chunk of a long sentence by about a fifth on an idle machine but makes
-it 1.5x slower beside one busy process (bench/bench_streaming.py --only
-spinning). The answer comes from /proc/stat (every process's CPU time) less
-this process's own (os.times), over the time since the last reading; a reading
-costs some tens of microseconds and is taken at most once per `window_s`.
-Where /proc/stat cannot be read, the machine counts as busy.
+The engine asks before each model run on every core whether the rest of the
+machine is quiet: only then may onnxruntime's pool threads spin between ops,
+which cuts the first chunk of a long sentence by about a sixth on an idle
+machine but makes it 1.5x slower beside one busy process (bench/
+bench_streaming.py --only spinning). The answer comes from /proc/stat (every
+process's CPU time, steal included) less this process's own (os.times), over
+the last `window_s`: a daemon thread takes a reading every `window_s` (some
+tens of microseconds each), so the answer is never older than that, however
+long the engine sat idle. Where /proc/stat cannot be read, the machine counts
+as busy.
+
+The threshold was chosen on this project's 2-core machines; on a host with
+many cores, background work alone may keep `auto` from spinning, which costs
+only the speed-up (`--engine-spin always` spins regardless).
 """
 
 from __future__ import annotations
@@ -17,16 +23,16 @@ import threading
 import time
 from typing import Callable
 
-# Busy cores of other processes above which the machine is not quiet: the
-# gateway's event loop and Opus encoding for a few sessions stay below it, one
-# busy-looping process does not.
-QUIET_OTHERS_CORES = 0.35
 # When onnxruntime's pool threads may spin between the ops of an every-core
 # step: while the rest of the machine is quiet (the default), always, or never
 # (--engine-spin; engine/piper_voice.py says why).
 SPIN_POLICIES = ("auto", "always", "never")
-# Readings closer together than this reuse the last answer: /proc/stat counts in
-# 10 ms ticks, so a shorter span would say little.
+# Busy cores of other processes above which the machine is not quiet: the
+# gateway's event loop and Opus encoding for a few sessions stay below it, one
+# busy-looping process does not.
+QUIET_OTHERS_CORES = 0.35
+# The span of one reading: /proc/stat counts in 10 ms ticks, so a shorter span
+# would say little, and a longer one would answer for a machine that has changed.
 WINDOW_S = 0.2
 
 
@@ -41,11 +47,11 @@ def _read_proc_stat(path: str = "/proc/stat") -> float | None:
     if len(fields) < 5 or fields[0] != b"cpu":
         return None
     try:
+        # user nice system idle iowait irq softirq steal (guest time is inside user and nice).
         ticks = [int(x) for x in fields[1:9]]
     except ValueError:
         return None
-    # user nice system idle iowait irq softirq steal: all but idle and iowait are busy.
-    busy = sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0)
+    busy = sum(ticks) - ticks[3] - ticks[4]
     return busy / float(os.sysconf("SC_CLK_TCK"))
 
 
@@ -54,8 +60,28 @@ def _own_cpu_s() -> float:
     return t.user + t.system
 
 
+def usable_cores() -> float:
+    """Cores this process may run on: its CPU affinity, and its cgroup's quota where one is set."""
+    try:
+        cores = float(len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        cores = float(os.cpu_count() or 1)
+    try:
+        with open("/sys/fs/cgroup/cpu.max", "rb") as f:
+            quota, period = f.read(64).split()[:2]
+        if quota != b"max":
+            cores = min(cores, int(quota) / int(period))
+    except (OSError, ValueError, ZeroDivisionError):
+        pass
+    return cores
+
+
 class OtherLoad:
-    """Whether the rest of the machine has been quiet lately (thread-safe)."""
+    """Whether the rest of the machine is quiet now (thread-safe).
+
+    `sample()` takes one reading; the background thread that `start()` runs
+    calls it every `window_s`. Tests drive `sample()` with scripted readers.
+    """
 
     def __init__(
         self,
@@ -71,23 +97,53 @@ class OtherLoad:
         self._lock = threading.Lock()
         self._last: tuple[float, float, float] | None = None  # (when, total CPU s, own CPU s)
         self._others = float("inf")  # busy until measured
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
 
-    def others_cores(self) -> float:
-        """Cores other processes kept busy, on average, between the last two readings."""
-        now = self._clock()
+    def start(self) -> None:
         with self._lock:
-            if self._last is not None and now - self._last[0] < self.window_s:
-                return self._others
-            total = self._read_total()
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._run, name="other-load", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.window_s)
+
+    def sample(self) -> None:
+        with self._lock:
+            now, total = self._clock(), self._read_total()
             if total is None:
-                self._others = float("inf")
-                return self._others
+                self._others, self._last = float("inf"), None
+                return
             own = self._read_own()
             if self._last is not None:
                 when, total0, own0 = self._last
                 self._others = max(0.0, (total - total0) - (own - own0)) / max(now - when, 1e-6)
             self._last = (now, total, own)
-            return self._others
+
+    def others_cores(self) -> float:
+        """Cores other processes kept busy, on average, over the last reading's span."""
+        return self._others
 
     def quiet(self) -> bool:
-        return self.others_cores() <= self.quiet_cores
+        return self._others <= self.quiet_cores
+
+
+_shared: OtherLoad | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_other_load() -> OtherLoad:
+    """The process's one sampler, started on first use."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = OtherLoad()
+            _shared.start()
+        return _shared

@@ -25,7 +25,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -40,7 +40,7 @@ from .base import (
     WordTiming,
     words_by_length,
 )
-from .other_load import OtherLoad
+from .other_load import SPIN_POLICIES, OtherLoad, shared_other_load, usable_cores
 from .piper_voice import (
     DEFAULT_VOICE,
     EMBEDDED_NAMES,
@@ -66,20 +66,45 @@ FLOW_S_PER_FRAME = 0.0002
 
 
 class _Runner:
-    """Runs one step's model calls on the sessions for its thread count, stoppably."""
+    """Runs one step's model calls on the sessions for its thread count, stoppably.
 
-    def __init__(self, voice: LoadedVoice | None, threads: int, stop: StopSignal | None, quiet: bool = False) -> None:
+    Which set of every-core sessions a call runs on (spinning threads or
+    sleeping ones) is asked afresh before each call: a step that began alone
+    on a quiet machine stops spinning as soon as another step starts beside it.
+    """
+
+    def __init__(
+        self,
+        voice: LoadedVoice | None,
+        threads: int,
+        stop: StopSignal | None,
+        quiet: Callable[[], bool] | None = None,
+        on_spin: Callable[[], None] | None = None,
+    ) -> None:
         self.threads = threads
         self.stop = stop
         self.quiet = quiet
-        self.sessions: StageSessions | None = None
+        self.on_spin = on_spin
+        self.pinned: StageSessions | None = None  # one set, whatever the machine (load()'s warm-up of each)
+        self.voice: LoadedVoice | None = None
         if voice is not None:
             self.bind(voice)
 
     def bind(self, voice: LoadedVoice) -> None:
-        self.sessions = voice.sessions_for(self.threads, self.quiet)
+        self.voice = voice
 
-    def __call__(self, session, feed: dict) -> list:
+    @property
+    def sessions(self) -> StageSessions:
+        if self.pinned is not None:
+            return self.pinned
+        assert self.voice is not None
+        return self.voice.sessions_for(self.threads, self.quiet is not None and self.quiet())
+
+    def __call__(self, stage: str, feed: dict) -> list:
+        sessions = self.sessions
+        if sessions.spin and self.on_spin is not None:
+            self.on_spin()
+        session = getattr(sessions, stage)
         if self.stop is None:
             return session.run(None, feed)
         import onnxruntime
@@ -163,14 +188,22 @@ class PiperEngine(Engine):
         self.split = split
         self.schedule = schedule or WindowSchedule()
         # Pool threads spin between ops of an every-core step only while the
-        # rest of the machine is quiet (piper_voice.SPIN_POLICIES).
+        # rest of the machine is quiet (piper_voice.py says why).
+        if spin not in SPIN_POLICIES:
+            raise EngineError(f"spin policy {spin!r} (--engine-spin): use one of {', '.join(SPIN_POLICIES)}")
         self.spin = spin
-        self._other_load = OtherLoad()
+        self._other_load: OtherLoad | None = None  # the process's sampler, from load() on
+        self._usable_cores = usable_cores()
+        self._in_flight = 0  # steps running now, from every pool thread
         self._providers: list[str] = []
         # Latent frames the flow and the decoder ran (with the windows' context)
         # and kept: their ratios are what the seams cost (the worker's stats,
         # read by bench_streaming's throughput section).
-        self._counters = {"decoder_frames_run": 0, "decoder_frames_kept": 0, "flow_frames_run": 0, "flow_frames_kept": 0}
+        # spinning_runs: model runs on spinning every-core sessions (--engine-spin auto says when).
+        self._counters = {
+            "decoder_frames_run": 0, "decoder_frames_kept": 0, "flow_frames_run": 0, "flow_frames_kept": 0,
+            "spinning_runs": 0,
+        }
         self._counters_lock = threading.Lock()
 
     @property
@@ -220,10 +253,11 @@ class PiperEngine(Engine):
                 job = self.start("Ready.", SynthesisOptions())
                 self._bind(job)
                 run = _Runner(job.voice, sessions.threads, None)
-                run.sessions = sessions
+                run.pinned = sessions
                 while not job.done:
                     self._step(job, run)
-        self._other_load.others_cores()  # the first reading, for the first step's comparison
+        if loaded.spinning:
+            self._other_load = shared_other_load()
         log.info(
             "piper voice %s loaded on %s (%s)", self.default_voice, self._providers[0], self.describe(loaded)
         )
@@ -247,6 +281,7 @@ class PiperEngine(Engine):
         loaded = self._voices.get(DEFAULT_VOICE) or next(iter(self._voices.values()), None)
         info["streaming"] = bool(loaded and loaded.graphs)
         info["threads"] = self.threads
+        info["spin"] = self.spin
         info["max_batch"] = 1  # batching windows gave no gain on a CPU: steps run side by side instead
         return info
 
@@ -258,8 +293,31 @@ class PiperEngine(Engine):
     def step(
         self, jobs: Sequence[SynthesisJob], threads: int = 1, stop: StopSignal | None = None
     ) -> list[AudioChunk | None]:
-        quiet = threads > 1 and self.spin == "auto" and self._other_load.quiet()
-        return [self._step(job, _Runner(job.voice, threads, stop, quiet)) for job in jobs]  # type: ignore[union-attr]
+        quiet = self._quiet_now if threads > 1 and self.spin == "auto" else None
+        with self._counters_lock:
+            self._in_flight += 1
+        try:
+            return [
+                self._step(job, _Runner(job.voice, threads, stop, quiet, self._count_spin))  # type: ignore[union-attr]
+                for job in jobs
+            ]
+        finally:
+            with self._counters_lock:
+                self._in_flight -= 1
+
+    def _quiet_now(self) -> bool:
+        """Whether an every-core run may spin now: it is the worker's only step, its
+        threads fit the cores this process may use, and other processes are quiet."""
+        return (
+            self._in_flight == 1
+            and self.threads <= self._usable_cores
+            and self._other_load is not None
+            and self._other_load.quiet()
+        )
+
+    def _count_spin(self) -> None:
+        with self._counters_lock:
+            self._counters["spinning_runs"] += 1
 
     def synthesize(self, text: str, options: SynthesisOptions) -> Iterator[AudioChunk]:
         job = self.start(text, options)
@@ -327,7 +385,7 @@ class PiperEngine(Engine):
         """Text encoder and duration predictor (and the flow, in a two-stage split)."""
         loaded, s = job.voice, job.current
         graphs = loaded.graphs
-        outputs = run(run.sessions.prior, self._text_feed(job, graphs.prior.inputs))
+        outputs = run("prior", self._text_feed(job, graphs.prior.inputs))
         if graphs.flow is not None:
             s.z_p, s.mask = outputs[0], outputs[1]
             s.frames = s.z_p.shape[2]
@@ -361,14 +419,14 @@ class PiperEngine(Engine):
             ctx = graphs.flow.context
             a, b = max(0, s.flowed - ctx), min(s.frames, end + ctx)
             feed = loaded._feed(graphs.flow, (s.z_p[:, :, a:b], s.mask[:, :, a:b]))
-            out = run(run.sessions.flow, feed)[0]
+            out = run("flow", feed)[0]
             with self._counters_lock:
                 self._counters["flow_frames_run"] += b - a
                 self._counters["flow_frames_kept"] += end - s.flowed
             s.latent[:, :, s.flowed : end] = out[:, :, s.flowed - a : end - a]
             s.flowed = end
         feed = loaded._feed(graphs.decoder, (s.latent[:, :, w.src_start : w.src_end],))
-        audio = run(run.sessions.decoder, feed)[0].reshape(-1)
+        audio = run("decoder", feed)[0].reshape(-1)
         with self._counters_lock:
             self._counters["decoder_frames_run"] += w.src_end - w.src_start
             self._counters["decoder_frames_kept"] += w.end - w.start
@@ -386,7 +444,7 @@ class PiperEngine(Engine):
         """The fallback for a graph that would not split: the sentence in one run."""
         loaded, s = job.voice, job.current
         inputs = tuple(i.name for i in run.sessions.whole.get_inputs())
-        outputs = run(run.sessions.whole, self._text_feed(job, inputs))
+        outputs = run("whole", self._text_feed(job, inputs))
         audio = np.asarray(outputs[0], dtype=np.float32).reshape(-1)
         id_samples = None
         if loaded.alignment is not None and len(outputs) > 1:

@@ -203,12 +203,14 @@ class LoadedVoice:
         """({threads: sessions whose threads sleep between ops}, {threads: sessions whose threads spin}).
 
         One thread has no pool to spin; "always" and "never" keep one set per
-        thread count, "auto" keeps both for every-core steps.
+        thread count, "auto" keeps both for every-core steps on the CPU.
         """
         counts = sorted({1, threads})
-        many = [n for n in counts if n > 1]
+        # Only onnxruntime's CPU threads spin; on a GPU a second set would only cost its memory.
+        on_cpu = providers[:1] == ["CPUExecutionProvider"]
+        many = [n for n in counts if n > 1] if self.spin == "auto" and on_cpu else []
         sleeping = {n: StageSessions(self.graphs, whole, n, providers, spin=self.spin == "always") for n in counts}
-        spinning = {n: StageSessions(self.graphs, whole, n, providers, spin=True) for n in many} if self.spin == "auto" else {}
+        spinning = {n: StageSessions(self.graphs, whole, n, providers, spin=True) for n in many}
         return sleeping, spinning
 
     def sessions_for(self, threads: int, quiet: bool = False) -> StageSessions:

@@ -214,9 +214,10 @@ _HELP = {
     "engine_parallel": "synthesis steps the worker runs at once (0: one per core; 1 for torch, which batches)",
     "engine_threads": "most intra-op threads one synthesis step may use (0: every core; piper gives them to a "
     "step that runs alone and one each to steps under load)",
-    "engine_spin": "piper: whether onnxruntime's threads spin between the ops of a step on every core: auto (while "
-    "other processes keep under a third of a core busy: a fifth off a long sentence's first chunk on an idle machine, "
-    "1.5x slower beside a busy process), always, or never",
+    "engine_spin": "piper, in the local worker: whether onnxruntime's threads spin between the ops of a step on every "
+    "core: auto (when that step runs alone and other processes keep at most 0.35 of a core busy: about a sixth off a "
+    "long sentence's first chunk on an idle machine, where spinning beside a busy process made it 1.5x slower; costs "
+    "a second set of sessions, about 140 MB), always, or never (an engine pool, --engine-url, runs auto)",
     "first_unit_timeout_ms": "speak the first words after this long even without a clause boundary",
     "engine_url": "URL of an engine pool on Ray Serve (`voxgate engine serve`, a KubeRay RayService), e.g. "
     "http://pool:8000/: synthesis runs there instead of in a local worker process (--engine, --voice and "

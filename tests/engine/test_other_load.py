@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
-import time
+import threading
 
 import pytest
 
-from voxgate.engine.other_load import OtherLoad
+from voxgate.engine.other_load import OtherLoad, usable_cores
 
 
 class Readings:
@@ -31,45 +32,60 @@ def scripted() -> tuple[OtherLoad, Readings]:
 
 def test_busy_until_measured_then_other_processes_count_and_own_work_does_not():
     load, r = scripted()
+    assert not load.quiet()  # nothing read yet
+    load.sample()
     assert not load.quiet()  # one reading is no span
-    r.advance(0.5, others_cores=0.1, own_cores=2.0)  # this process on every core: still quiet
+    r.advance(0.2, others_cores=0.1, own_cores=2.0)  # this process on every core: still quiet
+    load.sample()
     assert load.quiet() and load.others_cores() == pytest.approx(0.1)
-    r.advance(0.5, others_cores=1.0)
+    r.advance(0.2, others_cores=1.0)
+    load.sample()
     assert not load.quiet() and load.others_cores() == pytest.approx(1.0)
 
 
-def test_readings_closer_than_the_window_reuse_the_last_answer():
+def test_the_answer_covers_the_last_span_only_however_long_the_machine_was_idle_before():
     load, r = scripted()
-    load.others_cores()
-    r.advance(0.5, others_cores=0.0)
-    assert load.quiet()
-    r.advance(load.window_s / 2, others_cores=50.0)  # too short a span to read
-    assert load.quiet()
-    r.advance(load.window_s, others_cores=1.0)
+    load.sample()
+    r.advance(3600.0, others_cores=0.0)  # an hour of quiet
+    load.sample()
+    r.advance(0.2, others_cores=1.0)  # then a busy process
+    load.sample()
     assert not load.quiet()
 
 
 def test_without_proc_stat_the_machine_counts_as_busy():
     load = OtherLoad(read_total=lambda: None)
+    load.sample()
+    load.sample()
     assert not load.quiet()
     assert load.others_cores() == float("inf")
 
 
-def test_a_real_busy_process_is_seen_on_this_machine():
+def test_a_real_busy_process_is_seen_by_the_background_sampler_on_this_machine():
+    assert os.path.exists("/proc/stat"), "this test reads Linux's /proc/stat"
     load = OtherLoad(window_s=0.05)
-    load.others_cores()
+    seen = threading.Event()
+    real_sample = load.sample
+
+    def sample() -> None:
+        real_sample()
+        if load.others_cores() >= 0.5:
+            seen.set()
+
+    load.sample = sample  # type: ignore[method-assign]
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        # Read until a span shows it (this loop's own CPU is not counted), with a generous bound.
-        deadline = time.monotonic() + 30.0
-        while load.others_cores() < 0.5:
-            assert time.monotonic() < deadline, "a busy-looping process never showed in /proc/stat"
-            busy.poll()
-            assert busy.returncode is None
+        load.start()
+        assert seen.wait(30.0), "a busy-looping process never showed in /proc/stat"
         assert not load.quiet()
     finally:
+        load.close()
         busy.kill()
         busy.wait()
+
+
+def test_usable_cores_is_at_most_the_affinity_mask():
+    assert 0 < usable_cores() <= len(os.sched_getaffinity(0))
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +116,7 @@ def test_every_core_sessions_spin_only_in_the_spinning_set_and_always_stop_after
     assert never.spinning == {} and never.sessions_for(2, quiet=True) is never.sessions_for(2)
 
 
-def test_the_engine_spins_on_a_quiet_machine_only(engines, monkeypatch):
+def test_the_engine_spins_on_a_quiet_machine_only_when_its_step_runs_alone(engines, monkeypatch):
     from voxgate.engine.base import SynthesisOptions
 
     engine = engines["auto"]
@@ -108,18 +124,46 @@ def test_the_engine_spins_on_a_quiet_machine_only(engines, monkeypatch):
     asked = []
     real = loaded.sessions_for
     monkeypatch.setattr(loaded, "sessions_for", lambda threads, quiet=False: asked.append((threads, quiet)) or real(threads, quiet))
+    monkeypatch.setattr(engine, "_usable_cores", 2.0)
+
+    def speak(threads: int) -> None:
+        job = engine.start("Hi there.", SynthesisOptions())
+        while not job.done:
+            engine.step([job], threads)
+
     for quiet in (True, False):
         monkeypatch.setattr(engine._other_load, "quiet", lambda q=quiet: q)
         asked.clear()
-        job = engine.start("Hi.", SynthesisOptions())
-        while not job.done:
-            engine.step([job], 2)
+        before = engine.counters["spinning_runs"]
+        speak(2)
         assert asked and all(a == (2, quiet) for a in asked)
+        assert (engine.counters["spinning_runs"] > before) == quiet
+    monkeypatch.setattr(engine._other_load, "quiet", lambda: True)
+    # Another step in flight beside this one (a stream's first window on one thread): no spinning.
+    engine._in_flight += 1
+    try:
+        asked.clear()
+        speak(2)
+        assert asked and all(a == (2, False) for a in asked)
+    finally:
+        engine._in_flight -= 1
+    # More threads than the cores this process may use (a cgroup quota, a CPU mask): no spinning.
+    monkeypatch.setattr(engine, "_usable_cores", 1.5)
+    asked.clear()
+    speak(2)
+    assert asked and all(a == (2, False) for a in asked)
     # One thread never asks about the machine: it has no pool to spin.
     monkeypatch.setattr(engine._other_load, "quiet", lambda: pytest.fail("asked on a one-thread step"))
-    job = engine.start("Hi.", SynthesisOptions())
-    while not job.done:
-        engine.step([job], 1)
+    speak(1)
+
+
+def test_chunk_texts_of_streamed_piper_speech_join_exactly_as_the_input(engines):
+    from voxgate.engine.base import SynthesisOptions
+
+    text = "The weather today is sunny with a light breeze from the west, perfect for a long walk."
+    for rate in (0.8, 1.0, 1.3):
+        chunks = list(engines["never"].synthesize(text, SynthesisOptions(rate=rate)))
+        assert len(chunks) > 2 and "".join(c.text for c in chunks) == text
 
 
 def test_an_unknown_spin_policy_is_refused_in_plain_words():
@@ -127,7 +171,7 @@ def test_an_unknown_spin_policy_is_refused_in_plain_words():
     from voxgate.engine.piper_engine import PiperEngine
 
     with pytest.raises(EngineError, match="spin policy 'sometimes'"):
-        PiperEngine(threads=2, spin="sometimes").load()
+        PiperEngine(threads=2, spin="sometimes")
 
 
 def test_engine_spin_is_a_setting_checked_at_start_and_handed_to_piper_only():
