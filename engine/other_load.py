@@ -2,9 +2,9 @@
 
 The engine asks before each model run on every core whether the rest of the
 machine is quiet: only then may onnxruntime's pool threads spin between ops,
-which cuts the first chunk of a long sentence by about a sixth on an idle
+which cuts the first chunk of a long sentence by about a tenth on an idle
 machine but makes it 1.5x slower beside one busy process (bench/
-bench_streaming.py --only spinning). The answer comes from /proc/stat (every
+bench_streaming.py --only spinning; bench/results/streaming-spin.json). The answer comes from /proc/stat (every
 process's CPU time, steal included) less this process's own (os.times), over
 the last `window_s`: a daemon thread takes a reading every `window_s` (some
 tens of microseconds each), so the answer is never older than that, however
@@ -34,6 +34,8 @@ QUIET_OTHERS_CORES = 0.35
 # The span of one reading: /proc/stat counts in 10 ms ticks, so a shorter span
 # would say little, and a longer one would answer for a machine that has changed.
 WINDOW_S = 0.2
+# A reading older than this many spans counts for nothing.
+STALE_WINDOWS = 5
 
 
 def _read_proc_stat(path: str = "/proc/stat") -> float | None:
@@ -60,20 +62,60 @@ def _own_cpu_s() -> float:
     return t.user + t.system
 
 
-def usable_cores() -> float:
-    """Cores this process may run on: its CPU affinity, and its cgroup's quota where one is set."""
+def usable_cores(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> float:
+    """Cores this process may run on: its CPU affinity, and the tightest CPU quota
+    of its cgroup and the cgroups above it (v2 `cpu.max`, v1 `cpu.cfs_quota_us`)."""
     try:
         cores = float(len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         cores = float(os.cpu_count() or 1)
-    try:
-        with open("/sys/fs/cgroup/cpu.max", "rb") as f:
-            quota, period = f.read(64).split()[:2]
-        if quota != b"max":
-            cores = min(cores, int(quota) / int(period))
-    except (OSError, ValueError, ZeroDivisionError):
-        pass
+    for quota in _cgroup_quotas(proc, cgroup_root):
+        cores = min(cores, quota)
     return cores
+
+
+def _cgroup_quotas(proc: str, root: str) -> list[float]:
+    """CPU quotas in cores along this process's cgroup path, from its own cgroup up to the root."""
+    try:
+        with open(os.path.join(proc, "self/cgroup"), "rb") as f:
+            lines = f.read(8192).decode("ascii", "replace").splitlines()
+    except OSError:
+        return []
+    quotas = []
+    for line in lines[:64]:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        controllers, path = parts[1].split(","), parts[2].strip("/")
+        if parts[1] == "":  # v2: one unified hierarchy
+            base, files = root, ("cpu.max",)
+        elif "cpu" in controllers:  # v1: the cpu controller's own hierarchy
+            base, files = next((os.path.join(root, d) for d in ("cpu,cpuacct", "cpu") if os.path.isdir(os.path.join(root, d))), root), (
+                "cpu.cfs_quota_us", "cpu.cfs_period_us")
+        else:
+            continue
+        steps = path.split("/") if path else []
+        for depth in range(len(steps), -1, -1):
+            folder = os.path.join(base, *steps[:depth])
+            quota = _read_quota(folder, files)
+            if quota is not None:
+                quotas.append(quota)
+    return quotas
+
+
+def _read_quota(folder: str, files: tuple[str, ...]) -> float | None:
+    try:
+        if len(files) == 1:
+            with open(os.path.join(folder, files[0]), "rb") as f:
+                quota, period = f.read(64).split()[:2]
+            return None if quota == b"max" else int(quota) / int(period)
+        with open(os.path.join(folder, files[0]), "rb") as f:
+            quota = int(f.read(32))
+        with open(os.path.join(folder, files[1]), "rb") as f:
+            period = int(f.read(32))
+        return None if quota <= 0 else quota / period
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
 
 
 class OtherLoad:
@@ -132,11 +174,25 @@ class OtherLoad:
         return self._others
 
     def quiet(self) -> bool:
+        """Quiet by the last reading, if it is recent: a sampler that has stopped
+        (closed, or its thread lost in a fork) answers busy, never quiet forever."""
+        last = self._last
+        if last is None or self._clock() - last[0] > STALE_WINDOWS * self.window_s:
+            return False
         return self._others <= self.quiet_cores
 
 
 _shared: OtherLoad | None = None
 _shared_lock = threading.Lock()
+
+
+def _forget_shared() -> None:
+    global _shared
+    _shared = None  # a forked child has no sampler thread; it starts its own on first use
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_shared)
 
 
 def shared_other_load() -> OtherLoad:

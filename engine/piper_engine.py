@@ -70,7 +70,9 @@ class _Runner:
 
     Which set of every-core sessions a call runs on (spinning threads or
     sleeping ones) is asked afresh before each call: a step that began alone
-    on a quiet machine stops spinning as soon as another step starts beside it.
+    on a quiet machine stops spinning from its next model run once another
+    step starts beside it (the run under way spins to its end: one prior pass
+    or one window, or a whole sentence for a voice that did not split).
     """
 
     def __init__(
@@ -102,15 +104,15 @@ class _Runner:
 
     def __call__(self, stage: str, feed: dict) -> list:
         sessions = self.sessions
-        if sessions.spin and self.on_spin is not None:
-            self.on_spin()
         session = getattr(sessions, stage)
+        if self.stop is not None and self.stop.requested:
+            raise StepStopped()
+        if sessions.spin and sessions.threads > 1 and self.on_spin is not None:
+            self.on_spin()
         if self.stop is None:
             return session.run(None, feed)
         import onnxruntime
 
-        if self.stop.requested:
-            raise StepStopped()
         options = onnxruntime.RunOptions()
         self.stop.on_request(lambda: setattr(options, "terminate", True))
         try:
@@ -194,6 +196,9 @@ class PiperEngine(Engine):
         self.spin = spin
         self._other_load: OtherLoad | None = None  # the process's sampler, from load() on
         self._usable_cores = usable_cores()
+        # More threads than this process may use (a CPU mask, a container's quota)
+        # would never spin under auto: do not build the spinning set for nothing.
+        self._spin_sets = "never" if spin == "auto" and self.threads > self._usable_cores else spin
         self._in_flight = 0  # steps running now, from every pool thread
         self._providers: list[str] = []
         # Latent frames the flow and the decoder ran (with the windows' context)
@@ -232,7 +237,7 @@ class PiperEngine(Engine):
             if loaded is None:
                 if not self._providers:
                     self._providers = choose_providers(self.device)
-                loaded = LoadedVoice(path, self._providers, self.threads, self.split, self.spin)
+                loaded = LoadedVoice(path, self._providers, self.threads, self.split, self._spin_sets)
                 self._voices[name] = loaded
                 # A bounded cache: the least recently used voice goes, never the default.
                 while len(self._voices) > self.max_loaded_voices:
@@ -336,7 +341,7 @@ class PiperEngine(Engine):
         if job.current is None and not self._next_sentence(job):
             return None
         if job.current.frames == 0:  # not encoded yet
-            if run.sessions.whole is not None:
+            if job.voice.graphs is None:  # a voice that did not split
                 return self._whole(job, run)
             self._encode(job, run)
             return None

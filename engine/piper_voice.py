@@ -92,15 +92,16 @@ def choose_providers(device: str) -> list[str]:
 
 
 # Whether onnxruntime's pool threads may spin between the ops of a run on
-# every core: "auto" (when the rest of the machine is quiet, `other_load`),
-# "always" or "never". Spinning threads always stop when the run returns
+# every core: "auto" (when the step runs alone and the rest of the machine is
+# quiet, `other_load`), "always" or "never" (other_load.SPIN_POLICIES).
+# Spinning threads always stop when the run returns
 # ("session.force_spinning_stop"): without that stop each stage's pool (prior,
 # flow, decoder) spun on after its run and fought the next stage's threads for
 # the same cores, which had made spinning look 1.7x slower than sleeping. With
-# it, a first chunk on 2 idle cores is about a fifth faster; beside one busy
-# process it is 1.5x slower, hence "auto" (bench/bench_streaming.py --only
-# spinning,first_chunk; bench/results/streaming.json). The policies are
-# other_load.SPIN_POLICIES.
+# it, the first chunk of a long sentence on 2 idle cores took 0.87-0.90x the
+# time of sleeping threads; beside one busy process, spinning took 1.53x and
+# auto (which then sleeps) 0.88x (bench/bench_streaming.py --only spinning;
+# bench/results/streaming-spin.json).
 
 
 class StageSessions:
@@ -209,7 +210,7 @@ class LoadedVoice:
         # Only onnxruntime's CPU threads spin; on a GPU a second set would only cost its memory.
         on_cpu = providers[:1] == ["CPUExecutionProvider"]
         many = [n for n in counts if n > 1] if self.spin == "auto" and on_cpu else []
-        sleeping = {n: StageSessions(self.graphs, whole, n, providers, spin=self.spin == "always") for n in counts}
+        sleeping = {n: StageSessions(self.graphs, whole, n, providers, spin=self.spin == "always" and n > 1) for n in counts}
         spinning = {n: StageSessions(self.graphs, whole, n, providers, spin=True) for n in many}
         return sleeping, spinning
 

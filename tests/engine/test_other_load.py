@@ -69,7 +69,7 @@ def test_a_real_busy_process_is_seen_by_the_background_sampler_on_this_machine()
 
     def sample() -> None:
         real_sample()
-        if load.others_cores() >= 0.5:
+        if 0.5 <= load.others_cores() < float("inf"):  # a measured span, not the unmeasured start
             seen.set()
 
     load.sample = sample  # type: ignore[method-assign]
@@ -88,13 +88,43 @@ def test_usable_cores_is_at_most_the_affinity_mask():
     assert 0 < usable_cores() <= len(os.sched_getaffinity(0))
 
 
+def test_usable_cores_takes_the_tightest_cgroup_quota_on_the_way_up(tmp_path):
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    # cgroup v2: 1.5 cores on the service's parent, none on its own cgroup.
+    (proc / "self" / "cgroup").write_text("0::/system.slice/voxgate.service\n")
+    (root / "system.slice" / "voxgate.service").mkdir(parents=True)
+    (root / "system.slice" / "voxgate.service" / "cpu.max").write_text("max 100000\n")
+    (root / "system.slice" / "cpu.max").write_text("150000 100000\n")
+    assert usable_cores(str(proc), str(root)) == pytest.approx(min(1.5, len(os.sched_getaffinity(0))))
+    # cgroup v1: the cpu controller's quota, -1 meaning none.
+    (proc / "self" / "cgroup").write_text("4:cpu,cpuacct:/docker/abc\n2:memory:/docker/abc\n")
+    v1 = root / "cpu,cpuacct" / "docker" / "abc"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("50000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert usable_cores(str(proc), str(root)) == pytest.approx(0.5)
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    assert usable_cores(str(proc), str(root)) == len(os.sched_getaffinity(0))
+
+
+def test_a_sampler_that_stopped_answers_busy():
+    load, r = scripted()
+    load.sample()
+    r.advance(0.2, others_cores=0.0)
+    load.sample()
+    assert load.quiet()
+    r.advance(10 * load.window_s, others_cores=0.0)  # no reading since
+    assert not load.quiet()
+
+
 @pytest.fixture(scope="module")
 def engines():
     from voxgate.engine.piper_engine import PiperEngine
 
     made = {}
     for policy in ("auto", "never"):
-        e = PiperEngine(threads=2, spin=policy)
+        e = PiperEngine(threads=2, spin=policy, device="cpu")
         e.load()
         made[policy] = e
     return made
@@ -184,3 +214,13 @@ def test_engine_spin_is_a_setting_checked_at_start_and_handed_to_piper_only():
     assert _engine_client(Settings(engine="tone")).config.engine_options == {}
     with pytest.raises(ConfigError, match="--engine-spin 'sometimes'"):
         Settings(engine_spin="sometimes").check()
+
+
+def test_no_spinning_set_is_built_when_the_threads_exceed_the_usable_cores(monkeypatch):
+    from voxgate.engine import piper_engine
+
+    monkeypatch.setattr(piper_engine, "usable_cores", lambda: 1.0)
+    assert piper_engine.PiperEngine(threads=2, device="cpu")._spin_sets == "never"
+    monkeypatch.setattr(piper_engine, "usable_cores", lambda: 2.0)
+    assert piper_engine.PiperEngine(threads=2, device="cpu")._spin_sets == "auto"
+    assert piper_engine.PiperEngine(threads=2, device="cpu", spin="always")._spin_sets == "always"
