@@ -217,7 +217,7 @@ _HELP = {
     "engine_spin": "piper, in the local worker: whether onnxruntime's threads spin between the ops of a step on every "
     "core: auto (when that step runs alone and other processes keep at most 0.35 of a core busy: about a tenth off a "
     "long sentence's first chunk on an idle machine, where spinning beside a busy process made it 1.5x slower; costs "
-    "a second set of sessions, about 140 MB), always, or never (an engine pool, --engine-url, runs auto)",
+    "a second copy of the every-core sessions' memory), always, or never (an engine pool, --engine-url, runs auto)",
     "first_unit_timeout_ms": "speak the first words after this long even without a clause boundary",
     "engine_url": "URL of an engine pool on Ray Serve (`voxgate engine serve`, a KubeRay RayService), e.g. "
     "http://pool:8000/: synthesis runs there instead of in a local worker process (--engine, --voice and "
