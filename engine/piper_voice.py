@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 
 from .base import EngineError
-from .other_load import SPIN_POLICIES
 from .piper_split import SplitError, Stage, VoiceGraphs, split_voice
 from .windows import FIRST_WINDOW_FRAMES, WindowSchedule
 
@@ -169,9 +168,7 @@ class LoadedVoice:
         if split:
             self.graphs = self._split(model, alignment, config.hop_length)
         whole = b"" if self.graphs is not None else model.SerializeToString()
-        if spin not in SPIN_POLICIES:
-            raise EngineError(f"spin policy {spin!r} (--engine-spin): use one of {', '.join(SPIN_POLICIES)}")
-        self.spin = spin
+        self.spin = spin  # one of other_load.SPIN_POLICIES, checked by PiperEngine
         self.sessions, self.spinning = self._sessions(whole, threads, providers)
         if self.graphs is not None:
             try:
