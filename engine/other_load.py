@@ -40,12 +40,17 @@ STALE_WINDOWS = 5
 
 def _read_proc_stat(path: str = "/proc/stat") -> float | None:
     """Seconds of CPU time all processes have used since boot, or None."""
+    # os.read, not open(): a file object is one more object for the garbage
+    # collector, alive across a freeze of the heap (see OtherLoad._run).
     try:
-        with open(path, "rb") as f:
-            line = f.readline(512)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            head = os.read(fd, 512)
+        finally:
+            os.close(fd)
     except OSError:
         return None
-    fields = line.split()
+    fields = head.split(b"\n", 1)[0].split()
     if len(fields) < 5 or fields[0] != b"cpu":
         return None
     try:
@@ -137,7 +142,11 @@ class OtherLoad:
         self.window_s = window_s
         self._read_total, self._read_own, self._clock = read_total, read_own, clock
         self._lock = threading.Lock()
-        self._last: tuple[float, float, float] | None = None  # (when, total CPU s, own CPU s)
+        # The last reading, as plain floats: a reading every 0.2 s allocates nothing the
+        # garbage collector tracks, so it never frees an object of a frozen heap
+        # (signaling/server.py settle_heap; tests/gateway/test_heap.py had seen one go).
+        self._when: float | None = None  # None: no reading yet
+        self._total = self._own = 0.0  # CPU seconds, every process and this one
         self._others = float("inf")  # busy until measured
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -153,21 +162,25 @@ class OtherLoad:
         self._stop.set()
 
     def _run(self) -> None:
+        # time.sleep, not Event.wait: a waiting Event holds objects the garbage
+        # collector tracks, and one held while the server freezes its start-up
+        # heap (signaling/server.py settle_heap) is freed from that frozen heap
+        # later (tests/gateway/test_heap.py saw it). close() takes effect within
+        # one span.
         while not self._stop.is_set():
             self.sample()
-            self._stop.wait(self.window_s)
+            time.sleep(self.window_s)
 
     def sample(self) -> None:
         with self._lock:
             now, total = self._clock(), self._read_total()
             if total is None:
-                self._others, self._last = float("inf"), None
+                self._others, self._when = float("inf"), None
                 return
             own = self._read_own()
-            if self._last is not None:
-                when, total0, own0 = self._last
-                self._others = max(0.0, (total - total0) - (own - own0)) / max(now - when, 1e-6)
-            self._last = (now, total, own)
+            if self._when is not None:
+                self._others = max(0.0, (total - self._total) - (own - self._own)) / max(now - self._when, 1e-6)
+            self._when, self._total, self._own = now, total, own
 
     def others_cores(self) -> float:
         """Cores other processes kept busy, on average, over the last reading's span."""
@@ -176,8 +189,8 @@ class OtherLoad:
     def quiet(self) -> bool:
         """Quiet by the last reading, if it is recent: a sampler that has stopped
         (closed, or its thread lost in a fork) answers busy, never quiet forever."""
-        last = self._last
-        if last is None or self._clock() - last[0] > STALE_WINDOWS * self.window_s:
+        when = self._when
+        if when is None or self._clock() - when > STALE_WINDOWS * self.window_s:
             return False
         return self._others <= self.quiet_cores
 

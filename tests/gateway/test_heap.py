@@ -17,6 +17,9 @@ def test_start_up_objects_leave_the_collectors_walk_and_later_ones_do_not():
         frozen = gc.get_freeze_count()
         assert frozen > 1000  # the modules and everything else this process made so far
         gc.collect()
-        assert gc.get_freeze_count() == frozen  # a collection leaves the frozen heap alone
+        # A collection leaves the frozen heap alone (a thaw would take it to 0). Other
+        # threads of this test process (an engine's load sampler, a client's reader)
+        # may free a few frozen objects they held at the freeze: that is not a thaw.
+        assert frozen - 100 <= gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
