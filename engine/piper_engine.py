@@ -273,7 +273,8 @@ class PiperEngine(Engine):
         if graphs is None:
             return "whole units"
         flow = f"flow context {graphs.flow.context}" if graphs.flow else "flow with the encoder"
-        return f"streaming inside sentences: decoder context {graphs.decoder.context} frames, {flow}"
+        fused = f", {loaded.fused_layer_norms} layer norms fused" if loaded.fused_layer_norms else ""
+        return f"streaming inside sentences: decoder context {graphs.decoder.context} frames, {flow}{fused}"
 
     def voices(self) -> list[str]:
         return list(dict.fromkeys([self.default_voice, *self.catalog]))

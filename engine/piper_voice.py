@@ -1,7 +1,8 @@
 """A Piper voice, loaded: which voices there are, onnxruntime providers, the split stages and their sessions.
 
-Loading is where a voice's graph is split (`piper_split`) into the stages that
-let a sentence stream, and where the split is checked: each stage run in
+Loading is where a voice's graph has its layer norms fused (`graph_fuse`),
+is split (`piper_split`) into the stages that let a sentence stream, and
+where the split is checked: each stage run in
 windows (`windows`) must match one run over the same frames before a listener
 hears a seam. A graph that will not split, or fails the check, is kept whole,
 and the log says why. Synthesis with a loaded voice is `piper_engine.py`.
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from .base import EngineError
+from .graph_fuse import fuse_layer_norms
 from .piper_split import SplitError, Stage, VoiceGraphs, split_voice
 from .windows import FIRST_WINDOW_FRAMES, WindowSchedule
 
@@ -157,6 +159,9 @@ class LoadedVoice:
             alignment: str | None = add_alignment_output(model)
         except ValueError:
             alignment = None  # already patched, or no Ceil node: timings fall back to word lengths
+        # Fewer ops for the same sums (graph_fuse says what and why); the
+        # fallback to whole units runs the rewritten graph too.
+        self.fused_layer_norms = fuse_layer_norms(model)
         self.path = path
         self.sample_rate = config.sample_rate
         self.hop = config.hop_length
