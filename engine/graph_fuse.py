@@ -16,7 +16,8 @@ interleaved in one process), and left its output within float rounding
 
 Only the exact pattern is rewritten: the reductions over the last axis
 alone, a constant exponent of 2, a constant scalar epsilon, a constant 1-D
-gamma and beta of one shape, and no intermediate used outside the pattern.
+gamma and beta of one shape (more than one channel), and no intermediate
+used outside the pattern (a graph output, another node, or a subgraph).
 Anything else is left as it was, so a graph this does not recognise runs
 unchanged. The engine's tests compare the streamed audio with the original,
 unrewritten graph of the voice file.
@@ -50,7 +51,9 @@ def fuse_layer_norms(model: onnx.ModelProto) -> int:
         for name in node.input:
             consumers[name].append(node)
     constants = _Constants(graph, producers)
-    outputs = {v.name for v in graph.output}
+    # Names a pattern's intermediates must not be: the graph's outputs, and any
+    # name a subgraph (If, Loop, Scan) reads from this graph.
+    outputs = {v.name for v in graph.output} | _subgraph_reads(graph)
 
     replaced: dict[int, onnx.NodeProto] = {}  # id of the pattern's last node -> the fused node
     removed: set[int] = set()
@@ -77,6 +80,19 @@ def fuse_layer_norms(model: onnx.ModelProto) -> int:
             if entry.domain in ("", "ai.onnx"):
                 entry.version = LAYER_NORM_OPSET
     return len(replaced)
+
+
+def _subgraph_reads(graph: onnx.GraphProto) -> set[str]:
+    """Every input name of every node inside `graph`'s subgraphs, at any depth."""
+    names: set[str] = set()
+    todo = [g for node in graph.node for a in node.attribute for g in ([a.g] if a.HasField("g") else []) + list(a.graphs)]
+    while todo:
+        sub = todo.pop()
+        for node in sub.node:
+            names.update(node.input)
+            for a in node.attribute:
+                todo.extend(([a.g] if a.HasField("g") else []) + list(a.graphs))
+    return names
 
 
 def _default_opset(model: onnx.ModelProto) -> int | None:
@@ -176,7 +192,11 @@ def _match(mean: onnx.NodeProto, consumers, constants: _Constants, outputs: set[
         return None
     beta = _other(shift, scale.output[0])
     g, b = constants.get(gamma), constants.get(beta or "")
-    if g is None or b is None or g.ndim != 1 or g.shape != b.shape or g.dtype != np.float32 or b.dtype != np.float32:
+    # A one-element gamma broadcasts over any last axis in the pattern, but
+    # LayerNormalization wants one value per channel: leave it alone.
+    if g is None or b is None or g.ndim != 1 or g.size < 2 or g.shape != b.shape:
+        return None
+    if g.dtype != np.float32 or b.dtype != np.float32:
         return None
     nodes = (mean, sub, power, variance, add_eps, sqrt, div, scale, shift)
     if any(out in outputs for n in nodes[:-1] for out in n.output):

@@ -75,6 +75,7 @@ def test_the_exact_pattern_becomes_one_node_with_the_same_output():
         {"gamma_shape": (1, C)},  # not a 1-D gamma
         {"tap": "centred"},  # an intermediate used outside the pattern
         {"tap": "std"},
+        {"gamma_shape": (1,)},  # one value broadcast over every channel
     ],
 )
 def test_near_misses_are_left_as_they_were(near_miss):
@@ -83,6 +84,20 @@ def test_near_misses_are_left_as_they_were(near_miss):
     assert fuse_layer_norms(model) == 0
     assert op_types(model) == before
     assert model.opset_import[0].version == 15
+
+
+def test_an_intermediate_read_inside_a_subgraph_keeps_the_pattern():
+    model = layer_norm_graph()
+    then = helper.make_graph([helper.make_node("Identity", ["centred"], ["picked"])], "then", [],
+                             [helper.make_tensor_value_info("picked", TensorProto.FLOAT, None)])
+    other = helper.make_graph([helper.make_node("Identity", ["x"], ["kept"])], "else", [],
+                              [helper.make_tensor_value_info("kept", TensorProto.FLOAT, None)])
+    model.graph.initializer.append(numpy_helper.from_array(np.array(True), "cond"))
+    model.graph.node.append(helper.make_node("If", ["cond"], ["branch"], then_branch=then, else_branch=other))
+    model.graph.output.append(helper.make_tensor_value_info("branch", TensorProto.FLOAT, None))
+    assert fuse_layer_norms(model) == 0
+    x = np.random.default_rng(3).standard_normal((1, C, 5)).astype(np.float32)
+    run(model, x)  # still loads and runs
 
 
 def test_an_opset_18_graph_with_axes_as_an_input_fuses_too():
