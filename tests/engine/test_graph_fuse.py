@@ -100,6 +100,26 @@ def test_an_intermediate_read_inside_a_subgraph_keeps_the_pattern():
     run(model, x)  # still loads and runs
 
 
+def test_a_graph_below_opset_15_is_not_rewritten():
+    # Raising it to 17 would change other ops' meaning (Softmax's axis at 13).
+    model = layer_norm_graph(opset=13)
+    assert fuse_layer_norms(model) == 0
+    assert model.opset_import[0].version == 13
+
+
+def test_a_graph_with_a_roialign_keeps_its_opset_and_its_norms():
+    model = layer_norm_graph()
+    model.graph.node.append(helper.make_node("RoiAlign", ["x4", "rois", "idx"], ["pooled"]))
+    assert fuse_layer_norms(model) == 0
+    assert model.opset_import[0].version == 15
+
+
+def test_an_epsilon_that_can_be_fed_at_run_time_is_not_baked_in():
+    model = layer_norm_graph()
+    model.graph.input.append(helper.make_tensor_value_info("eps", TensorProto.FLOAT, []))
+    assert fuse_layer_norms(model) == 0
+
+
 def test_an_opset_18_graph_with_axes_as_an_input_fuses_too():
     model = layer_norm_graph(opset=18)
     for node in model.graph.node:
