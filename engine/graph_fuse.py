@@ -89,30 +89,27 @@ def fuse_layer_norms(model: onnx.ModelProto) -> int:
     return len(replaced)
 
 
+def _nodes_within(graph: onnx.GraphProto, top: bool = True):
+    """Every node of `graph`'s subgraphs (If, Loop, Scan) at any depth, and of `graph` itself when `top`."""
+    todo = [graph] if top else [g for n in graph.node for g in _subgraphs(n)]
+    while todo:
+        for node in todo.pop().node:
+            yield node
+            todo.extend(_subgraphs(node))
+
+
+def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    return [g for a in node.attribute for g in ([a.g] if a.HasField("g") else []) + list(a.graphs)]
+
+
 def _op_types(graph: onnx.GraphProto) -> set[str]:
     """Every op type in `graph` and its subgraphs."""
-    types: set[str] = set()
-    todo = [graph]
-    while todo:
-        sub = todo.pop()
-        for node in sub.node:
-            types.add(node.op_type)
-            for a in node.attribute:
-                todo.extend(([a.g] if a.HasField("g") else []) + list(a.graphs))
-    return types
+    return {node.op_type for node in _nodes_within(graph)}
 
 
 def _subgraph_reads(graph: onnx.GraphProto) -> set[str]:
     """Every input name of every node inside `graph`'s subgraphs, at any depth."""
-    names: set[str] = set()
-    todo = [g for node in graph.node for a in node.attribute for g in ([a.g] if a.HasField("g") else []) + list(a.graphs)]
-    while todo:
-        sub = todo.pop()
-        for node in sub.node:
-            names.update(node.input)
-            for a in node.attribute:
-                todo.extend(([a.g] if a.HasField("g") else []) + list(a.graphs))
-    return names
+    return {name for node in _nodes_within(graph, top=False) for name in node.input}
 
 
 def _default_opset(model: onnx.ModelProto) -> int | None:
