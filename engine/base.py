@@ -20,6 +20,10 @@ from typing import Iterator, Sequence
 import numpy as np
 
 
+# What the piper engine's prior (text encoder and duration predictor) runs in on the CPU
+# (engine/graph_quant.py): its wide convolutions as int8 products, or all of it as exported.
+PRIOR_PRECISIONS = ("int8", "float32")
+
 @dataclass(frozen=True)
 class WordTiming:
     """A word of the chunk's text and when it is spoken, in seconds from the chunk's start."""

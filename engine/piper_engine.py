@@ -30,6 +30,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from .base import (
+    PRIOR_PRECISIONS,
     AudioChunk,
     Engine,
     EngineError,
@@ -177,6 +178,7 @@ class PiperEngine(Engine):
         split: bool = True,
         schedule: WindowSchedule | None = None,
         spin: str = "auto",
+        prior_precision: str = "int8",
         **_: object,
     ) -> None:
         self.default_voice, self.catalog = voice_catalog(voice, voice_dir)
@@ -194,6 +196,12 @@ class PiperEngine(Engine):
         if spin not in SPIN_POLICIES:
             raise EngineError(f"spin policy {spin!r} (--engine-spin): use one of {', '.join(SPIN_POLICIES)}")
         self.spin = spin
+        # The prior's wide convolutions in int8 on the CPU (graph_quant says why), or float32.
+        if prior_precision not in PRIOR_PRECISIONS:
+            raise EngineError(
+                f"prior precision {prior_precision!r} (--engine-prior-precision): use one of {', '.join(PRIOR_PRECISIONS)}"
+            )
+        self.prior_precision = prior_precision
         self._other_load: OtherLoad | None = None  # the process's sampler, from load() on
         self._usable_cores = usable_cores()
         # More threads than this process may use (a CPU mask, a container's quota)
@@ -237,7 +245,9 @@ class PiperEngine(Engine):
             if loaded is None:
                 if not self._providers:
                     self._providers = choose_providers(self.device)
-                loaded = LoadedVoice(path, self._providers, self.threads, self.split, self._spin_sets)
+                loaded = LoadedVoice(
+                    path, self._providers, self.threads, self.split, self._spin_sets, self.prior_precision
+                )
                 self._voices[name] = loaded
                 # A bounded cache: the least recently used voice goes, never the default.
                 while len(self._voices) > self.max_loaded_voices:
@@ -271,10 +281,14 @@ class PiperEngine(Engine):
     def describe(loaded: LoadedVoice) -> str:
         graphs = loaded.graphs
         if graphs is None:
-            return "whole units"
+            return "whole units" + (f", {loaded.int8_convs} prior convolutions in int8" if loaded.int8_convs else "")
         flow = f"flow context {graphs.flow.context}" if graphs.flow else "flow with the encoder"
         fused = f", {loaded.fused_layer_norms} layer norms fused" if loaded.fused_layer_norms else ""
-        return f"streaming inside sentences: decoder context {graphs.decoder.context} frames, {flow}{fused}"
+        prior = (
+            f", {loaded.int8_convs} prior convolutions in int8" if loaded.int8_convs
+            else f", prior in float32 ({loaded.why_float})"
+        )
+        return f"streaming inside sentences: decoder context {graphs.decoder.context} frames, {flow}{fused}{prior}"
 
     def voices(self) -> list[str]:
         return list(dict.fromkeys([self.default_voice, *self.catalog]))
@@ -288,6 +302,7 @@ class PiperEngine(Engine):
         info["streaming"] = bool(loaded and loaded.graphs)
         info["threads"] = self.threads
         info["spin"] = self.spin
+        info["prior_precision"] = "int8" if loaded and loaded.int8_convs else "float32"
         info["max_batch"] = 1  # batching windows gave no gain on a CPU: steps run side by side instead
         return info
 

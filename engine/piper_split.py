@@ -133,28 +133,40 @@ def _decoder_input(graph: onnx.GraphProto, producers: dict[str, onnx.NodeProto])
     raise SplitError("no convolution in front of the decoder's first upsampling layer")
 
 
-def _flow_inputs(
-    graph: onnx.GraphProto, producers: dict[str, onnx.NodeProto], latent: str
-) -> tuple[str, str]:
+def flow_input(graph: onnx.GraphProto) -> str:
+    """The name of VITS's z_p = m_p + randn * exp(logs_p) * noise_scale, the flow's input.
+
+    Everything it depends on is the prior (text encoder, duration predictor);
+    everything after it makes the audio. Raises SplitError when it is not found.
+    """
     randoms = [n for n in graph.node if n.op_type in _RANDOM]
     if not randoms:
         raise SplitError("no random node, so no z_p = m_p + noise to cut the flow at")
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
     tensor = randoms[-1].output[0]
-    z_p = None
+    consumers = _consumers(graph)
     for _ in range(4):
         users = consumers.get(tensor, [])
         if len(users) != 1:
             break
         if users[0].op_type == "Add":
-            z_p = users[0].output[0]
-            break
+            return users[0].output[0]
         tensor = users[0].output[0]
-    if z_p is None:
-        raise SplitError("the noise does not reach an Add (z_p) within a few steps")
+    raise SplitError("the noise does not reach an Add (z_p) within a few steps")
+
+
+def _consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    return consumers
+
+
+def _flow_inputs(
+    graph: onnx.GraphProto, producers: dict[str, onnx.NodeProto], latent: str
+) -> tuple[str, str]:
+    z_p = flow_input(graph)
+    consumers = _consumers(graph)
     maker = producers.get(latent)
     if maker is None or maker.op_type != "Mul":
         raise SplitError("the decoder's input is not a masked product (latent * mask)")

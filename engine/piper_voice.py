@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from .base import EngineError
 from .graph_fuse import fuse_layer_norms
-from .piper_split import SplitError, Stage, VoiceGraphs, split_voice
+from .graph_quant import compare_priors, quantize_prior
+from .piper_split import SplitError, Stage, VoiceGraphs, flow_input, split_voice
 from .windows import FIRST_WINDOW_FRAMES, WindowSchedule
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,12 @@ def voice_catalog(voice: str | None, voice_dir: str | None) -> tuple[str, dict[s
             )
     return default, catalog
 
+
+# Sentences the int8 prior is checked on before a listener hears it (graph_quant.compare_priors).
+PRIOR_PROBES = (
+    "Hello there.",
+    "Thanks for waiting while I looked up the details of the order you placed last Tuesday.",
+)
 
 # Windowed output must match a one-shot run of the same stage this closely.
 # With the receptive field as context, float rounding alone leaves 120-130 dB;
@@ -138,7 +146,10 @@ def _session(model: bytes, threads: int, providers: list[str], spin: bool):
 class LoadedVoice:
     """A Piper voice: its phonemizer and config, split stages, and sessions per thread count."""
 
-    def __init__(self, path: Path, providers: list[str], threads: int, split: bool = True, spin: str = "auto") -> None:
+    def __init__(
+        self, path: Path, providers: list[str], threads: int, split: bool = True, spin: str = "auto",
+        precision: str = "int8",
+    ) -> None:
         import json
 
         import onnx
@@ -162,6 +173,10 @@ class LoadedVoice:
         # Fewer ops for the same sums (graph_fuse says what and why); the
         # fallback to whole units runs the rewritten graph too.
         self.fused_layer_norms = fuse_layer_norms(model)
+        # No session of its own: only phonemize() and phonemes_to_ids() are used.
+        self.voice = PiperVoice(session=None, config=config)  # type: ignore[arg-type]
+        # espeak-ng keeps global state; one phonemizer call at a time.
+        self.phonemize_lock = threading.Lock()
         self.path = path
         self.sample_rate = config.sample_rate
         self.hop = config.hop_length
@@ -172,6 +187,17 @@ class LoadedVoice:
         self.why_whole = "" if split else "splitting was turned off"
         if split:
             self.graphs = self._split(model, alignment, config.hop_length)
+        # The prior's wide convolutions in int8 (graph_quant), on the CPU, when they pass the check:
+        # in the split prior, or in the whole graph of a voice that synthesizes whole units.
+        self.int8_convs = 0
+        self.why_float = "" if precision == "int8" else f"--engine-prior-precision {precision}"
+        if precision == "int8" and providers[:1] != ["CPUExecutionProvider"]:
+            self.why_float = "int8 runs on the CPU only"
+        elif precision == "int8" and self.graphs is not None:
+            prior = self._quantized(self.graphs.prior.model, config)
+            self.graphs = replace(self.graphs, prior=replace(self.graphs.prior, model=prior))
+        elif precision == "int8":
+            model = self._quantized(model, config)
         whole = b"" if self.graphs is not None else model.SerializeToString()
         self.spin = spin  # one of other_load.SPIN_POLICIES, checked by PiperEngine
         self.sessions, self.spinning = self._sessions(whole, threads, providers)
@@ -186,10 +212,54 @@ class LoadedVoice:
             log.warning("piper voice %s: whole-unit synthesis, no streaming inside sentences: %s", path, self.why_whole)
         elif self.graphs.flow is None:
             log.info("piper voice %s: the flow runs with the encoder (%s)", path, self.graphs.flow_note)
-        # No session of its own: only phonemize() and phonemes_to_ids() are used.
-        self.voice = PiperVoice(session=None, config=config)  # type: ignore[arg-type]
-        # espeak-ng keeps global state; one phonemizer call at a time.
-        self.phonemize_lock = threading.Lock()
+
+    def _quantized(self, model, config) -> "onnx.ModelProto":
+        """`model` with its prior's wide convolutions in int8, or `model` itself (and why) when that fails its check."""
+        import onnx
+
+        rewritten = onnx.ModelProto()
+        rewritten.CopyFrom(model)
+        try:
+            count = quantize_prior(rewritten)
+            why = self._check_prior(model, rewritten, config) if count else "the prior has no wide convolution"
+        except SplitError as exc:
+            why = f"the prior cannot be told from the flow: {exc}"
+        if why:
+            self.why_float = why
+            log.warning("piper voice %s: the prior stays float32: %s", self.path, why)
+            return model
+        self.int8_convs = count
+        return rewritten
+
+    def _check_prior(self, model, rewritten, config) -> str:
+        """compare_priors on probe sentences, with the noise at zero so that both runs are deterministic."""
+        import onnxruntime
+        from onnx.utils import Extractor
+
+        def prior_run(m):
+            outputs = [flow_input(m.graph)] + ([self.alignment] if self.alignment else [])
+            if not set(outputs) <= {o.name for o in m.graph.output}:  # a whole graph, or a prior holding the flow
+                m = Extractor(m).extract_model([i.name for i in m.graph.input], outputs)
+            options = onnxruntime.SessionOptions()
+            options.intra_op_num_threads = 1
+            # Two runs each: the basic rewrites load in half the time, and quantization's error is the same.
+            options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC
+            options.log_severity_level = 3
+            session = onnxruntime.InferenceSession(m.SerializeToString(), options, providers=["CPUExecutionProvider"])
+            names = {i.name for i in session.get_inputs()}
+            return lambda feed: session.run(outputs, {k: v for k, v in feed.items() if k in names})
+
+        feeds = []
+        for text in PRIOR_PROBES:
+            phonemes = [p for sentence in self.voice.phonemize(text) for p in sentence]
+            ids = self.voice.phonemes_to_ids(phonemes)
+            feeds.append({
+                "input": np.array([ids], dtype=np.int64),
+                "input_lengths": np.array([len(ids)], dtype=np.int64),
+                "scales": np.array([0.0, config.length_scale, 0.0], dtype=np.float32),
+                "sid": self.speaker,
+            })
+        return compare_priors(prior_run(model), prior_run(rewritten), feeds, self.alignment is not None)
 
     def _split(self, model, alignment: str | None, hop: int) -> VoiceGraphs | None:
         try:

@@ -49,7 +49,10 @@ def _engine_client(settings: Settings) -> EngineClient:
         parallel=settings.parallel,
         threads=settings.threads,
         first_unit_timeout=settings.first_unit_timeout_ms / 1000.0,
-        engine_options={"spin": settings.engine_spin} if settings.engine == "piper" else {},
+        engine_options=(
+            {"spin": settings.engine_spin, "prior_precision": settings.engine_prior_precision}
+            if settings.engine == "piper" else {}
+        ),
     )
     if settings.engine_url:
         from ..engine.remote import RemoteEngineClient

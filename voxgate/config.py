@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
 
+from .engine.base import PRIOR_PRECISIONS  # light: numpy only
 from .engine.other_load import SPIN_POLICIES  # light: imports nothing of onnxruntime
 from .gateway.fec import SIGNAL_POLICIES  # light: imports no aiortc
 
@@ -47,6 +48,7 @@ class Settings:
     engine_parallel: int = 0  # 0: chosen per engine
     engine_threads: int = 0  # 0: chosen per engine
     engine_spin: str = "auto"
+    engine_prior_precision: str = "int8"
     first_unit_timeout_ms: int = 350
     # An engine pool (engine/pool.py) to synthesize on instead of a local worker.
     engine_url: str | None = None
@@ -145,6 +147,10 @@ class Settings:
             )
         if self.engine_spin not in SPIN_POLICIES:
             raise ConfigError(f"--engine-spin {self.engine_spin!r}: choose one of {', '.join(SPIN_POLICIES)}")
+        if self.engine_prior_precision not in PRIOR_PRECISIONS:
+            raise ConfigError(
+                f"--engine-prior-precision {self.engine_prior_precision!r}: choose one of {', '.join(PRIOR_PRECISIONS)}"
+            )
         if self.opus_signal not in SIGNAL_POLICIES:
             raise ConfigError(f"--opus-signal {self.opus_signal!r}: choose one of {', '.join(SIGNAL_POLICIES)}")
         if self.rtp_sender not in RTP_SENDERS:
@@ -218,6 +224,9 @@ _HELP = {
     "core: auto (when that step runs alone and other processes keep at most 0.35 of a core busy: about a tenth off a "
     "long sentence's first chunk on an idle machine, where spinning beside a busy process made it 1.5x slower; costs "
     "a second copy of the every-core sessions' memory), always, or never (an engine pool, --engine-url, runs auto)",
+    "engine_prior_precision": "piper on the CPU: int8 runs the text encoder's wide convolutions as 8-bit integer "
+    "products (the prior, which a sentence's first audio waits for; the flow and decoder that make the audio stay "
+    "float32), checked against float32 when a voice loads; float32 keeps the whole graph as exported",
     "first_unit_timeout_ms": "speak the first words after this long even without a clause boundary",
     "engine_url": "URL of an engine pool on Ray Serve (`voxgate engine serve`, a KubeRay RayService), e.g. "
     "http://pool:8000/: synthesis runs there instead of in a local worker process (--engine, --voice and "

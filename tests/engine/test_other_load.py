@@ -210,7 +210,7 @@ def test_engine_spin_is_a_setting_checked_at_start_and_handed_to_piper_only():
 
     settings = settings_from(None, {"VOXGATE_ENGINE_SPIN": "never"})
     assert settings.engine_spin == "never"
-    assert _engine_client(settings).config.engine_options == {"spin": "never"}
+    assert _engine_client(settings).config.engine_options == {"spin": "never", "prior_precision": "int8"}
     assert _engine_client(Settings(engine="tone")).config.engine_options == {}
     with pytest.raises(ConfigError, match="--engine-spin 'sometimes'"):
         Settings(engine_spin="sometimes").check()

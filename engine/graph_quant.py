@@ -1,0 +1,247 @@
+"""The text encoder's wide convolutions in 8-bit integers, rewritten at load and in memory.
+
+Why. The first audio of a sentence waits for the prior (text encoder and
+duration predictor) to run over the whole sentence. What grows with the
+sentence is mostly the encoder's feed-forward layers: in VITS each is a
+kernel-3 convolution from 192 to 768 channels and one back, over every
+phoneme id, about 10 MFLOP per id for the joe voice's six layers. In float32
+they run near what two cores can do, so the only way to make them much
+cheaper is fewer bits. This module rewrites each such convolution as
+onnxruntime's dynamically quantized matrix product: the activations are
+quantized per call (8 bits, per tensor), the weights once here (8 bits,
+symmetric, per output channel), and the product accumulates in int32.
+
+Only the prior changes. The flow and the decoder, which make the audio
+itself, stay float32: the rewrite touches only convolutions that the flow's
+input `z_p` depends on (`piper_split.flow_input`), so a voice whose flow input
+cannot be found is not rewritten at all. `piper_voice` then checks the
+rewritten prior against the float one on a probe sentence before using it
+(`compare_priors`): the durations per phoneme id and the latent means must
+stay well inside the noise the voice itself samples, or the float prior is
+kept and the log says why.
+
+A convolution is rewritten when its weight is a constant 1-D kernel wider
+than 1, with no groups, stride or dilation, and enough input per output
+(`MIN_INNER`) for the integer product to pay off. As a matrix product:
+
+    x [N, C, L] -> pad -> transpose [N, L', C] -> K shifted slices, joined
+    [N, L, K*C] -> DynamicQuantizeLinear -> MatMulInteger with the weight as
+    [K*C, O] int8 -> Cast -> times both scales -> + bias -> transpose [N, O, L]
+
+This is the node pattern onnxruntime fuses into one DynamicQuantizeMatMul.
+
+On x86 without VNNI, onnxruntime's u8 x s8 kernels add pairs of products
+in 16 bits, which 8-bit weights can overflow; there the weights get 7 bits,
+as onnxruntime's own quantizer advises (`weight_bits`).
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .graph_fuse import MIN_OPSET, _attribute, _Constants, _default_opset, _subgraph_reads
+from .piper_split import SplitError, flow_input
+
+log = logging.getLogger(__name__)
+
+# Input values per output value (channels times kernel) below which a
+# convolution stays float: a small product gains less than the quantizing
+# costs. The joe voice's feed-forward layers have 576 and 2304.
+MIN_INNER = 256
+# What the rewritten prior may differ by on the probe (`compare_priors`).
+# Measured on the joe voice: 0.009-0.016 frames per id and 31-32 dB; two float
+# runs with the voice's own noise differ by about 0.76 frames per id.
+MAX_DURATION_DIFF = 0.1  # mean |frames| per phoneme id
+MIN_LATENT_SNR_DB = 24.0  # the latent means over the ids both runs give frames
+
+
+def weight_bits() -> int:
+    """8, or 7 on x86 without a VNNI dot product (see the module's docstring)."""
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64", "i386", "i686"):
+        return 8
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return 8 if {"avx512_vnni", "avx_vnni"} & flags else 7
+    except OSError:
+        pass
+    return 7
+
+
+def quantize_prior(model: onnx.ModelProto, bits: int | None = None) -> int:
+    """Rewrite, in place, the wide convolutions that the flow's input depends on; returns how many.
+
+    Raises SplitError (from `flow_input`) when the flow's input cannot be found:
+    then nothing is rewritten, since the audio-making stages could not be told apart.
+    """
+    opset = _default_opset(model)
+    if opset is None or opset < MIN_OPSET:
+        return 0  # Shape's start/end (opset 15) and the Slice inputs below need a recent opset
+    graph = model.graph
+    z_p = flow_input(graph)
+    prior = _ancestors(graph, z_p)
+    constants = _Constants(graph, {out: node for node in graph.node for out in node.output})
+    reserved = {v.name for v in graph.output} | _subgraph_reads(graph)
+    bits = bits or weight_bits()
+    kept: list[onnx.NodeProto] = []
+    count = 0
+    for node in graph.node:
+        conv = _wide_conv(node, constants) if node.output[0] in prior and node.output[0] not in reserved else None
+        if conv is None:
+            kept.append(node)
+            continue
+        weight, bias = conv
+        kept.extend(_as_quantized_matmul(graph, node, weight, bias, bits, f"q{count}"))
+        count += 1
+    if count:
+        del graph.node[:]
+        graph.node.extend(kept)
+    return count
+
+
+def _ancestors(graph: onnx.GraphProto, name: str) -> set[str]:
+    """The tensors `name` depends on (itself included), by name."""
+    producers = {out: node for node in graph.node for out in node.output}
+    seen: set[str] = set()
+    todo = [name]
+    while todo:
+        tensor = todo.pop()
+        node = producers.get(tensor)
+        if node is None or tensor in seen:
+            continue
+        seen.update(node.output)
+        todo.extend(node.input)
+    return seen
+
+
+def _wide_conv(node: onnx.NodeProto, constants: _Constants) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """(weight, bias) of a convolution this module rewrites, else None."""
+    if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
+        return None
+    weight = constants.get(node.input[1])
+    if weight is None or weight.dtype != np.float32 or weight.ndim != 3:
+        return None
+    out_channels, in_channels, kernel = weight.shape
+    if kernel < 2 or in_channels * kernel < MIN_INNER:
+        return None
+    if _attribute(node, "group", 1) != 1 or _attribute(node, "auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+        return None
+    if list(_attribute(node, "strides", [1])) != [1] or list(_attribute(node, "dilations", [1])) != [1]:
+        return None
+    shape = _attribute(node, "kernel_shape")
+    if shape is not None and list(shape) != [kernel]:
+        return None
+    bias = None
+    if len(node.input) > 2 and node.input[2]:
+        bias = constants.get(node.input[2])
+        if bias is None or bias.shape != (out_channels,):
+            return None
+    return weight, bias
+
+
+def _as_quantized_matmul(
+    graph: onnx.GraphProto, conv: onnx.NodeProto, weight: np.ndarray, bias: np.ndarray | None, bits: int, tag: str
+) -> list[onnx.NodeProto]:
+    out_channels, in_channels, kernel = weight.shape
+    base = f"{conv.name or conv.output[0]}/{tag}"
+    name = lambda part: f"{base}/{part}"  # noqa: E731
+
+    def constant(part: str, value: np.ndarray) -> str:
+        graph.initializer.append(numpy_helper.from_array(value, name(part)))
+        return name(part)
+
+    # Row k*C + c of the matrix holds the weights of input channel c at tap k.
+    matrix = weight.transpose(2, 1, 0).reshape(kernel * in_channels, out_channels)
+    limit = float(2 ** (bits - 1) - 1)
+    scale = np.abs(matrix).max(axis=0) / limit
+    scale[scale == 0] = 1.0
+    quantized = np.clip(np.round(matrix / scale), -limit, limit).astype(np.int8)
+
+    nodes = []
+    x = conv.input[0]
+    pads = list(_attribute(conv, "pads", [0, 0]))
+    if any(pads):
+        pad = constant("pads", np.array([0, 0, pads[0], 0, 0, pads[1]], dtype=np.int64))
+        nodes.append(helper.make_node("Pad", [x, pad], [name("padded")], name=name("Pad")))
+        x = name("padded")
+    nodes.append(helper.make_node("Transpose", [x], [name("time_major")], name=name("Transpose"), perm=[0, 2, 1]))
+    nodes.append(helper.make_node("Shape", [name("time_major")], [name("length")], name=name("Shape"), start=1, end=2))
+    axis = constant("axis", np.array([1], dtype=np.int64))
+    taps = []
+    for k in range(kernel):
+        end = name(f"end{k}")
+        nodes.append(helper.make_node(
+            "Sub", [name("length"), constant(f"trim{k}", np.array([kernel - 1 - k], dtype=np.int64))], [end],
+            name=name(f"Sub{k}"),
+        ))
+        start = constant(f"start{k}", np.array([k], dtype=np.int64))
+        nodes.append(helper.make_node("Slice", [name("time_major"), start, end, axis], [name(f"tap{k}")], name=name(f"Slice{k}")))
+        taps.append(name(f"tap{k}"))
+    nodes.append(helper.make_node("Concat", taps, [name("columns")], name=name("Concat"), axis=2))
+    nodes.append(helper.make_node(
+        "DynamicQuantizeLinear", [name("columns")], [name("columns_q"), name("columns_scale"), name("columns_zero")],
+        name=name("DynamicQuantizeLinear"),
+    ))
+    nodes.append(helper.make_node(
+        "MatMulInteger", [name("columns_q"), constant("weight_q", quantized), name("columns_zero")], [name("product_i32")],
+        name=name("MatMulInteger"),
+    ))
+    nodes.append(helper.make_node("Cast", [name("product_i32")], [name("product")], name=name("Cast"), to=TensorProto.FLOAT))
+    nodes.append(helper.make_node(
+        "Mul", [name("columns_scale"), constant("weight_scale", scale.astype(np.float32))], [name("scales")],
+        name=name("MulScales"),
+    ))
+    product = name("scaled")
+    nodes.append(helper.make_node("Mul", [name("product"), name("scales")], [product], name=name("Mul")))
+    if bias is not None:
+        nodes.append(helper.make_node("Add", [product, constant("bias", bias.astype(np.float32))], [name("biased")], name=name("Add")))
+        product = name("biased")
+    nodes.append(helper.make_node("Transpose", [product], [conv.output[0]], name=name("TransposeBack"), perm=[0, 2, 1]))
+    return nodes
+
+
+def compare_priors(float_run, int8_run, feeds: list[dict], alignment: bool) -> str:
+    """'' when the rewritten prior matches the float one closely enough on `feeds`, else why not.
+
+    Each run maps a feed (noise scales at zero, so both are deterministic) to
+    the prior's outputs: the flow's input z_p [1, channels, frames], its mask,
+    and, with `alignment`, the frames of each phoneme id.
+    """
+    diffs, signal, error = [], 0.0, 0.0
+    for feed in feeds:
+        a, b = float_run(feed), int8_run(feed)
+        if not alignment:
+            frames_a, frames_b = a[0].shape[2], b[0].shape[2]
+            if abs(frames_a - frames_b) > max(1, 0.02 * frames_a):
+                return f"the int8 prior makes {frames_b} frames where the float one makes {frames_a}"
+            continue
+        dur_a = np.asarray(a[-1]).reshape(-1).astype(np.int64)
+        dur_b = np.asarray(b[-1]).reshape(-1).astype(np.int64)
+        diffs.append(float(np.abs(dur_a - dur_b).mean()))
+        # z_p without noise is each id's latent mean, repeated over its frames: compare
+        # the first frame of every id that both runs give frames to.
+        both = (dur_a > 0) & (dur_b > 0)
+        first_a = (np.cumsum(dur_a) - dur_a)[both]
+        first_b = (np.cumsum(dur_b) - dur_b)[both]
+        mean_a = np.asarray(a[0])[0][:, first_a].astype(np.float64)
+        mean_b = np.asarray(b[0])[0][:, first_b].astype(np.float64)
+        signal += float((mean_a**2).sum())
+        error += float(((mean_a - mean_b) ** 2).sum())
+    if not alignment:
+        return ""
+    diff = float(np.mean(diffs))
+    snr = 10.0 * np.log10(max(signal, 1e-20) / max(error, 1e-30))
+    if diff > MAX_DURATION_DIFF:
+        return f"the int8 prior's durations differ by {diff:.3f} frames per id (at most {MAX_DURATION_DIFF})"
+    if snr < MIN_LATENT_SNR_DB:
+        return f"the int8 prior's latent means are {snr:.1f} dB from the float ones (at least {MIN_LATENT_SNR_DB:.0f})"
+    log.debug("int8 prior: durations %.3f frames per id, latent means %.1f dB from float", diff, snr)
+    return ""
