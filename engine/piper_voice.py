@@ -207,6 +207,9 @@ class LoadedVoice:
             except SplitError as exc:
                 self.why_whole = str(exc)
                 self.graphs = None
+                if self.int8_convs:  # that int8 prior was the split one's: the whole graph gets its own
+                    self.int8_convs = 0
+                    model = self._quantized(model, config)
                 self.sessions, self.spinning = self._sessions(model.SerializeToString(), threads, providers)
         if self.graphs is None:
             log.warning("piper voice %s: whole-unit synthesis, no streaming inside sentences: %s", path, self.why_whole)
@@ -251,7 +254,9 @@ class LoadedVoice:
 
         feeds = []
         for text in PRIOR_PROBES:
-            phonemes = [p for sentence in self.voice.phonemize(text) for p in sentence]
+            with self.phonemize_lock:
+                sentences = self.voice.phonemize(text)
+            phonemes = [p for sentence in sentences for p in sentence]
             ids = self.voice.phonemes_to_ids(phonemes)
             feeds.append({
                 "input": np.array([ids], dtype=np.int64),

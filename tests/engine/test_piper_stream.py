@@ -18,6 +18,7 @@ from onnx import helper
 
 from voxgate.engine.base import SynthesisOptions
 from voxgate.engine.piper_engine import FLOW_AHEAD_FRAMES, PiperEngine, embedded_voice_path
+from voxgate.engine.piper_voice import LoadedVoice
 from voxgate.engine.piper_split import split_voice
 from voxgate.engine.windows import WindowSchedule
 
@@ -219,14 +220,25 @@ def _decoder_mixes_time(model: onnx.ModelProto) -> onnx.ModelProto:
     "doctor, why",
     [(_decoder_reads_the_text, "depends on input_lengths"), (_decoder_mixes_time, "not local in time")],
 )
-def test_a_graph_that_cannot_be_split_falls_back_to_whole_units_and_says_why(tmp_path, caplog, doctor, why):
+def test_a_graph_that_cannot_be_split_falls_back_to_whole_units_and_says_why(tmp_path, caplog, monkeypatch, doctor, why):
     path = _copy_voice(tmp_path, doctor(onnx.load(str(embedded_voice_path()))))
     engine = PiperEngine(voice=str(path), threads=1)
+    quantized = []  # which graphs got an int8 prior: whole ones (with the decoder), or a split prior
+    original = LoadedVoice._quantized
+
+    def spy(self, model, config):
+        quantized.append(any(n.op_type == "ConvTranspose" for n in model.graph.node))
+        return original(self, model, config)
+
+    monkeypatch.setattr(LoadedVoice, "_quantized", spy)
     with caplog.at_level(logging.WARNING, logger="voxgate.engine.piper_engine"):
         engine.load()
+    assert quantized[-1], "the whole graph that is served got no int8 prior of its own"
     assert not engine.info()["streaming"]
     record = next(r for r in caplog.records if "whole-unit synthesis" in r.getMessage())
     assert why in record.getMessage() and str(path) in record.getMessage()
+    # Whole units keep the int8 prior, whether the split failed or its windows did.
+    assert engine._voice(None).int8_convs == 12 and engine.info()["prior_precision"] == "int8"
     chunks = list(engine.synthesize(SENTENCES[1], SynthesisOptions()))
     assert len(chunks) == 1 and chunks[0].duration > 2.0  # whole units still speak
     assert [w.text for w in chunks[0].words] == SENTENCES[1].split()
