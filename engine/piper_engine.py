@@ -30,6 +30,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from .base import (
+    DEFAULT_PRIOR_PRECISION,
     PRIOR_PRECISIONS,
     AudioChunk,
     Engine,
@@ -178,7 +179,7 @@ class PiperEngine(Engine):
         split: bool = True,
         schedule: WindowSchedule | None = None,
         spin: str = "auto",
-        prior_precision: str = "int8",
+        prior_precision: str = DEFAULT_PRIOR_PRECISION,
         **_: object,
     ) -> None:
         self.default_voice, self.catalog = voice_catalog(voice, voice_dir)
@@ -281,7 +282,9 @@ class PiperEngine(Engine):
     def describe(loaded: LoadedVoice) -> str:
         graphs = loaded.graphs
         if graphs is None:
-            return "whole units" + (f", {loaded.int8_convs} prior convolutions in int8" if loaded.int8_convs else "")
+            return "whole units" + (
+                f", {loaded.int8_convs} prior convolutions in int8" if loaded.int8_convs else f", prior in float32 ({loaded.why_float})"
+            )
         flow = f"flow context {graphs.flow.context}" if graphs.flow else "flow with the encoder"
         fused = f", {loaded.fused_layer_norms} layer norms fused" if loaded.fused_layer_norms else ""
         prior = (

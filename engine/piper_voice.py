@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .base import EngineError
+from .base import DEFAULT_PRIOR_PRECISION, EngineError
 from .graph_fuse import fuse_layer_norms
 from .graph_quant import compare_priors, quantize_prior
 from .piper_split import SplitError, Stage, VoiceGraphs, flow_input, split_voice
@@ -148,7 +148,7 @@ class LoadedVoice:
 
     def __init__(
         self, path: Path, providers: list[str], threads: int, split: bool = True, spin: str = "auto",
-        precision: str = "int8",
+        precision: str = DEFAULT_PRIOR_PRECISION,
     ) -> None:
         import json
 
@@ -189,7 +189,6 @@ class LoadedVoice:
             self.graphs = self._split(model, alignment, config.hop_length)
         # The prior's wide convolutions in int8 (graph_quant), on the CPU, when they pass the check:
         # in the split prior, or in the whole graph of a voice that synthesizes whole units.
-        self.int8_convs = 0
         self.why_float = "" if precision == "int8" else f"--engine-prior-precision {precision}"
         if precision == "int8" and providers[:1] != ["CPUExecutionProvider"]:
             self.why_float = "int8 runs on the CPU only"
@@ -207,10 +206,12 @@ class LoadedVoice:
             except SplitError as exc:
                 self.why_whole = str(exc)
                 self.graphs = None
-                if self.int8_convs:  # that int8 prior was the split one's: the whole graph gets its own
-                    self.int8_convs = 0
+                if precision == "int8" and not self.why_float:  # the int8 prior was the split one's: the whole graph gets its own
                     model = self._quantized(model, config)
                 self.sessions, self.spinning = self._sessions(model.SerializeToString(), threads, providers)
+        # Counted in the graph that is served, not where it was rewritten.
+        served = self.graphs.prior.model if self.graphs is not None else model
+        self.int8_convs = sum(node.op_type == "MatMulInteger" for node in served.graph.node)
         if self.graphs is None:
             log.warning("piper voice %s: whole-unit synthesis, no streaming inside sentences: %s", path, self.why_whole)
         elif self.graphs.flow is None:
@@ -224,14 +225,20 @@ class LoadedVoice:
         rewritten.CopyFrom(model)
         try:
             count = quantize_prior(rewritten)
-            why = self._check_prior(model, rewritten, config) if count else "the prior has no wide convolution"
         except SplitError as exc:
-            why = f"the prior cannot be told from the flow: {exc}"
+            count, self.why_float = 0, f"the prior cannot be told from the flow: {exc}"
+        if not count:
+            self.why_float = self.why_float or "the prior has no wide convolution"
+            log.info("piper voice %s: the prior stays float32: %s", self.path, self.why_float)
+            return model
+        try:
+            why = self._check_prior(model, rewritten, config)
+        except Exception as exc:  # noqa: BLE001 (a voice that loads in float32 must not fail to load for int8)
+            why = f"the check could not run ({type(exc).__name__}: {str(exc)[:200]})"
         if why:
             self.why_float = why
             log.warning("piper voice %s: the prior stays float32: %s", self.path, why)
             return model
-        self.int8_convs = count
         return rewritten
 
     def _check_prior(self, model, rewritten, config) -> str:

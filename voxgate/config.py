@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
 
-from .engine.base import PRIOR_PRECISIONS  # light: numpy only
+from .engine.base import DEFAULT_PRIOR_PRECISION, PRIOR_PRECISIONS  # light: numpy only
 from .engine.other_load import SPIN_POLICIES  # light: imports nothing of onnxruntime
 from .gateway.fec import SIGNAL_POLICIES  # light: imports no aiortc
 
@@ -48,7 +48,7 @@ class Settings:
     engine_parallel: int = 0  # 0: chosen per engine
     engine_threads: int = 0  # 0: chosen per engine
     engine_spin: str = "auto"
-    engine_prior_precision: str = "int8"
+    engine_prior_precision: str = DEFAULT_PRIOR_PRECISION
     first_unit_timeout_ms: int = 350
     # An engine pool (engine/pool.py) to synthesize on instead of a local worker.
     engine_url: str | None = None
@@ -224,9 +224,10 @@ _HELP = {
     "core: auto (when that step runs alone and other processes keep at most 0.35 of a core busy: about a tenth off a "
     "long sentence's first chunk on an idle machine, where spinning beside a busy process made it 1.5x slower; costs "
     "a second copy of the every-core sessions' memory), always, or never (an engine pool, --engine-url, runs auto)",
-    "engine_prior_precision": "piper on the CPU: int8 runs the text encoder's wide convolutions as 8-bit integer "
-    "products (the prior, which a sentence's first audio waits for; the flow and decoder that make the audio stay "
-    "float32), checked against float32 when a voice loads; float32 keeps the whole graph as exported",
+    "engine_prior_precision": "piper on the CPU, in the local worker: int8 runs the text encoder's wide convolutions as "
+    "8-bit integer products (the prior, which a sentence's first audio waits for; the flow and decoder that make the "
+    "audio stay float32), checked against float32 when a voice loads, which adds about a second to it; float32 keeps "
+    "the prior in float32 (an engine pool, --engine-url, runs int8)",
     "first_unit_timeout_ms": "speak the first words after this long even without a clause boundary",
     "engine_url": "URL of an engine pool on Ray Serve (`voxgate engine serve`, a KubeRay RayService), e.g. "
     "http://pool:8000/: synthesis runs there instead of in a local worker process (--engine, --voice and "
