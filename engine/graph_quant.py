@@ -86,9 +86,9 @@ def quantize_prior(model: onnx.ModelProto, bits: int | None = None) -> int:
     if opset is None or opset < MIN_OPSET:
         return 0  # Shape's start/end (opset 15) and the Slice inputs below need a recent opset
     graph = model.graph
-    z_p = flow_input(graph)
-    prior = _ancestors(graph, z_p)
-    constants = _Constants(graph, {out: node for node in graph.node for out in node.output})
+    producers = {out: node for node in graph.node for out in node.output}
+    prior = _ancestors(producers, flow_input(graph))
+    constants = _Constants(graph, producers)
     reserved = {v.name for v in graph.output} | _subgraph_reads(graph)
     bits = bits or weight_bits()
     taken = _names(graph)
@@ -134,9 +134,8 @@ def _fresh(base: str, taken: set[str]) -> str:
     return prefix
 
 
-def _ancestors(graph: onnx.GraphProto, name: str) -> set[str]:
+def _ancestors(producers: dict[str, onnx.NodeProto], name: str) -> set[str]:
     """The tensors `name` depends on (itself included), by name."""
-    producers = {out: node for node in graph.node for out in node.output}
     seen: set[str] = set()
     todo = [name]
     while todo:
