@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..gateway import priority  # the gateway process's thread scheduling (--media-priority)
 from . import proto, wire
 from .base import SynthesisOptions
 from .errors import EngineCrashed, EngineStreamError, EngineUnavailable
@@ -212,6 +213,9 @@ class EngineClient:
     def _read_loop(self, conn, generation: int) -> None:
         loop = self._loop
         assert loop is not None
+        # The event loop's priority (--media-priority): this thread holds the GIL the
+        # loop waits for while it unpacks audio, so it must not be preempted there.
+        priority.enter_media_thread()
         while True:
             try:
                 record = conn.recv_bytes()

@@ -20,6 +20,8 @@ import queue
 import threading
 from typing import Any, Callable
 
+from . import priority
+
 FIRST = 0  # priority of an utterance's first slice
 LATER = 1
 
@@ -50,6 +52,7 @@ class EncodePool:
         return future
 
     def _work(self) -> None:
+        priority.enter_media_thread()  # the event loop's priority: these threads hold the GIL it waits for
         while True:
             _, _, future, fn, args = self._jobs.get()
             if future.cancelled():

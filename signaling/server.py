@@ -18,6 +18,7 @@ from aiohttp import web
 from ..config import Settings
 from ..engine.client import EngineClient
 from ..gateway.errors import GatewayError
+from ..gateway import priority
 from ..gateway.gateway import Gateway
 from ..gateway.peer import PeerConnection
 from .errors import error_response, read_json_object
@@ -347,6 +348,9 @@ async def serve(settings: Settings) -> None:
     """Run until SIGTERM or SIGINT, then drain: readiness goes false, new sessions are
     refused, current utterances get up to --drain-timeout-s to finish, then peers close."""
     settings.check()  # raises ConfigError before anything listens
+    # Before the engine worker starts and before any encoding thread: it follows the
+    # loop's thread, and the worker does not (raises PriorityError saying what to do).
+    priority.apply(settings.media_priority)
     app = create_app(settings)
     gw: Gateway = app["gateway"]
     runner = web.AppRunner(app, handle_signals=False, access_log=None)

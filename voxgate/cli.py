@@ -21,6 +21,7 @@ def _serve(args: argparse.Namespace) -> int:
     from .signaling.server import run
 
     from .engine.errors import EngineUnavailable
+    from .gateway.priority import PriorityError
 
     settings = settings_from(args)
     setup_logging(settings.log_level, settings.log_json)
@@ -39,6 +40,9 @@ def _serve(args: argparse.Namespace) -> int:
         run(settings)
     except EngineUnavailable as exc:
         print(f"voxgate: the {settings.engine} engine could not start: {exc}", file=sys.stderr)
+        return 2
+    except PriorityError as exc:
+        print(f"voxgate: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"voxgate: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}. "

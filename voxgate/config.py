@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 from .engine.base import DEFAULT_PRIOR_PRECISION, PRIOR_PRECISIONS  # light: numpy only
 from .engine.other_load import SPIN_POLICIES  # light: imports nothing of onnxruntime
 from .gateway.fec import SIGNAL_POLICIES  # light: imports no aiortc
+from .gateway.priority import MEDIA_PRIORITIES  # light: os and logging
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 RTP_SENDERS = ("voxgate", "aiortc")  # gateway/rtp_send.py
@@ -63,6 +64,8 @@ class Settings:
     opus_signal: str = "auto"
     # Who builds the speech track's RTP packets (gateway/rtp_send.py).
     rtp_sender: str = "voxgate"
+    # How the OS schedules the event loop and the encoding threads (gateway/priority.py).
+    media_priority: str = "normal"
     # Barge-in defaults for new sessions
     vad: bool = True
     vad_aggressiveness: int = 2
@@ -155,6 +158,8 @@ class Settings:
             raise ConfigError(f"--opus-signal {self.opus_signal!r}: choose one of {', '.join(SIGNAL_POLICIES)}")
         if self.rtp_sender not in RTP_SENDERS:
             raise ConfigError(f"--rtp-sender {self.rtp_sender!r}: choose one of {', '.join(RTP_SENDERS)}")
+        if self.media_priority not in MEDIA_PRIORITIES:
+            raise ConfigError(f"--media-priority {self.media_priority!r}: choose one of {', '.join(MEDIA_PRIORITIES)}")
         self._check_fleet()
         if self.engine_url is not None:
             parsed = urlsplit(self.engine_url)
@@ -246,6 +251,9 @@ _HELP = {
     "show no loss, voice from a report of 1 %% or more until 30 s after the last (with --no-opus-fec, auto is music)",
     "rtp_sender": "who builds the speech track's RTP packets: voxgate (a header template per sender, a "
     "fraction of aiortc's cost per frame) or aiortc (aiortc's own sender loop)",
+    "media_priority": "how the OS schedules the event loop and the encoding threads: normal, or realtime "
+    "(SCHED_FIFO at a low priority, so frames leave on time while synthesis or other processes keep the cores "
+    "busy; needs CAP_SYS_NICE, e.g. docker run --cap-add SYS_NICE, or ulimit -r 10; the engine worker stays normal)",
     "vad": "barge-in by voice on for new sessions",
     "vad_aggressiveness": "webrtcvad mode 0..3 for new sessions",
     "vad_min_speech_ms": "speech needed before a barge-in fires",
