@@ -20,10 +20,10 @@ synthesis must never take the loop's core from it).
 
 The kernel still throttles real-time threads to 95 % of each second by
 default (`/proc/sys/kernel/sched_rt_runtime_us`), so a loop that spins cannot
-lock a core for good. It needs CAP_SYS_NICE (root, `--cap-add SYS_NICE` in
-Docker, `securityContext.capabilities.add: [SYS_NICE]` in Kubernetes) or an
-RLIMIT_RTPRIO of at least RT_PRIORITY (`ulimit -r`); `normal`, the default,
-needs nothing.
+lock a core for good. It needs an RLIMIT_RTPRIO of at least RT_PRIORITY
+(`docker run --ulimit rtprio=10`, `ulimit -r 10`), which also works for the
+images' non-root user, or CAP_SYS_NICE (root, `--cap-add SYS_NICE`);
+`normal`, the default, needs nothing.
 """
 
 from __future__ import annotations
@@ -78,9 +78,9 @@ def _set_realtime() -> None:
     except PermissionError:
         raise PriorityError(
             "--media-priority realtime: the system refused a real-time priority for the media threads. "
-            "It needs CAP_SYS_NICE: run as root, or add it (docker run --cap-add SYS_NICE; in Kubernetes, "
-            "securityContext.capabilities.add: [SYS_NICE]), or allow real-time priorities up to "
-            f"{RT_PRIORITY} for this user (ulimit -r {RT_PRIORITY}, or rtprio in /etc/security/limits.conf); "
+            f"Allow real-time priorities up to {RT_PRIORITY} for this user (docker run --ulimit rtprio={RT_PRIORITY}, "
+            f"ulimits: {{rtprio: {RT_PRIORITY}}} in compose, ulimit -r {RT_PRIORITY} in a shell, rtprio in "
+            "/etc/security/limits.conf), or give the process CAP_SYS_NICE (root, or docker run --cap-add SYS_NICE); "
             "or leave --media-priority at normal"
         ) from None
     except OSError as exc:  # EINVAL and the like: a kernel or cgroup without real-time scheduling

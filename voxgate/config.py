@@ -253,7 +253,8 @@ _HELP = {
     "fraction of aiortc's cost per frame) or aiortc (aiortc's own sender loop)",
     "media_priority": "how the OS schedules the event loop and the encoding threads: normal, or realtime "
     "(SCHED_FIFO at a low priority, so frames leave on time while synthesis or other processes keep the cores "
-    "busy; needs CAP_SYS_NICE, e.g. docker run --cap-add SYS_NICE, or ulimit -r 10; the engine worker stays normal)",
+    "busy; needs a real-time limit of 10, e.g. docker run --ulimit rtprio=10 or ulimit -r 10, or CAP_SYS_NICE; the "
+    "engine worker stays normal)",
     "vad": "barge-in by voice on for new sessions",
     "vad_aggressiveness": "webrtcvad mode 0..3 for new sessions",
     "vad_min_speech_ms": "speech needed before a barge-in fires",
