@@ -198,12 +198,15 @@ def cpu_s(pid: int | None) -> float:
         return 0.0
 
 
-def machine_jiffies() -> tuple[int, int]:
-    """(busy, total) jiffies of all cores, from /proc/stat."""
+def machine_jiffies() -> tuple[int, int, int]:
+    """(busy, total, steal) jiffies of all cores, from /proc/stat. Steal (time the hypervisor
+    gave this VM's cores to others) counts as busy; it is also reported on its own, since a
+    host that steals makes every process here slower and later."""
     with open("/proc/stat") as f:
         values = [int(v) for v in f.readline().split()[1:]]
     idle = values[3] + (values[4] if len(values) > 4 else 0)
-    return sum(values) - idle, sum(values)
+    steal = values[7] if len(values) > 7 else 0
+    return sum(values) - idle, sum(values), steal
 
 
 def cores() -> int:
@@ -482,7 +485,7 @@ class Bench:
 
     async def snapshot(self, server: Server) -> dict:
         figures = await server.figures()
-        busy, total = machine_jiffies()
+        busy, total, steal = machine_jiffies()
         return {
             "t": time.monotonic(),
             "main": cpu_s(server.pid),
@@ -492,6 +495,7 @@ class Bench:
             "ours": sum(cpu_s(p) for p in self.our_pids()),
             "busy": busy,
             "total": total,
+            "steal": steal,
             "figures": figures,
         }
 
@@ -532,6 +536,7 @@ class Bench:
         worker = (s1["worker"] - s0["worker"]) / dt if s0["worker_pid"] and s0["worker_pid"] == s1["worker_pid"] else 0.0
         gens = [(b - a) / dt for a, b in zip(s0["generators"], s1["generators"])]
         busy = (s1["busy"] - s0["busy"]) / max(1, s1["total"] - s0["total"]) * ncores
+        steal = (s1["steal"] - s0["steal"]) / max(1, s1["total"] - s0["total"]) * ncores
         ours = (s1["ours"] - s0["ours"]) / dt
         f0, f1 = s0["figures"], s1["figures"]
         frames = f1["frames"] - f0["frames"]
@@ -607,6 +612,7 @@ class Bench:
                 "cores": ncores,
                 "busy_cores": round(busy, 3),
                 "background_cores": round(max(0.0, busy - ours), 3),
+                "steal_cores": round(steal, 3),
                 "loadavg_1m": round(os.getloadavg()[0], 2),
             },
         }
@@ -644,6 +650,7 @@ def print_row(row: dict) -> None:
         f"jit p99<={row['jitter_p99_le_ms']}ms  gaps p99 {_f(c['gap_p99_ms'])} max {_f(c['gap_max_ms'])} >60ms {c['gaps_over_60ms']}  "
         f"bot {_f(100 * (c['bot_speaking_share'] or 0), 0)}%  gen {100 * g['cores_total']:3.0f}% "
         f"(max {100 * max(g['cores_each'], default=0):3.0f}%)  bg {100 * row['machine']['background_cores']:3.0f}%"
+        f" (steal {100 * row['machine']['steal_cores']:.0f}%)"
         + (f"  [{', '.join(flags)}]" if flags else ""),
         flush=True,
     )
@@ -722,7 +729,7 @@ def print_tables(rows: list[dict], summary: dict, scenarios: list[Scenario]) -> 
           " which that counter skips; jit p99<=: bucket bound of |interval - 20 ms| that 99 % stay under;"
           " sent: frames the listeners' RTP clocks covered (sent, or stood for by a DTX keep-alive between utterances) / 50 per session per second; S!: the server at its limit (main process"
           f" >= {SERVER_MAIN_LIMIT} core or frames missing), so its CPU per session is understated; G!: a generator"
-          " near a full core or lagging; M!: every core of the machine busy; bg: CPU of processes not started by this benchmark)")
+          " near a full core or lagging; M!: every core of the machine busy; bg: CPU of processes not started by this benchmark, with the hypervisor's steal inside it)")
 
 
 def capacity_ok(row: dict) -> bool:

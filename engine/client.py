@@ -15,10 +15,10 @@ import multiprocessing
 import os
 import threading
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
-from ..gateway import priority  # the gateway process's thread scheduling (--media-priority)
 from . import proto, wire
 from .base import SynthesisOptions
 from .errors import EngineCrashed, EngineStreamError, EngineUnavailable
@@ -47,6 +47,9 @@ class EngineConfig:
     # More keyword arguments for the engine's constructor (PiperEngine(split=False), say).
     engine_options: dict = field(default_factory=dict)
     start_timeout: float = 60.0
+    # Called first in the reader thread: the gateway gives it the event loop's priority
+    # (gateway/priority.py), since it holds the GIL the loop waits for while it unpacks audio.
+    reader_setup: Callable[[], None] | None = None
     # The first unit is sent after this long even without a clause boundary.
     first_unit_timeout: float = FIRST_UNIT_TIMEOUT_S
 
@@ -213,9 +216,8 @@ class EngineClient:
     def _read_loop(self, conn, generation: int) -> None:
         loop = self._loop
         assert loop is not None
-        # The event loop's priority (--media-priority): this thread holds the GIL the
-        # loop waits for while it unpacks audio, so it must not be preempted there.
-        priority.enter_media_thread()
+        if self.config.reader_setup is not None:
+            self.config.reader_setup()
         while True:
             try:
                 record = conn.recv_bytes()

@@ -13,6 +13,7 @@ import time
 
 from ..config import Settings
 from ..engine.client import EngineClient, EngineConfig
+from . import priority
 from .encoder import OpusSettings
 from .errors import GatewayError, checked_voice
 from .ice import IcePolicy, parse_ice_server, parse_networks, restrict_host_addresses
@@ -49,6 +50,7 @@ def _engine_client(settings: Settings) -> EngineClient:
         parallel=settings.parallel,
         threads=settings.threads,
         first_unit_timeout=settings.first_unit_timeout_ms / 1000.0,
+        reader_setup=priority.enter_media_thread,
         engine_options=(
             {"spin": settings.engine_spin, "prior_precision": settings.engine_prior_precision}
             if settings.engine == "piper" else {}
