@@ -28,7 +28,9 @@ LATER = 1
 
 class EncodePool:
     def __init__(self, threads: int | None = None) -> None:
-        self.threads = threads or max(1, (os.cpu_count() or 1) - 1)
+        # The cores this process may run on (a cpuset or taskset), not the machine's: with
+        # --media-priority realtime these threads may take every core they are given.
+        self.threads = threads or max(1, len(os.sched_getaffinity(0)) - 1)
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
         self._lock = threading.Lock()

@@ -24,6 +24,7 @@ from aiohttp import web
 from ..engine.base import SynthesisOptions
 from ..engine.errors import EngineCrashed, EngineStreamError, EngineUnavailable, public_engine_error
 from ..engine.stream import StreamChunk, TTSStream
+from ..gateway import priority
 from ..gateway.encoder import ulaw_encode
 from ..gateway.resample import StreamResampler
 from ..gateway.text_pump import TEXT_SLICE_CHARS
@@ -38,7 +39,8 @@ UNKNOWN_SIZE = 0xFFFFFFFF
 
 # Resampling and Opus run here, never on the event loop; one request's calls
 # are awaited in order, so each formatter is only ever used by one thread at a time.
-_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tts-http")
+# The event loop's priority (--media-priority): these threads hold the GIL it waits for.
+_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tts-http", initializer=priority.enter_media_thread)
 
 
 # Output formats: engine PCM in, response bytes out.

@@ -251,10 +251,11 @@ _HELP = {
     "show no loss, voice from a report of 1 %% or more until 30 s after the last (with --no-opus-fec, auto is music)",
     "rtp_sender": "who builds the speech track's RTP packets: voxgate (a header template per sender, a "
     "fraction of aiortc's cost per frame) or aiortc (aiortc's own sender loop)",
-    "media_priority": "how the OS schedules the event loop and the encoding threads: normal, or realtime "
-    "(SCHED_FIFO at a low priority, so frames leave on time while synthesis or other processes keep the cores "
-    "busy; needs a real-time limit of 10, e.g. docker run --ulimit rtprio=10 or ulimit -r 10, or CAP_SYS_NICE; the "
-    "engine worker stays normal)",
+    "media_priority": "how the OS schedules the event loop and the threads it waits on (encoding, the engine "
+    "reader, /v1/tts formatting): normal, or realtime (SCHED_FIFO at a low priority, so a woken loop gets a core at "
+    "once while other threads keep the cores busy; the engine worker stays normal; needs a real-time limit of 10, "
+    "e.g. docker run --ulimit rtprio=10 or ulimit -r 10, or CAP_SYS_NICE; keep --max-sessions within capacity, "
+    "since these threads come before synthesis)",
     "vad": "barge-in by voice on for new sessions",
     "vad_aggressiveness": "webrtcvad mode 0..3 for new sessions",
     "vad_min_speech_ms": "speech needed before a barge-in fires",

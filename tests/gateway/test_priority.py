@@ -18,7 +18,7 @@ from voxgate.rtc_client import RtcClient
 
 from tests.gateway.test_resilience import children_of
 
-FIFO = os.SCHED_FIFO
+FIFO = os.SCHED_FIFO  # Linux, as the gateway's real-time setting
 
 
 def _policies(pid: int) -> dict[int, int]:
@@ -43,6 +43,73 @@ def test_an_unknown_policy_is_refused_with_the_choices():
         Settings(media_priority="fast").check()
     with pytest.raises(priority.PriorityError, match="choose one of normal, realtime"):
         priority.apply("fast")
+
+
+class _Calls:
+    """A stand-in for os.sched_setscheduler: records each call, or raises `error`."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.calls: list[tuple[int, int, int]] = []
+        self.error = error
+
+    def __call__(self, pid, policy, param) -> None:
+        if self.error is not None:
+            raise self.error
+        self.calls.append((pid, policy, param.sched_priority))
+
+
+@pytest.fixture
+def sched(monkeypatch):
+    """The policy module with the kernel call stood in for: these tests must not make pytest real-time."""
+    calls = _Calls()
+    monkeypatch.setattr(priority, "_policy", "normal")  # restored after the test
+    monkeypatch.setattr(os, "sched_setscheduler", calls)
+    return calls
+
+
+def test_realtime_asks_for_fifo_that_children_do_not_inherit(sched):
+    priority.apply("realtime")
+    priority.enter_media_thread()
+    expected = (0, FIFO | os.SCHED_RESET_ON_FORK, priority.RT_PRIORITY)
+    assert sched.calls == [expected, expected]  # the loop's thread, then a media thread
+
+
+def test_normal_asks_the_kernel_for_nothing(sched):
+    priority.apply("normal")
+    priority.enter_media_thread()
+    assert sched.calls == []
+
+
+@pytest.mark.parametrize(
+    "allowed, says, not_says",
+    [
+        (False, ["--ulimit rtprio=10", "LimitRTPRIO=10", "CAP_SYS_NICE"], "rt_runtime"),
+        # Allowed by the limit or the capability and refused anyway: cgroup v1's real-time budget.
+        (True, ["cpu.rt_runtime_us", "--cpu-rt-runtime"], "CAP_SYS_NICE"),
+    ],
+)
+def test_a_refusal_names_what_is_missing(sched, monkeypatch, allowed, says, not_says):
+    sched.error = PermissionError(1, "Operation not permitted")
+    monkeypatch.setattr(priority, "_may_use_realtime", lambda: allowed)
+    with pytest.raises(priority.PriorityError) as refused:
+        priority.apply("realtime")
+    for text in says:
+        assert text in str(refused.value)
+    assert not_says not in str(refused.value)
+    assert priority._policy == "normal"  # media threads started later stay normal too
+
+
+def test_a_media_thread_refused_after_the_loop_runs_on_normal_and_says_so(sched, caplog):
+    priority.apply("realtime")
+    sched.error = PermissionError(1, "Operation not permitted")
+    priority.enter_media_thread()  # no exception: the thread does its work at normal priority
+    assert "stays at normal priority" in caplog.text
+
+
+def test_unthrottled_real_time_is_warned_about(sched, monkeypatch, caplog):
+    monkeypatch.setattr(priority, "_rt_runtime_us", lambda: -1)
+    priority.apply("realtime")
+    assert "not throttled" in caplog.text
 
 
 async def test_realtime_covers_the_loop_and_the_media_threads_but_not_the_engine_worker(server_factory):
