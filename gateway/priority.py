@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 
 MEDIA_PRIORITIES = ("normal", "realtime")
 # Low on purpose: above every normal thread, below the threaded interrupt
@@ -114,8 +115,6 @@ def _set_realtime() -> None:
 
 def _may_use_realtime() -> bool:
     """Whether the rtprio limit or CAP_SYS_NICE allows this process RT_PRIORITY."""
-    import resource
-
     soft, _ = resource.getrlimit(resource.RLIMIT_RTPRIO)
     if soft == resource.RLIM_INFINITY or soft >= RT_PRIORITY:
         return True
