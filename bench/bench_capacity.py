@@ -155,6 +155,9 @@ GENERATOR_LAG_LIMIT_MS = 20.0
 RAMP_FRAMES = 4000  # per capacity window: 0.1 % of them is 4 late frames
 RAMP_WINDOW_MAX_S = 24.0
 SERVER_MAIN_LIMIT = 0.9  # cores: one event loop (plus the GIL) is about all a server process gets
+# A window where the hypervisor took more than this share of the machine's cores
+# (/proc/stat steal) ran on a noisy host: every process here was slower and later.
+STEAL_LIMIT = 0.02
 # From the issue, for the sanity checks: libopus at complexity 5 on speech took about 165 us
 # per 20 ms frame, and a plain aiortc server 4.0-4.5 % of a core per speaking session, on the
 # machine the issue was measured on. The calibration below scales them to this machine.
@@ -626,6 +629,7 @@ class Bench:
             or (row["generators"]["loop_lag_p99_ms"] or 0.0) > GENERATOR_LAG_LIMIT_MS
         )
         row["machine_saturated"] = busy > 0.95 * ncores
+        row["host_stealing"] = steal > STEAL_LIMIT * ncores
         # A server at its limit skips or delays work, so its CPU per session understates the cost.
         row["server_saturated"] = bool(main >= SERVER_MAIN_LIMIT or row["server_frames"] < 0.95 * row["server_frames_expected"])
         return row
@@ -644,6 +648,8 @@ def print_row(row: dict) -> None:
         flags.append("server at its limit")
     if row["machine_saturated"]:
         flags.append("machine saturated")
+    if row["host_stealing"]:
+        flags.append("host stealing")
     print(
         f"  {row['scenario']} {row['server']:18s} {row['sessions']:4d} sess  CPU/session {cpu['total']:5.2f}% "
         f"(main {cpu['main']:5.2f} + worker {cpu['worker']:4.2f})  late {_pct(row['late_pct'])} stalls {row['stalls']} "
@@ -729,7 +735,7 @@ def print_tables(rows: list[dict], summary: dict, scenarios: list[Scenario]) -> 
           " which that counter skips; jit p99<=: bucket bound of |interval - 20 ms| that 99 % stay under;"
           " sent: frames the listeners' RTP clocks covered (sent, or stood for by a DTX keep-alive between utterances) / 50 per session per second; S!: the server at its limit (main process"
           f" >= {SERVER_MAIN_LIMIT} core or frames missing), so its CPU per session is understated; G!: a generator"
-          " near a full core or lagging; M!: every core of the machine busy; bg: CPU of processes not started by this benchmark, with the hypervisor's steal inside it)")
+          " near a full core or lagging; M!: every core of the machine busy; bg: CPU of processes not started by this benchmark, with the hypervisor's steal inside it; both in % of one core)")
 
 
 def capacity_ok(row: dict) -> bool:
@@ -807,6 +813,9 @@ async def ramp(bench: Bench, product: Server, scenario: Scenario, deadline: floa
             limit = "the generators could not drive more (a process near a full core, or its event loop lagging)"
         elif r["machine_saturated"]:
             limit = "late frames with every core of the machine busy (server + generators + background)"
+        elif r["host_stealing"]:
+            limit = (f"late frames while the hypervisor took {r['machine']['steal_cores']:.2f} cores (steal): "
+                     "a noisy host, rerun in a quieter period")
         else:
             limit = "server late frames"
     return {
@@ -904,6 +913,9 @@ def checks(rows: list[dict], scenarios: list[Scenario], calibration: dict) -> li
     add("servers at their limit (CPU per session understated there; information)", None, ", ".join(limit) or "none")
     busy_bg = [f"{tag(r)}: {r['machine']['background_cores']:.2f}" for r in rows if r["machine"]["background_cores"] > 0.25]
     add("the machine was otherwise quiet (other processes under 0.25 core in every window)", not busy_bg, ", ".join(busy_bg[:6]) or "yes")
+    stolen = [f"{tag(r)}: {r['machine']['steal_cores']:.2f} cores" for r in rows if r["host_stealing"]]
+    add(f"the host gave this machine its cores (steal under {STEAL_LIMIT:.0%} of the machine in every window)",
+        not stolen, ", ".join(stolen[:6]) or "yes")
     return out
 
 
