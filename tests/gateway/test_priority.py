@@ -16,7 +16,7 @@ from voxgate.gateway import priority
 from voxgate.gateway.encode_pool import encode_pool
 from voxgate.rtc_client import RtcClient
 
-from tests.gateway.test_resilience import children_of
+from tests.gateway.test_resilience import engine_worker_pid
 
 FIFO = os.SCHED_FIFO  # Linux, as the gateway's real-time setting
 
@@ -125,7 +125,7 @@ async def test_realtime_covers_the_loop_and_the_media_threads_but_not_the_engine
         # The event loop's thread, the engine reader and the encode pool: nothing else.
         assert server.proc.pid in realtime
         assert len(realtime) == 2 + encode_pool.threads, threads
-        (worker,) = [pid for pid in children_of(server.proc.pid) if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+        worker = engine_worker_pid(server.proc.pid)
         assert set(_policies(worker).values()) == {os.SCHED_OTHER}  # synthesis never takes the loop's core
 
 
