@@ -441,6 +441,13 @@ class PiperEngine(Engine):
             hurry = s.windows < 2 and (job.load <= 1.0 or (job.slack_s or 0.0) < extra_s)
             end = w.src_end if hurry else ahead
             ctx = graphs.flow.context
+            if s.frames - (end + ctx) <= ctx:
+                # What a hurried segment would leave is shorter than its context:
+                # a later segment would run that context twice over (once as
+                # this one's right side, once as its own left) to save this step
+                # at most `ctx` frames. A short first sentence under load had
+                # flowed 1.8x its frames that way (bench_streaming's 8 streams).
+                end = s.frames
             a, b = max(0, s.flowed - ctx), min(s.frames, end + ctx)
             feed = loaded._feed(graphs.flow, (s.z_p[:, :, a:b], s.mask[:, :, a:b]))
             out = run("flow", feed)[0]

@@ -254,11 +254,13 @@ def test_any_voice_by_path_streams(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["doctored.onnx", "doctored.onnx.json"]
 
 
-def _flow_segments(engine: PiperEngine, load: float, slack_s: float) -> tuple[int, int]:
-    """Flow frames run and kept for the long sentence, windows of 12 frames, at `load`."""
-    kept, engine.schedule = engine.schedule, WindowSchedule(first=12, largest=12)
+def _flow_segments(
+    engine: PiperEngine, load: float, slack_s: float, text: str = SENTENCES[2], schedule: WindowSchedule | None = None
+) -> tuple[int, int]:
+    """Flow frames run and kept for `text` (by default the long sentence, windows of 12 frames), at `load`."""
+    kept, engine.schedule = engine.schedule, schedule or WindowSchedule(first=12, largest=12)
     try:
-        job = engine.start(SENTENCES[2], SynthesisOptions(noise_w_scale=0.0))  # the same durations each time
+        job = engine.start(text, SynthesisOptions(noise_w_scale=0.0))  # the same durations each time
         job.load, job.slack_s = load, slack_s
         before = dict(engine.counters)
         while not job.done:
@@ -283,3 +285,18 @@ def test_the_flow_runs_ahead_under_load_once_the_listener_has_audio(engine):
     for slack_s in (0.0, 0.01):
         run_waiting, _ = _flow_segments(engine, load=4.0, slack_s=slack_s)
         assert run_waiting > kept
+
+
+def test_a_hurried_flow_takes_a_short_sentence_whole(engine):
+    # The default first window of 8 frames needs the flow up to 20 frames (the
+    # decoder's 12 of context), and the flow computes 32 more of its own context:
+    # 52 frames. "Hello there." is 69 frames: a second segment would run 49 frames
+    # (its 32 frames of left context again) for the 17 left, so the first runs them.
+    run, kept = _flow_segments(engine, load=1.0, slack_s=0.0, text="Hello there.", schedule=WindowSchedule())
+    assert 52 < kept <= 52 + 32
+    assert run == kept
+    # 109 frames leave 57 after the first segment, more than its context: the
+    # first audio does not wait for them, and the seam runs context again.
+    run, kept = _flow_segments(engine, load=1.0, slack_s=0.0, text="It should arrive tomorrow.", schedule=WindowSchedule())
+    assert kept > 52 + 32
+    assert run > kept
