@@ -268,12 +268,17 @@ async def concurrent(client: EngineClient, n: int, text: str = REPLY) -> dict:
         first = arrivals[0][0]
         audio = sum(d for _, d in arrivals)
         # Playback from the first chunk: chunk k is due once the chunks before it have played.
+        # A chunk that arrives after it is due is a gap (the stream ran dry); one
+        # that arrives before leaves that much audio still buffered (the headroom).
         due = first
         worst_gap = 0.0
+        headroom = None
         for at, d in arrivals:
+            if at > first:
+                headroom = due - at if headroom is None else min(headroom, due - at)
             worst_gap = max(worst_gap, at - due)
             due = max(due, at) + d
-        return {"first": first, "wall": arrivals[-1][0], "audio": audio, "gap": worst_gap}
+        return {"first": first, "wall": arrivals[-1][0], "audio": audio, "gap": worst_gap, "headroom": headroom}
 
     t0 = time.perf_counter()
     results = await asyncio.gather(*(one() for _ in range(n)))
@@ -288,6 +293,9 @@ async def concurrent(client: EngineClient, n: int, text: str = REPLY) -> dict:
         "all_faster_than_real_time": max(rtfs) < 1.0,
         "streams_with_underrun": sum(1 for r in results if r["gap"] > 0.0),
         "worst_underrun_ms": round(max(r["gap"] for r in results) * 1000.0, 1),
+        # The least audio any stream still had buffered when a later chunk arrived
+        # (negative: it ran dry): how long a stall of the host it would have survived.
+        "least_headroom_ms": round(min((r["headroom"] for r in results if r["headroom"] is not None), default=0.0) * 1000.0, 1),
         "throughput_audio_s_per_s": round(audio / wall, 2),
         "wall_s": round(wall, 2),
     }

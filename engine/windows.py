@@ -48,6 +48,21 @@ FOLD_FRACTION = 2
 FOLD_COVER = 2
 
 
+def load_factor(load: float) -> int:
+    """How many times its size alone a window is at `load` (streams per core with steps to run).
+
+    Alone on its core, once. Under load, a stream's next chunk comes after
+    ceil(load) - 1 other streams' steps on its core and then its own next
+    step, which is larger than its first (GROWTH): a chunk must cover both,
+    and ceil(load) + 1 times the first window does. At 4 streams on 2 cores,
+    first windows of 2 x 8 frames (186 ms) had left 58-95 ms before each
+    stream's second chunk arrived, and a stall of the host longer than that
+    ran a stream dry; 3 x 8 frames left 170-189 ms, for about 5 ms more on a
+    first chunk (by hand on 2 cores; bench_streaming's 4 streams report it).
+    """
+    return 1 if load <= 1 + 1e-9 else math.ceil(load - 1e-9) + 1
+
+
 @dataclass(frozen=True)
 class Window:
     """Frames [start, end) to emit, computed from frames [src_start, src_end)."""
@@ -74,12 +89,12 @@ class WindowSchedule:
         Windows grow by GROWTH from the first; and, when the listener's
         buffered audio is known (`slack_frames`), to COVER times that. A direct
         call (nobody listening live, `None`) just grows. Under `load` (streams
-        per core with steps to run), every window is that many times larger:
-        each stream's next step comes that much later, so each chunk must
-        cover that much more time, and fewer seams leave more of the cores for
-        the audio itself.
+        per core with steps to run), every window is `load_factor(load)` times
+        larger: each stream's next step comes that much later, so each chunk
+        must cover that much more time, and fewer seams leave more of the
+        cores for the audio itself.
         """
-        size = self.first * max(1, math.ceil(load - 1e-9)) * GROWTH ** min(index, 8)
+        size = self.first * load_factor(load) * GROWTH ** min(index, 8)
         if slack_frames is not None:
             size = max(size, int(COVER * max(slack_frames, 0.0)))
         return max(self.first, min(self.largest, size))
