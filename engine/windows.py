@@ -20,12 +20,17 @@ from dataclasses import dataclass
 
 from .base import WordTiming
 
-# About 93 ms of audio at 22,050 Hz and 256 samples per frame: little work
-# (with the decoder's 12 frames of context each side, 20 frames decoded instead
-# of 24 for 12, and 4 fewer frames of flow: 2-3 ms off a first chunk of 50-60 ms
-# on 2 threads), and still more audio than the next window takes on a busy core
-# (32 frames, 56 with context: about 20 ms on one core).
-FIRST_WINDOW_FRAMES = 8
+# About 139 ms of audio at 22,050 Hz and 256 samples per frame. What a
+# listener can play of it is less: the gateway's resampler to 48 kHz (soxr HQ)
+# holds back about 19 ms, and the rest goes out in whole 20 ms frames, so 12
+# frames play 120 ms, and 8 frames (this constant's value last round) played
+# 60 ms. The next step (48 frames, 72 with context, and the flow up to them)
+# took 30-45 ms on 2 idle cores and about twice that beside a browser on the
+# same cores, which 60 ms did not cover: the gateway saw its stream run dry
+# after every first chunk in the page benchmark, and the pre-roll it then adds
+# delayed every later utterance by 50-70 ms. 4 more frames cost a first chunk
+# about 3 ms on 2 threads.
+FIRST_WINDOW_FRAMES = 12
 # About 3 s of audio, some 0.3 s of one core: a step no longer than that.
 MAX_WINDOW_FRAMES = 256
 # Each window of a sentence may be this many times the one before. Every seam

@@ -288,15 +288,15 @@ def test_the_flow_runs_ahead_under_load_once_the_listener_has_audio(engine):
 
 
 def test_a_hurried_flow_takes_a_short_sentence_whole(engine):
-    # The default first window of 8 frames needs the flow up to 20 frames (the
+    # A first window of 8 frames needs the flow up to 20 frames (the
     # decoder's 12 of context), and the flow computes 32 more of its own context:
     # 52 frames. "Hello there." is 69 frames: a second segment would run 49 frames
     # (its 32 frames of left context again) for the 17 left, so the first runs them.
-    run, kept = _flow_segments(engine, load=1.0, slack_s=0.0, text="Hello there.", schedule=WindowSchedule())
+    run, kept = _flow_segments(engine, load=1.0, slack_s=0.0, text="Hello there.", schedule=WindowSchedule(first=8))
     assert 52 < kept <= 52 + 32
     assert run == kept
     # 109 frames leave 57 after the first segment, more than its context: the
     # first audio does not wait for them, and the seam runs context again.
-    run, kept = _flow_segments(engine, load=1.0, slack_s=0.0, text="It should arrive tomorrow.", schedule=WindowSchedule())
+    run, kept = _flow_segments(engine, load=1.0, slack_s=0.0, text="It should arrive tomorrow.", schedule=WindowSchedule(first=8))
     assert kept > 52 + 32
     assert run > kept

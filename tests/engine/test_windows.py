@@ -96,3 +96,20 @@ def test_chunk_texts_join_exactly_when_a_sentences_last_window_says_no_word():
     assert "".join(texts) == "Hello there."
     # Mid-unit (another sentence follows), the same windows keep the space.
     assert "".join(chunk_text(" ".join(w.text for w in words_in_window(words, a, b, c)), False) for a, b, c in bounds) == "Hello there. "
+
+
+def test_a_first_window_plays_over_100_ms_once_the_gateway_has_resampled_and_framed_it():
+    # What a listener hears before the second chunk must cover the second step:
+    # 30-45 ms on 2 idle cores, about twice that beside a browser (windows.py).
+    # The gateway's resampler holds some audio back and the rest leaves in whole
+    # 20 ms frames, so the first window's playable audio is less than its length.
+    import numpy as np
+
+    from voxgate.gateway.frames import FRAME_MS, Framer
+    from voxgate.gateway.resample import StreamResampler
+
+    rate, hop, wire = 22050, 256, 48000  # Piper's medium voices (joe) to Opus
+    pcm = (np.random.default_rng(0).standard_normal(WindowSchedule().first * hop) * 3000).astype(np.int16)
+    framer = Framer(wire)
+    samples = framer.push(StreamResampler(rate, wire).process(pcm), last=False)
+    assert len(samples) // framer.samples * FRAME_MS >= 100
