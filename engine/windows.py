@@ -56,16 +56,19 @@ FOLD_COVER = 2
 def load_factor(load: float) -> int:
     """How many times its size alone a window is at `load` (streams per core with steps to run).
 
-    Alone on its core, once. Under load, a stream's next chunk comes after
-    ceil(load) - 1 other streams' steps on its core and then its own next
-    step, which is larger than its first (GROWTH): a chunk must cover both,
-    and ceil(load) + 1 times the first window does. At 4 streams on 2 cores,
-    first windows of 2 x 8 frames (186 ms) had left 58-95 ms before each
-    stream's second chunk arrived, and a stall of the host longer than that
-    ran a stream dry; 3 x 8 frames left 170-189 ms, for about 5 ms more on a
-    first chunk (by hand on 2 cores; bench_streaming's 4 streams report it).
+    Alone on its core, once. Under load, a stream's next chunk comes only after
+    the other streams' steps on its core (about ceil(load) - 1 of them) and its
+    own next step, so each chunk must cover about that many steps: ceil(load)
+    first windows do. With first windows of 8 frames that had not been enough
+    (59-87 ms of audio in hand when the second chunk of 4 streams on 2 cores
+    arrived, 2 of 40 streams dry in streaming-int8.json), and ceil(load) + 1
+    was tried: 150-193 ms in hand. Once the first window became 12 frames
+    (FIRST_WINDOW_FRAMES says why), ceil(load) alone keeps 130-167 ms in hand
+    (streaming-first12-ceil-throughput.json), where the + 1 kept 300-323 ms
+    and made every first chunk under load larger (60 frames at 8 streams
+    instead of 48; streaming-first12.json).
     """
-    return 1 if load <= 1 + 1e-9 else math.ceil(load - 1e-9) + 1
+    return max(1, math.ceil(load - 1e-9))
 
 
 @dataclass(frozen=True)

@@ -39,18 +39,18 @@ def test_a_short_tail_joins_the_window_before_it_once_the_listener_has_audio():
 
 def test_a_first_window_with_nothing_buffered_stays_small():
     schedule = WindowSchedule(first=12)  # the figures below are worked out for a first window of 12 frames
-    # Nobody has audio yet: a first window keeps its size (here 5 x 12 frames, at
+    # Nobody has audio yet: a first window keeps its size (here 4 x 12 frames, at
     # 4 streams per core) even when the tail after it is short.
     for slack in (None, 0.0):
-        assert plan(schedule, 5 * schedule.first + 20, slack, load=4.0)[0].end == 5 * schedule.first
+        assert plan(schedule, 4 * schedule.first + 20, slack, load=4.0)[0].end == 4 * schedule.first
 
 
 def test_a_window_under_load_covers_the_other_streams_steps_and_its_own_next():
-    # Alone: the first window. Under load: the other streams' steps on its core
-    # (ceil(load) - 1 of them), its own next step, and itself.
-    assert [load_factor(x) for x in (0.5, 1.0, 1.5, 2.0, 2.5, 4.0)] == [1, 1, 3, 3, 4, 5]
-    schedule = WindowSchedule(first=8)
-    assert schedule.size(0, None, load=1.0) == 8
+    # Alone: the first window. Under load: about one step of each other stream
+    # on its core, and its own next one.
+    assert [load_factor(x) for x in (0.5, 1.0, 1.5, 2.0, 2.5, 4.0)] == [1, 1, 2, 2, 3, 4]
+    schedule = WindowSchedule(first=12)
+    assert schedule.size(0, None, load=1.0) == 12
     assert schedule.size(0, 0.0, load=2.0) == 24  # 4 streams on 2 cores
     assert schedule.size(1, 0.0, load=2.0) == 24 * 4  # and it grows from there
     assert schedule.size(3, 0.0, load=4.0) == schedule.largest  # within the cap
@@ -58,13 +58,13 @@ def test_a_window_under_load_covers_the_other_streams_steps_and_its_own_next():
 
 def test_a_tail_the_buffered_audio_does_not_cover_is_not_folded():
     schedule = WindowSchedule(first=12)  # the figures below are worked out for a first window of 12 frames
-    # 3 streams per core: a first window of 4 x 12 = 48 frames (COVER x slack
-    # stays under it), a 14-frame tail after it. With a sliver of audio
-    # buffered, the step is not made longer for the tail.
-    assert plan(schedule, 48 + 14, slack=0.01, load=3.0)[0].end == 48
+    # 4 streams per core: a first window of 48 frames (COVER x slack stays under
+    # it), a 14-frame tail after it. With a sliver of audio buffered, the step is
+    # not made longer for the tail.
+    assert plan(schedule, 48 + 14, slack=0.01, load=4.0)[0].end == 48
     # Covered (FOLD_COVER x 7 frames buffered = 14): folded; just short of it: not.
-    assert plan(schedule, 48 + 14, slack=14 / FOLD_COVER, load=3.0)[0].end == 62
-    assert plan(schedule, 48 + 14, slack=14 / FOLD_COVER - 0.1, load=3.0)[0].end == 48
+    assert plan(schedule, 48 + 14, slack=14 / FOLD_COVER, load=4.0)[0].end == 62
+    assert plan(schedule, 48 + 14, slack=14 / FOLD_COVER - 0.1, load=4.0)[0].end == 48
     # A later window of a listener who has run dry (nothing buffered) is not lengthened either.
     w = schedule.next(done=100, total=100 + 48 + 20, index=1, context=12, slack_frames=0.0, load=1.0)
     assert w.end == 100 + 48
