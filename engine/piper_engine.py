@@ -54,12 +54,13 @@ from .piper_voice import (
     voice_catalog,
 )
 from .units import cap_phonemes, cap_text
-from .windows import WindowSchedule, chunk_text, says_last_word, words_in_window
+from .windows import WindowSchedule, chunk_text, flow_end, says_last_word, words_in_window
 
 log = logging.getLogger(__name__)
 
 # When it runs ahead, the flow runs this far ahead of the decoder (about 6 s of
-# audio, some 0.1-0.15 s of one core: a bounded step).
+# audio, some 0.1-0.15 s of one core: a bounded step), or up to twice its
+# context further when that ends the sentence (windows.flow_end).
 FLOW_AHEAD_FRAMES = 512
 # What the flow costs per latent frame on one core (about 0.18 ms for joe here;
 # a faster machine or a GPU is only safer): running ahead lengthens a step by
@@ -441,13 +442,7 @@ class PiperEngine(Engine):
             hurry = s.windows < 2 and (job.load <= 1.0 or (job.slack_s or 0.0) < extra_s)
             end = w.src_end if hurry else ahead
             ctx = graphs.flow.context
-            if s.frames - (end + ctx) <= ctx:
-                # What a hurried segment would leave is shorter than its context:
-                # a later segment would run that context twice over (once as
-                # this one's right side, once as its own left) to save this step
-                # at most `ctx` frames. A short first sentence under load had
-                # flowed 1.8x its frames that way (bench_streaming's 8 streams).
-                end = s.frames
+            end = flow_end(s.frames, end, ctx)
             a, b = max(0, s.flowed - ctx), min(s.frames, end + ctx)
             feed = loaded._feed(graphs.flow, (s.z_p[:, :, a:b], s.mask[:, :, a:b]))
             out = run("flow", feed)[0]

@@ -314,10 +314,9 @@ class LoadedVoice:
         """
         assert self.graphs is not None
         sessions = self.sessions_for(1)
-        frames = 3 * FIRST_WINDOW_FRAMES + 2 * max(self.graphs.decoder.context, 1) + 8
+        frames, schedule = probe_plan(self.graphs)
         rng = np.random.default_rng(0)
         probe = rng.standard_normal((1, _channels(self.graphs), frames)).astype(np.float32)
-        schedule = WindowSchedule()
         if self.graphs.flow is not None:
             stage = self.graphs.flow
             mask = np.ones((1, 1, frames), dtype=np.float32)
@@ -335,6 +334,21 @@ class LoadedVoice:
         if "sid" in stage.inputs:
             feed["sid"] = self.speaker
         return feed
+
+
+def probe_plan(graphs: VoiceGraphs) -> tuple[int, WindowSchedule]:
+    """The probe's length and windows for the load-time check of the split.
+
+    Windows of one size, and a probe long enough that the middle ones take
+    their full context from inside it on both sides: a receptive field read too
+    short on either side then shows as a seam. (Sized from the product's
+    schedule, a 12-frame first window had folded the rest of a 68-frame probe
+    into one window whose span was the whole probe: only the first window's
+    right side was checked.)
+    """
+    size = FIRST_WINDOW_FRAMES
+    reach = max(graphs.decoder.context, graphs.flow.context if graphs.flow is not None else 0, 1)
+    return 2 * (reach + size) + size, WindowSchedule(first=size, largest=size)
 
 
 def _channels(graphs: VoiceGraphs) -> int:

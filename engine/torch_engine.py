@@ -30,7 +30,7 @@ import numpy as np
 from .base import AudioChunk, Engine, EngineError, SynthesisJob, SynthesisOptions, WordTiming
 from .piper_engine import DEFAULT_VOICE, PiperEngine, split_words_over, word_timings
 from .units import cap_phonemes, cap_text
-from .windows import FIRST_WINDOW_FRAMES, Window, WindowSchedule, chunk_text, says_last_word, words_in_window
+from .windows import FIRST_WINDOW_FRAMES, Window, WindowSchedule, chunk_text, flow_end, says_last_word, words_in_window
 
 try:
     import torch
@@ -367,7 +367,7 @@ class TorchEngine(Engine):
                 # The first segment is only what the first window needs: it is on the
                 # path to the first audio. Later ones run further ahead.
                 ahead = 0 if s.flowed == 0 else FLOW_SEGMENT_FRAMES
-                end = min(s.frames, max(need, s.flowed + ahead))
+                end = flow_end(s.frames, min(s.frames, max(need, s.flowed + ahead)), voice.flow_context)
                 src_start = max(0, s.flowed - voice.flow_context)
                 src_end = min(s.frames, end + voice.flow_context)
                 flows.append(_FlowTask(s, src_start, src_end, s.flowed - src_start, end - src_start))

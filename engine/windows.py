@@ -23,13 +23,16 @@ from .base import WordTiming
 # About 139 ms of audio at 22,050 Hz and 256 samples per frame. What a
 # listener can play of it is less: the gateway's resampler to 48 kHz (soxr HQ)
 # holds back about 19 ms, and the rest goes out in whole 20 ms frames, so 12
-# frames play 120 ms, and 8 frames (this constant's value last round) played
-# 60 ms. The next step (48 frames, 72 with context, and the flow up to them)
-# took 30-45 ms on 2 idle cores and about twice that beside a browser on the
-# same cores, which 60 ms did not cover: the gateway saw its stream run dry
-# after every first chunk in the page benchmark, and the pre-roll it then adds
-# delayed every later utterance by 50-70 ms. 4 more frames cost a first chunk
-# about 3 ms on 2 threads.
+# frames play 120 ms; 8 frames (the value from 085d3ed to 8d7abe8) played
+# 60 ms. With 8, the next chunk (a window of 32-48 frames, with 12 of context
+# each side, and the flow up to it) reached the gateway 40-55 ms after the
+# first on 2 idle cores and about 80 ms after it beside a browser on the same
+# cores: the page benchmark's stream ran dry after every first chunk, and the
+# pre-roll the gateway then adds delayed every later utterance by 50-70 ms
+# (by hand, logging the playout). With 12 (a next window of 48-72 frames) it
+# did not run dry once; the page's TTFA went from 168-206 to 110-125 ms p50
+# (bench_streaming's page section). 4 more frames cost a first chunk about
+# 3 ms on 2 threads.
 FIRST_WINDOW_FRAMES = 12
 # About 3 s of audio, some 0.3 s of one core: a step no longer than that.
 MAX_WINDOW_FRAMES = 256
@@ -63,10 +66,10 @@ def load_factor(load: float) -> int:
     (59-87 ms of audio in hand when the second chunk of 4 streams on 2 cores
     arrived, 2 of 40 streams dry in streaming-int8.json), and ceil(load) + 1
     was tried: 150-193 ms in hand. Once the first window became 12 frames
-    (FIRST_WINDOW_FRAMES says why), ceil(load) alone keeps 130-167 ms in hand
-    (streaming-first12-ceil-throughput.json), where the + 1 kept 300-323 ms
-    and made every first chunk under load larger (60 frames at 8 streams
-    instead of 48; streaming-first12.json).
+    (FIRST_WINDOW_FRAMES says why), ceil(load) alone kept 130-190 ms in hand
+    (streaming-first12-ceil-throughput.json, streaming-final.json), where the
+    + 1 kept 300-323 ms and made every first chunk under load larger (60
+    frames at 8 streams instead of 48; streaming-first12.json).
     """
     return max(1, math.ceil(load - 1e-9))
 
@@ -129,6 +132,22 @@ class WindowSchedule:
             # latency: fold the tail in, within the cap on a step.
             end = total
         return Window(done, end, max(0, done - context), min(total, end + context))
+
+
+def flow_end(frames: int, end: int, context: int) -> int:
+    """Where a flow segment that must reach `end` should stop, of a sentence's `frames`.
+
+    At `end`, unless what it would leave is no longer than its `context`: a
+    later segment would run that context twice over (once as this one's right
+    side, once as its own left) to save this step at most `context` frames,
+    so the segment takes the rest of the sentence. A short first sentence
+    under load had flowed 1.8x its frames (bench_streaming's 8 streams). On an
+    idle worker this puts up to `context` more frames of flow (some 3 ms on 2
+    threads for Piper's 32) before the first audio of a short sentence, and
+    takes twice that off the step after it, the one the first chunk's audio
+    has to cover.
+    """
+    return frames if frames - (end + context) <= context else end
 
 
 def chunk_text(text: str, says_unit_end: bool) -> str:

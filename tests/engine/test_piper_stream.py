@@ -18,7 +18,7 @@ from onnx import helper
 
 from voxgate.engine.base import SynthesisOptions
 from voxgate.engine.piper_engine import FLOW_AHEAD_FRAMES, PiperEngine, embedded_voice_path
-from voxgate.engine.piper_voice import LoadedVoice
+from voxgate.engine.piper_voice import LoadedVoice, probe_plan
 from voxgate.engine.piper_split import split_voice
 from voxgate.engine.windows import WindowSchedule
 
@@ -165,6 +165,22 @@ def test_streamed_audio_equals_the_unsplit_graph_with_the_noise_off():
     del quiet
 
 
+def test_the_load_time_check_sees_both_sides_of_a_window_for_each_stage(engine):
+    # A receptive field read too short on either side must show as a seam on
+    # the probe: some window has to take its whole context from inside it.
+    graphs = engine._voice(None).graphs
+    frames, schedule = probe_plan(graphs)
+    for stage in (graphs.flow, graphs.decoder):
+        windows, done, index = [], 0, 0
+        while done < frames:
+            w = schedule.next(done, frames, index, stage.context)
+            windows.append(w)
+            done, index = w.end, index + 1
+        assert any(
+            w.src_start == w.start - stage.context > 0 and w.src_end == w.end + stage.context < frames for w in windows
+        )
+
+
 def test_first_window_is_small_and_later_windows_grow(engine):
     chunks, _, _ = stream(engine, SENTENCES[2], SynthesisOptions(), None)
     frames = [len(c.pcm) // 256 for c in chunks]
@@ -288,15 +304,16 @@ def test_the_flow_runs_ahead_under_load_once_the_listener_has_audio(engine):
 
 
 def test_a_hurried_flow_takes_a_short_sentence_whole(engine):
-    # A first window of 8 frames needs the flow up to 20 frames (the
+    # The first window of 12 frames needs the flow up to 24 frames (the
     # decoder's 12 of context), and the flow computes 32 more of its own context:
-    # 52 frames. "Hello there." is 69 frames: a second segment would run 49 frames
-    # (its 32 frames of left context again) for the 17 left, so the first runs them.
-    run, kept = _flow_segments(engine, load=1.0, slack_s=0.0, text="Hello there.", schedule=WindowSchedule(first=8))
-    assert 52 < kept <= 52 + 32
+    # 56 frames. "Hello there." is 69 frames: a second segment would start over
+    # from frame 0 (24 flowed, less 32 of context) to keep 45, so the first
+    # segment runs the 13 left instead.
+    run, kept = _flow_segments(engine, load=1.0, slack_s=0.0, text="Hello there.", schedule=WindowSchedule())
+    assert 56 < kept <= 56 + 32  # (the premise: the sentence's length)
     assert run == kept
-    # 109 frames leave 57 after the first segment, more than its context: the
+    # 109 frames leave 53 after the first segment, more than its context: the
     # first audio does not wait for them, and the seam runs context again.
-    run, kept = _flow_segments(engine, load=1.0, slack_s=0.0, text="It should arrive tomorrow.", schedule=WindowSchedule(first=8))
-    assert kept > 52 + 32
+    run, kept = _flow_segments(engine, load=1.0, slack_s=0.0, text="It should arrive tomorrow.", schedule=WindowSchedule())
+    assert kept > 56 + 32  # (the premise)
     assert run > kept

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from voxgate.engine.base import WordTiming
 from voxgate.engine.windows import (
-    FOLD_COVER, FOLD_FRACTION, WindowSchedule, chunk_text, load_factor, says_last_word, words_in_window,
+    FOLD_COVER, FOLD_FRACTION, WindowSchedule, chunk_text, flow_end, load_factor, says_last_word, words_in_window,
 )
 
 
@@ -53,7 +53,8 @@ def test_a_window_under_load_covers_the_other_streams_steps_and_its_own_next():
     assert schedule.size(0, None, load=1.0) == 12
     assert schedule.size(0, 0.0, load=2.0) == 24  # 4 streams on 2 cores
     assert schedule.size(1, 0.0, load=2.0) == 24 * 4  # and it grows from there
-    assert schedule.size(3, 0.0, load=4.0) == schedule.largest  # within the cap
+    assert schedule.size(2, 0.0, load=1.0) == 12 * 16 < schedule.largest
+    assert schedule.size(2, 0.0, load=2.0) == schedule.largest  # within the cap
 
 
 def test_a_tail_the_buffered_audio_does_not_cover_is_not_folded():
@@ -100,7 +101,8 @@ def test_chunk_texts_join_exactly_when_a_sentences_last_window_says_no_word():
 
 def test_a_first_window_plays_over_100_ms_once_the_gateway_has_resampled_and_framed_it():
     # What a listener hears before the second chunk must cover the second step:
-    # 30-45 ms on 2 idle cores, about twice that beside a browser (windows.py).
+    # 40-55 ms through the gateway on 2 idle cores, about 80 beside a browser
+    # (windows.py).
     # The gateway's resampler holds some audio back and the rest leaves in whole
     # 20 ms frames, so the first window's playable audio is less than its length.
     import numpy as np
@@ -113,3 +115,13 @@ def test_a_first_window_plays_over_100_ms_once_the_gateway_has_resampled_and_fra
     framer = Framer(wire)
     samples = framer.push(StreamResampler(rate, wire).process(pcm), last=False)
     assert len(samples) // framer.samples * FRAME_MS >= 100
+
+
+def test_a_flow_segment_takes_the_rest_of_a_sentence_when_a_later_one_would_cost_more():
+    # A segment to frame 24 with 32 frames of context computes up to 56. Left
+    # 32 frames or fewer past that, a later segment would run 64 frames of
+    # context for them: this one takes them. Left more, the first audio does not wait.
+    assert flow_end(frames=56 + 32, end=24, context=32) == 88
+    assert flow_end(frames=56 + 33, end=24, context=32) == 24
+    assert flow_end(frames=30, end=24, context=32) == 30
+    assert flow_end(frames=24, end=24, context=32) == 24
