@@ -30,7 +30,7 @@ from .base import WordTiming
 # cores: the page benchmark's stream ran dry after every first chunk, and the
 # pre-roll the gateway then adds delayed every later utterance by 50-70 ms
 # (by hand, logging the playout). With 12 (a next window of 48-72 frames) it
-# did not run dry once; the page's TTFA went from 168-206 to 110-125 ms p50
+# did not run dry once; the page's TTFA went from 168-206 to 110-141 ms p50
 # (bench_streaming's page section). 4 more frames cost a first chunk about
 # 3 ms on 2 threads.
 FIRST_WINDOW_FRAMES = 12
