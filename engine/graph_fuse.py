@@ -119,6 +119,25 @@ def _default_opset(model: onnx.ModelProto) -> int | None:
     return None
 
 
+def _names(graph: onnx.GraphProto) -> set[str]:
+    """Every tensor and node name of `graph` and its subgraphs."""
+    names = {i.name for i in graph.initializer} | {v.name for v in list(graph.input) + list(graph.output)}
+    for node in _nodes_within(graph):
+        names.update(node.input)
+        names.update(node.output)
+        names.add(node.name)
+    return names
+
+
+def _fresh(base: str, taken: set[str]) -> str:
+    """A prefix no name of the graph starts with (a rewrite names its new tensors and nodes under it)."""
+    prefix, n = base, 1
+    while any(name.startswith(prefix + "/") or name == prefix for name in taken):
+        prefix, n = f"{base}{n}", n + 1
+    taken.add(prefix)
+    return prefix
+
+
 class _Constants:
     """Values of initializers and Constant nodes, by tensor name."""
 

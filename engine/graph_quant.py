@@ -44,7 +44,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .graph_fuse import MIN_OPSET, _attribute, _Constants, _default_opset, _nodes_within, _subgraph_reads
+from .graph_fuse import MIN_OPSET, _attribute, _Constants, _default_opset, _fresh, _names, _nodes_within, _subgraph_reads
 from .piper_split import SplitError, flow_input
 
 log = logging.getLogger(__name__)
@@ -113,25 +113,6 @@ def quantize_prior(model: onnx.ModelProto, bits: int | None = None) -> int:
         for initializer in unused:
             graph.initializer.remove(initializer)
     return count
-
-
-def _names(graph: onnx.GraphProto) -> set[str]:
-    """Every tensor and node name of `graph` and its subgraphs."""
-    names = {i.name for i in graph.initializer} | {v.name for v in list(graph.input) + list(graph.output)}
-    for node in _nodes_within(graph):
-        names.update(node.input)
-        names.update(node.output)
-        names.add(node.name)
-    return names
-
-
-def _fresh(base: str, taken: set[str]) -> str:
-    """A prefix no name of the graph starts with (rewritten convolutions' tensors are named under it)."""
-    prefix, n = base, 1
-    while any(name.startswith(prefix + "/") or name == prefix for name in taken):
-        prefix, n = f"{base}{n}", n + 1
-    taken.add(prefix)
-    return prefix
 
 
 def _ancestors(producers: dict[str, onnx.NodeProto], name: str) -> set[str]:
@@ -233,21 +214,26 @@ def _as_quantized_matmul(
     return nodes
 
 
-def compare_priors(float_run, int8_run, feeds: list[dict], alignment: bool) -> str:
-    """'' when the rewritten prior matches the float one closely enough on `feeds`, else why not.
+def compare_priors(
+    reference_run, rewritten_run, feeds: list[dict], alignment: bool, what: str = "the int8 prior",
+    max_duration_diff: float | None = None, min_snr_db: float | None = None,
+) -> str:
+    """'' when the rewritten prior (`what`) matches the reference one closely enough on `feeds`, else why not.
 
     Each run maps a feed (noise scales at zero, so both are deterministic) to
     the prior's outputs: the flow's input z_p [1, channels, frames], its mask,
     and, with `alignment`, the frames of each phoneme id.
     """
+    max_duration_diff = MAX_DURATION_DIFF if max_duration_diff is None else max_duration_diff
+    min_snr_db = MIN_LATENT_SNR_DB if min_snr_db is None else min_snr_db
     diffs, signal, error = [], 0.0, 0.0
     for feed in feeds:
-        a, b = float_run(feed), int8_run(feed)
+        a, b = reference_run(feed), rewritten_run(feed)
         if not alignment:
             # No durations to line the two up by: they must make the same frames, and z_p is compared whole.
             frames_a, frames_b = a[0].shape[2], b[0].shape[2]
             if frames_a != frames_b:
-                return f"the int8 prior makes {frames_b} frames where the float one makes {frames_a}"
+                return f"{what} makes {frames_b} frames where the reference makes {frames_a}"
             signal += float((np.asarray(a[0], np.float64) ** 2).sum())
             error += float(((np.asarray(a[0], np.float64) - np.asarray(b[0], np.float64)) ** 2).sum())
             continue
@@ -265,9 +251,9 @@ def compare_priors(float_run, int8_run, feeds: list[dict], alignment: bool) -> s
         error += float(((mean_a - mean_b) ** 2).sum())
     snr = 10.0 * np.log10(max(signal, 1e-20) / max(error, 1e-30))
     diff = float(np.mean(diffs)) if diffs else 0.0
-    if diff > MAX_DURATION_DIFF:
-        return f"the int8 prior's durations differ by {diff:.3f} frames per id (at most {MAX_DURATION_DIFF})"
-    if snr < MIN_LATENT_SNR_DB:
-        return f"the int8 prior's latent means are {snr:.1f} dB from the float ones (at least {MIN_LATENT_SNR_DB:.0f})"
-    log.info("int8 prior checked: durations %.3f frames per id and latent means %.1f dB from float32", diff, snr)
+    if diff > max_duration_diff:
+        return f"{what}'s durations differ by {diff:.3f} frames per id (at most {max_duration_diff})"
+    if snr < min_snr_db:
+        return f"{what}'s latent means are {snr:.1f} dB from the reference (at least {min_snr_db:.0f})"
+    log.info("%s checked: durations %.3f frames per id and latent means %.1f dB from the reference", what, diff, snr)
     return ""

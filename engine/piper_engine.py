@@ -288,6 +288,7 @@ class PiperEngine(Engine):
             )
         flow = f"flow context {graphs.flow.context}" if graphs.flow else "flow with the encoder"
         fused = f", {loaded.fused_layer_norms} layer norms fused" if loaded.fused_layer_norms else ""
+        fused += f", {loaded.banded_terms} attention position terms banded" if loaded.banded_terms else ""
         prior = (
             f", {loaded.int8_convs} prior convolutions in int8" if loaded.int8_convs
             else f", prior in float32 ({loaded.why_float})"

@@ -1,8 +1,10 @@
 """A Piper voice, loaded: which voices there are, onnxruntime providers, the split stages and their sessions.
 
 Loading is where a voice's graph has its layer norms fused (`graph_fuse`),
-is split (`piper_split`) into the stages that let a sentence stream, and
-where the split is checked: each stage run in
+is split (`piper_split`) into the stages that let a sentence stream, where
+the prior's attention gets its position terms banded (`graph_band`) and its
+wide convolutions in int8 (`graph_quant`), each checked against the graph
+before it, and where the split is checked: each stage run in
 windows (`windows`) must match one run over the same frames before a listener
 hears a seam. A graph that will not split, or fails the check, is kept whole,
 and the log says why. Synthesis with a loaded voice is `piper_engine.py`.
@@ -18,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .base import DEFAULT_PRIOR_PRECISION, EngineError
+from .graph_band import MAX_BAND_DURATION_DIFF, MIN_BAND_SNR_DB, band_relative_attention
 from .graph_fuse import fuse_layer_norms
 from .graph_quant import compare_priors, quantize_prior
 from .piper_split import SplitError, Stage, VoiceGraphs, flow_input, split_voice
@@ -148,7 +151,7 @@ class LoadedVoice:
 
     def __init__(
         self, path: Path, providers: list[str], threads: int, split: bool = True, spin: str = "auto",
-        precision: str = DEFAULT_PRIOR_PRECISION,
+        precision: str = DEFAULT_PRIOR_PRECISION, band: bool = True,
     ) -> None:
         import json
 
@@ -187,16 +190,21 @@ class LoadedVoice:
         self.why_whole = "" if split else "splitting was turned off"
         if split:
             self.graphs = self._split(model, alignment, config.hop_length)
-        # The prior's wide convolutions in int8 (graph_quant), on the CPU, when they pass the check:
-        # in the split prior, or in the whole graph of a voice that synthesizes whole units.
+        # The prior's rewrites, each checked against the graph it rewrote: the
+        # attention's position terms on their band (graph_band), then the wide
+        # convolutions in int8 on the CPU (graph_quant). They go where the prior
+        # is served: the split prior, or the whole graph of a voice that
+        # synthesizes whole units.
         self.why_float = "" if precision == "int8" else f"--engine-prior-precision {precision}"
         if precision == "int8" and providers[:1] != ["CPUExecutionProvider"]:
             self.why_float = "int8 runs on the CPU only"
-        elif precision == "int8" and self.graphs is not None:
-            prior = self._quantized(self.graphs.prior.model, config)
+        self.band = band  # False: the dense position terms, as exported (bench_streaming's baseline)
+        self.banded_terms = 0
+        if self.graphs is not None:
+            prior = self._rewrite_prior(self.graphs.prior.model, config)
             self.graphs = replace(self.graphs, prior=replace(self.graphs.prior, model=prior))
-        elif precision == "int8":
-            model = self._quantized(model, config)
+        else:
+            model = self._rewrite_prior(model, config)
         whole = b"" if self.graphs is not None else model.SerializeToString()
         self.spin = spin  # one of other_load.SPIN_POLICIES, checked by PiperEngine
         self.sessions, self.spinning = self._sessions(whole, threads, providers)
@@ -206,8 +214,7 @@ class LoadedVoice:
             except SplitError as exc:
                 self.why_whole = str(exc)
                 self.graphs = None
-                if precision == "int8" and not self.why_float:  # the int8 prior was the split one's: the whole graph gets its own
-                    model = self._quantized(model, config)
+                model = self._rewrite_prior(model, config)  # the split prior's rewrites were its own
                 self.sessions, self.spinning = self._sessions(model.SerializeToString(), threads, providers)
         # Counted in the graph that is served, not where it was rewritten.
         served = self.graphs.prior.model if self.graphs is not None else model
@@ -216,6 +223,35 @@ class LoadedVoice:
             log.warning("piper voice %s: whole-unit synthesis, no streaming inside sentences: %s", path, self.why_whole)
         elif self.graphs.flow is None:
             log.info("piper voice %s: the flow runs with the encoder (%s)", path, self.graphs.flow_note)
+
+    def _rewrite_prior(self, model, config) -> "onnx.ModelProto":
+        """`model` (holding the prior) with the rewrites that pass their checks."""
+        if self.band:
+            model, self.banded_terms = self._banded(model, config)
+        if not self.why_float:  # int8 was asked for, can run here, and has not failed its check
+            model = self._quantized(model, config)
+        return model
+
+    def _banded(self, model, config) -> tuple["onnx.ModelProto", int]:
+        """(`model` with its relative-position terms banded, how many), or (`model`, 0) when that fails its check."""
+        import onnx
+
+        rewritten = onnx.ModelProto()
+        rewritten.CopyFrom(model)
+        count = band_relative_attention(rewritten)
+        if not count:
+            log.info("piper voice %s: no relative-position attention to band", self.path)
+            return model, 0
+        try:
+            why = self._check_prior(
+                model, rewritten, config, what="the banded prior", max_duration_diff=MAX_BAND_DURATION_DIFF, min_snr_db=MIN_BAND_SNR_DB
+            )
+        except Exception as exc:  # noqa: BLE001 (a voice that loads as it is must not fail to load for a rewrite)
+            why = f"the check could not run ({type(exc).__name__}: {str(exc)[:200]})"
+        if why:
+            log.warning("piper voice %s: the attention keeps its dense position terms: %s", self.path, why)
+            return model, 0
+        return rewritten, count
 
     def _quantized(self, model, config) -> "onnx.ModelProto":
         """`model` with its prior's wide convolutions in int8, or `model` itself (and why) when that fails its check."""
@@ -241,7 +277,7 @@ class LoadedVoice:
             return model
         return rewritten
 
-    def _check_prior(self, model, rewritten, config) -> str:
+    def _check_prior(self, model, rewritten, config, **limits) -> str:
         """compare_priors on probe sentences, with the noise at zero so that both runs are deterministic."""
         import onnxruntime
         from onnx.utils import Extractor
@@ -271,7 +307,7 @@ class LoadedVoice:
                 "scales": np.array([0.0, config.length_scale, 0.0], dtype=np.float32),
                 "sid": self.speaker,
             })
-        return compare_priors(prior_run(model), prior_run(rewritten), feeds, self.alignment is not None)
+        return compare_priors(prior_run(model), prior_run(rewritten), feeds, self.alignment is not None, **limits)
 
     def _split(self, model, alignment: str | None, hop: int) -> VoiceGraphs | None:
         try:
