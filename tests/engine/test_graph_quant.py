@@ -98,7 +98,7 @@ def test_new_names_never_collide_and_the_float_weights_go():
 @pytest.mark.parametrize(
     "near_miss",
     [
-        {"kernel": 1, "pads": (0, 0), "in_channels": 512},  # pointwise: a plain product already
+        {"kernel": 1, "pads": (0, 0), "in_channels": 128},  # pointwise with too little input (128 < MIN_INNER)
         {"group": 2},
         {"strides": (2,)},
         {"dilations": (2,)},
@@ -114,8 +114,35 @@ def test_near_misses_stay_float(near_miss):
     assert op_types(model) == before
 
 
-def test_the_threshold_is_what_the_near_miss_above_relies_on():
-    assert 16 * K < MIN_INNER <= C * K
+def test_the_threshold_is_what_the_near_misses_above_rely_on():
+    assert 16 * K < MIN_INNER <= C * K and C < MIN_INNER
+
+
+def test_pointwise_convolutions_reading_one_input_share_its_quantization():
+    """VITS's attention projects one input three times (q, k, v): one quantization serves all three."""
+    x = np.random.default_rng(5).standard_normal((1, 256, 29)).astype(np.float32)
+    rng = np.random.default_rng(6)
+    inits = [numpy_helper.from_array((rng.standard_normal((O, 256, 1)) * 0.1).astype(np.float32), f"w{k}") for k in range(3)]
+    nodes = [helper.make_node("Conv", ["x", f"w{k}"], [f"h{k}"], kernel_shape=[1]) for k in range(3)]
+    nodes += [
+        helper.make_node("Sum", ["h0", "h1", "h2"], ["h"]),
+        helper.make_node("RandomNormalLike", ["h"], ["noise"]),
+        helper.make_node("Mul", ["noise", "zero"], ["quiet"]),
+        helper.make_node("Add", ["h", "quiet"], ["z_p"]),
+    ]
+    inits.append(numpy_helper.from_array(np.array(0.0, dtype=np.float32), "zero"))
+    graph = helper.make_graph(nodes, "qkv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 256, "t"])],
+                              [helper.make_tensor_value_info("z_p", TensorProto.FLOAT, [1, O, "t"])], inits)
+    original = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)], ir_version=8)
+    rewritten = onnx.ModelProto()
+    rewritten.CopyFrom(original)
+    assert quantize_prior(rewritten, bits=8) == 3
+    ops = op_types(rewritten)
+    assert ops.count("MatMulInteger") == 3 and ops.count("DynamicQuantizeLinear") == 1 and "Conv" not in ops
+    assert "Concat" not in ops  # one tap: no columns to join
+    want, got = run(original, x)[0], run(rewritten, x)[0]
+    snr = 10 * np.log10((want.astype(np.float64) ** 2).sum() / ((want - got).astype(np.float64) ** 2).sum())
+    assert snr >= 30.0
 
 
 def test_without_the_noise_add_nothing_is_rewritten():
@@ -174,12 +201,21 @@ def int8_voice():
     return LoadedVoice(embedded_voice_path(), ["CPUExecutionProvider"], 1, spin="never")
 
 
-def test_the_embedded_voice_gets_its_twelve_feed_forward_convolutions_in_int8(int8_voice):
-    assert int8_voice.int8_convs == 12  # two per layer of the text encoder's six
+def test_the_embedded_voice_gets_its_prior_convolutions_in_int8(int8_voice):
+    # Per layer of the text encoder's six: the feed-forward pair and the attention's q, k, v and
+    # output projections; then the encoder's output projection and 17 of the duration predictor's.
+    assert int8_voice.int8_convs == 54
     assert int8_voice.why_float == ""
     prior = [n for n in int8_voice.graphs.prior.model.graph.node]
-    assert sum(n.op_type == "MatMulInteger" for n in prior) == 12
-    assert all("ffn_layers" in n.name for n in prior if n.op_type == "MatMulInteger")
+    products = [n.name for n in prior if n.op_type == "MatMulInteger"]
+    assert len(products) == 54
+    assert sum("ffn_layers" in n for n in products) == 12 and sum("attn_layers" in n for n in products) == 24
+    assert sum(n.startswith("/dp/") for n in products) == 17
+    # One quantization per input: q, k and v read one in each layer, and the encoder's
+    # output feeds both its projection and the duration predictor.
+    assert sum(n.op_type == "DynamicQuantizeLinear" for n in prior) == 54 - 2 * 6 - 1
+    # Only the depthwise and single-channel convolutions stay float.
+    assert all(n.name.startswith("/dp/") for n in prior if n.op_type == "Conv")
     # The audio-making stages are untouched.
     for stage in (int8_voice.graphs.flow, int8_voice.graphs.decoder):
         assert "MatMulInteger" not in op_types(stage.model)
@@ -256,7 +292,7 @@ def test_float32_is_a_setting_and_a_wrong_precision_is_refused():
 
 def test_a_voice_that_synthesizes_whole_units_gets_the_int8_prior_too():
     voice = LoadedVoice(embedded_voice_path(), ["CPUExecutionProvider"], 1, split=False, spin="never")
-    assert voice.graphs is None and voice.int8_convs == 12
+    assert voice.graphs is None and voice.int8_convs == 54
 
 
 def test_the_prior_precision_is_a_setting_checked_at_start_and_handed_to_piper_only():

@@ -254,7 +254,7 @@ def test_a_graph_that_cannot_be_split_falls_back_to_whole_units_and_says_why(tmp
     record = next(r for r in caplog.records if "whole-unit synthesis" in r.getMessage())
     assert why in record.getMessage() and str(path) in record.getMessage()
     # Whole units keep the int8 prior, whether the split failed or its windows did.
-    assert engine._voice(None).int8_convs == 12 and engine.info()["prior_precision"] == "int8"
+    assert engine._voice(None).int8_convs == 54 and engine.info()["prior_precision"] == "int8"
     chunks = list(engine.synthesize(SENTENCES[1], SynthesisOptions()))
     assert len(chunks) == 1 and chunks[0].duration > 2.0  # whole units still speak
     assert [w.text for w in chunks[0].words] == SENTENCES[1].split()
