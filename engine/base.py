@@ -21,7 +21,7 @@ import numpy as np
 
 
 # What the piper engine's prior (text encoder and duration predictor) runs in on the CPU
-# (engine/graph_quant.py): its wide convolutions as int8 products, or all of it as exported.
+# (engine/graph_quant.py): its convolutions as int8 products, or all of it as exported.
 PRIOR_PRECISIONS = ("int8", "float32")
 DEFAULT_PRIOR_PRECISION = "int8"
 

@@ -21,10 +21,11 @@ same numbers from the band:
 each as one Gather with an index table of the sentence's length, built once
 per graph from the first layer's queries. Every product adds the same terms
 in the same order less a run of zeros, so the output is what the original
-graph gives (the joe voice: bit-identical on the sentences measured). On the
-joe voice this removes 418 of the prior's 2,286 nodes; the prior took 0.90x
-its time for "Hello." and 0.94-0.98x for sentences of 69-187 phoneme ids
-(one process, interleaved; bench/bench_streaming.py --only prior).
+graph gives (the joe voice: bit-identical at lengths 1-187). On the joe voice
+this removes 418 of the prior's 2,286 nodes. The gain is small: the prior
+takes 0.94-0.98x its time over nine first sentences (p50, one process,
+interleaved: bench/bench_streaming.py --only prior; 0.975x on 1 thread and
+0.940x on 2 in bench/results/streaming-band-int8.json).
 
 What is matched is the shape of the export, not its arithmetic: an initializer
 [1, 2w+1, d] that reaches a MatMul's second input through pads, slices,

@@ -91,7 +91,7 @@ def weight_bits() -> int:
 
 
 def quantize_prior(model: onnx.ModelProto, bits: int | None = None) -> int:
-    """Rewrite, in place, the wide convolutions that the flow's input depends on; returns how many.
+    """Rewrite, in place, the convolutions that the flow's input depends on; returns how many.
 
     Raises SplitError (from `flow_input`) when the flow's input cannot be found:
     then nothing is rewritten, since the audio-making stages could not be told apart.
@@ -111,7 +111,7 @@ def quantize_prior(model: onnx.ModelProto, bits: int | None = None) -> int:
     inputs: dict[str, tuple[str, str, str]] = {}  # float input -> its quantized form, made once for every reader
     count = 0
     for node in graph.node:
-        conv = _wide_conv(node, constants) if node.output[0] in prior and node.output[0] not in reserved else None
+        conv = _int8_conv(node, constants) if node.output[0] in prior and node.output[0] not in reserved else None
         if conv is None:
             kept.append(node)
             continue
@@ -149,7 +149,7 @@ def _ancestors(producers: dict[str, onnx.NodeProto], name: str) -> set[str]:
     return seen
 
 
-def _wide_conv(node: onnx.NodeProto, constants: _Constants) -> tuple[np.ndarray, np.ndarray | None] | None:
+def _int8_conv(node: onnx.NodeProto, constants: _Constants) -> tuple[np.ndarray, np.ndarray | None] | None:
     """(weight, bias) of a convolution this module rewrites, else None."""
     if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
         return None

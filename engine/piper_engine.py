@@ -198,7 +198,7 @@ class PiperEngine(Engine):
         if spin not in SPIN_POLICIES:
             raise EngineError(f"spin policy {spin!r} (--engine-spin): use one of {', '.join(SPIN_POLICIES)}")
         self.spin = spin
-        # The prior's wide convolutions in int8 on the CPU (graph_quant says why), or float32.
+        # The prior's convolutions in int8 on the CPU (graph_quant says why), or float32.
         if prior_precision not in PRIOR_PRECISIONS:
             raise EngineError(
                 f"prior precision {prior_precision!r} (--engine-prior-precision): use one of {', '.join(PRIOR_PRECISIONS)}"

@@ -3,7 +3,7 @@
 Loading is where a voice's graph has its layer norms fused (`graph_fuse`),
 is split (`piper_split`) into the stages that let a sentence stream, where
 the prior's attention gets its position terms banded (`graph_band`) and its
-wide convolutions in int8 (`graph_quant`), each checked against the graph
+convolutions in int8 (`graph_quant`), each checked against the graph
 before it, and where the split is checked: each stage run in
 windows (`windows`) must match one run over the same frames before a listener
 hears a seam. A graph that will not split, or fails the check, is kept whole,
@@ -191,7 +191,7 @@ class LoadedVoice:
         if split:
             self.graphs = self._split(model, alignment, config.hop_length)
         # The prior's rewrites, each checked against the graph it rewrote: the
-        # attention's position terms on their band (graph_band), then the wide
+        # attention's position terms on their band (graph_band), then the
         # convolutions in int8 on the CPU (graph_quant). They go where the prior
         # is served: the split prior, or the whole graph of a voice that
         # synthesizes whole units.
@@ -254,7 +254,7 @@ class LoadedVoice:
         return rewritten, count
 
     def _quantized(self, model, config) -> "onnx.ModelProto":
-        """`model` with its prior's wide convolutions in int8, or `model` itself (and why) when that fails its check."""
+        """`model` with its prior's convolutions in int8, or `model` itself (and why) when that fails its check."""
         import onnx
 
         rewritten = onnx.ModelProto()
@@ -264,7 +264,7 @@ class LoadedVoice:
         except SplitError as exc:
             count, self.why_float = 0, f"the prior cannot be told from the flow: {exc}"
         if not count:
-            self.why_float = self.why_float or "the prior has no wide convolution"
+            self.why_float = self.why_float or "the prior has no convolution to rewrite"
             log.info("piper voice %s: the prior stays float32: %s", self.path, self.why_float)
             return model
         try:

@@ -229,7 +229,7 @@ _HELP = {
     "core: auto (when that step runs alone and other processes keep at most 0.35 of a core busy: about a tenth off a "
     "long sentence's first chunk on an idle machine, where spinning beside a busy process made it 1.5x slower; costs "
     "a second copy of the every-core sessions' memory), always, or never (an engine pool, --engine-url, runs auto)",
-    "engine_prior_precision": "piper on the CPU, in the local worker: int8 runs the text encoder's wide convolutions as "
+    "engine_prior_precision": "piper on the CPU, in the local worker: int8 runs the prior's convolutions as "
     "8-bit integer products (the prior, which a sentence's first audio waits for; the flow and decoder that make the "
     "audio stay float32), checked against float32 when a voice loads, which adds about a second to it; float32 keeps "
     "the prior in float32 (an engine pool, --engine-url, runs int8)",

@@ -1,4 +1,4 @@
-"""The prior's wide convolutions in int8 (engine/graph_quant.py): close to float where it applies,
+"""The prior's convolutions in int8 (engine/graph_quant.py): close to float where it applies,
 nothing outside the prior touched, near misses left alone, and the voice checked before it is used."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def op_types(model: onnx.ModelProto) -> list[str]:
 
 @pytest.mark.parametrize("pads", [(1, 1), (0, 0), (2, 0)])
 @pytest.mark.parametrize("bits", [8, 7])
-def test_a_wide_convolution_in_the_prior_becomes_an_int8_product_close_to_float(pads, bits):
+def test_a_convolution_in_the_prior_becomes_an_int8_product_close_to_float(pads, bits):
     x = np.random.default_rng(1).standard_normal((1, C, 37)).astype(np.float32)
     original = prior_like(pads=pads)
     rewritten = prior_like(pads=pads)
