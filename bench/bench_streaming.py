@@ -19,9 +19,10 @@ Every figure sits beside a baseline from the same run:
 2c. prior: in this process, the prior (text encoder and duration predictor,
    what every first sentence waits for in full) as served, against the same
    prior with its attention's position terms dense as exported (graph_band
-   off), interleaved, on 1 thread and on every core with spinning threads
-   (what the engine uses on a quiet machine): "Hello." and the nine first
-   sentences, and how much the sentences' p50 exceeds "Hello."'s.
+   off) and against the prior in float32 (graph_quant off), interleaved, the
+   noise off, on 1 thread and on every core with spinning threads (what the
+   engine uses on a quiet machine): "Hello." and the nine first sentences,
+   and how much the sentences' p50 exceeds "Hello."'s.
 3. throughput: two workers side by side, streaming (the default) and
    whole-unit (`PiperEngine(split=False)`, the engine before this change),
    same scheduler and settings; 8 concurrent 4-sentence replies, rounds
@@ -61,8 +62,6 @@ import statistics
 import subprocess
 import sys
 import time
-
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -337,55 +336,50 @@ def spinning_section(reps: int) -> dict:
     return out
 
 
-def _prior_feed(loaded, text: str) -> dict:
-    with loaded.phonemize_lock:
-        phonemes = [p for sentence in loaded.voice.phonemize(text) for p in sentence]
-    ids = loaded.voice.phonemes_to_ids(phonemes)
-    scales = np.array([loaded.voice.config.noise_scale, loaded.voice.config.length_scale, loaded.voice.config.noise_w_scale], dtype=np.float32)
-    return {"input": np.array([ids], dtype=np.int64), "input_lengths": np.array([len(ids)], dtype=np.int64), "scales": scales,
-            "sid": loaded.speaker}
-
-
 def prior_section(reps: int) -> dict:
-    section("2c. the prior as served (position terms banded) against the exported dense terms, in this process, interleaved")
+    section("2c. the prior as served (banded position terms, int8) against the exported dense terms and against float32, "
+            "in this process, interleaved, noise off")
     from voxgate.engine.piper_voice import LoadedVoice, embedded_voice_path
 
     every = os.cpu_count() or 1
     voices = {
-        band: LoadedVoice(embedded_voice_path(), ["CPUExecutionProvider"], threads=every, band=band) for band in (True, False)
+        "served": LoadedVoice(embedded_voice_path(), ["CPUExecutionProvider"], threads=every),
+        "dense": LoadedVoice(embedded_voice_path(), ["CPUExecutionProvider"], threads=every, band=False),
+        "float32": LoadedVoice(embedded_voice_path(), ["CPUExecutionProvider"], threads=every, precision="float32"),
     }
-    assert voices[True].banded_terms and not voices[False].banded_terms
+    assert voices["served"].banded_terms and not voices["dense"].banded_terms and not voices["float32"].int8_convs
     texts = [HELLO, *FIRST_SENTENCES]
-    out: dict = {"threads": every, "banded_terms": voices[True].banded_terms,
-                 "prior_nodes": {"banded": len(voices[True].graphs.prior.model.graph.node),
-                                 "dense": len(voices[False].graphs.prior.model.graph.node)}}
+    out: dict = {
+        "threads": every, "banded_terms": voices["served"].banded_terms, "int8_convs": voices["served"].int8_convs,
+        "prior_nodes": {key: len(v.graphs.prior.model.graph.node) for key, v in voices.items()},
+    }
+    # The noise off, as the load-time checks run it: every arm expands the same durations.
+    feeds = {t: voices["served"].prior_feed(voices["served"].text_ids(t)) for t in texts}
     for threads in sorted({1, every}):
         runs = {}
-        for band, loaded in voices.items():
+        for key, loaded in voices.items():
             session = loaded.sessions_for(threads, quiet=True).prior
-            names = {i.name for i in session.get_inputs()}
-            runs[band] = (session, names)
-        feeds = {t: _prior_feed(voices[True], t) for t in texts}
-        samples = {(b, t): [] for b in voices for t in texts}
+            runs[key] = (session, {i.name for i in session.get_inputs()})
+        samples = {(k, t): [] for k in voices for t in texts}
         for _ in range(reps + 2):  # the first two rounds warm up
             for text in texts:
-                for band, (session, names) in runs.items():
+                for key, (session, names) in runs.items():
                     feed = {k: v for k, v in feeds[text].items() if k in names}
                     t0 = time.perf_counter()
                     session.run(None, feed)
-                    samples[(band, text)].append(time.perf_counter() - t0)
+                    samples[(key, text)].append(time.perf_counter() - t0)
         row: dict = {}
-        for band in voices:
-            key = "banded" if band else "dense"
-            hello = summary_ms(samples[(band, HELLO)][2:])
-            sentences = summary_ms([x for t in FIRST_SENTENCES for x in samples[(band, t)][2:]])
+        for key in voices:
+            hello = summary_ms(samples[(key, HELLO)][2:])
+            sentences = summary_ms([x for t in FIRST_SENTENCES for x in samples[(key, t)][2:]])
             row[key] = {"hello_ms": hello, "sentences_ms": sentences, "growth_p50_ms": round(sentences["p50"] - hello["p50"], 2)}
-            print(f"{threads} thread(s), {key:6}: 'Hello.' {fmt_ms(hello)}; sentences {fmt_ms(sentences)}; "
+            print(f"{threads} thread(s), {key:7}: 'Hello.' {fmt_ms(hello)}; sentences {fmt_ms(sentences)}; "
                   f"growth {row[key]['growth_p50_ms']:.1f} ms")
-        for part in ("hello_ms", "sentences_ms"):
-            row[f"banded_over_dense_{part[:-3]}_p50"] = round(row["banded"][part]["p50"] / row["dense"][part]["p50"], 3)
-        print(f"{threads} thread(s): banded / dense p50, 'Hello.' {row['banded_over_dense_hello_p50']:.3f}x, "
-              f"sentences {row['banded_over_dense_sentences_p50']:.3f}x")
+        for base in ("dense", "float32"):
+            for part in ("hello_ms", "sentences_ms"):
+                row[f"served_over_{base}_{part[:-3]}_p50"] = round(row["served"][part]["p50"] / row[base][part]["p50"], 3)
+            print(f"{threads} thread(s): served / {base} p50, 'Hello.' {row[f'served_over_{base}_hello_p50']:.3f}x, "
+                  f"sentences {row[f'served_over_{base}_sentences_p50']:.3f}x")
         out[f"threads_{threads}"] = row
     return out
 

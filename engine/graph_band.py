@@ -11,29 +11,33 @@ exports both the way VITS writes them, over every relative position:
 
 E_k and E_v hold 2w+1 rows; every other row of the padded tables is zero. So
 the products run over 2l-1 positions where 2w+1 are non-zero, and the skews
-copy [b,h,l,2l] tensors: work that grows with the square of the sentence,
-for terms that grow with it linearly. `band_relative_attention` computes the
-same numbers from the band:
+copy [b,h,l,2l] tensors. `band_relative_attention` computes the same numbers
+from the band:
 
     keys:   R = q @ E_k^T [b,h,l,2w+1]; term[i,j] = R[i, j-i+w] for |j-i| <= w, else 0
     values: B[i,k] = p[i, i+k-w] (0 off the sentence) [b,h,l,2w+1]; term = B @ E_v
 
 each as one Gather with an index table of the sentence's length, built once
-per graph from the first layer's queries. Every product adds the same terms
-in the same order less a run of zeros, so the output is what the original
-graph gives (the joe voice: bit-identical at lengths 1-187). On the joe voice
-this removes 418 of the prior's 2,286 nodes. The gain is small: the prior
-takes 0.94-0.98x its time over nine first sentences (p50, one process,
-interleaved: bench/bench_streaming.py --only prior; 0.975x on 1 thread and
-0.940x on 2 in bench/results/streaming-band-int8.json).
+per graph from the first layer's queries. The products and the value term
+now grow with the sentence, not its square; the key term is still an [l, l]
+gather, as the scores it is added to are. The output is the original graph's
+to float rounding (a product with a different inner size may group its sums
+differently); the joe voice's is bit-identical at lengths 1-187. On the joe
+voice's prior as served (with the int8 rewrite after it) this takes 2,554
+nodes to 2,136. The gain is small: the prior takes 0.94-0.98x its time over
+nine first sentences (p50, one process, interleaved: bench_streaming.py
+--only prior; 0.975x on 1 thread and 0.940x on 2 in
+bench/results/streaming-band-int8.json).
 
 What is matched is the shape of the export, not its arithmetic: an initializer
-[1, 2w+1, d] that reaches a MatMul's second input through pads, slices,
-unsqueezes and transposes; for keys, that MatMul's output reaching an Add
-through pads, reshapes and slices; for values, its first input coming from a
-Softmax the same way. `piper_voice` therefore runs the rewritten prior against
-the original on probe sentences before using it, and keeps the original (the
-log says why) unless they agree to float rounding.
+[1, 2w+1, d] that reaches a MatMul's second input through a pad and slices,
+unsqueezes, transposes or reshapes; for keys, that MatMul's output reaching an
+Add through pads and reshapes (and slices); for values, its first input coming
+from a Softmax the same way; only terms the flow's input depends on (the text
+encoder's). `piper_voice` therefore runs the rewritten prior against the
+original on probe sentences and on inputs shorter than the window before
+using it, and keeps the original (the log says why) unless they agree to
+float rounding.
 """
 
 from __future__ import annotations
@@ -45,12 +49,14 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .graph_fuse import MIN_OPSET, _default_opset, _fresh, _names, _subgraph_reads
+from .graph_fuse import MIN_OPSET, _ancestors, _default_opset, _fresh, _names, _subgraph_reads
+from .piper_split import SplitError, flow_input
 
-# What the banded prior may differ from the original by on the probe sentences
-# (graph_quant.compare_priors): float rounding, nothing more. The joe voice
-# differs by nothing at all.
-MAX_BAND_DURATION_DIFF = 0.01  # mean |frames| per phoneme id
+# What the banded prior may differ from the original by on the probes
+# (graph_quant.compare_priors): float rounding, nothing more; one duration
+# rounded the other way on the shorter probe sentence is about 0.02 frames
+# per id. The joe voice differs by nothing at all.
+MAX_BAND_DURATION_DIFF = 0.05  # mean |frames| per phoneme id
 MIN_BAND_SNR_DB = 80.0
 # Ops the export routes a relative-embedding table through on its way to the product.
 _TABLE_OPS = frozenset({"Pad", "Slice", "Unsqueeze", "Transpose", "Reshape"})
@@ -78,8 +84,15 @@ def band_relative_attention(model: onnx.ModelProto) -> int:
     for node in graph.node:
         for name in node.input:
             consumers[name].append(node)
+    try:
+        # The text encoder's terms alone: the load-time check runs the prior, so
+        # attention anywhere else (over frames, in a flow) is left as it was.
+        prior = _ancestors(producers, flow_input(graph))
+    except SplitError:
+        return 0
     reserved = {v.name for v in graph.output} | _subgraph_reads(graph)
     fed = {i.name for i in graph.input}
+    read_before = {name for node in graph.node for name in node.input}
     terms = []
     for initializer in graph.initializer:
         if initializer.name in fed or len(initializer.dims) != 3 or initializer.dims[0] != 1 or initializer.dims[1] % 2 != 1:
@@ -90,19 +103,24 @@ def band_relative_attention(model: onnx.ModelProto) -> int:
         product = _product_of(initializer.name, consumers)
         if product is None:
             continue
-        term = _keys(product, table[0], consumers, producers) or _values(product, table[0], producers)
-        if term is not None and term.dense not in reserved:
+        term = _keys(product, table[0], consumers) or _values(product, table[0], producers)
+        if term is not None and term.dense not in reserved and term.product.output[0] in prior:
             terms.append(term)
     keys = [t for t in terms if t.kind == "keys"]
     if not keys or len({t.table.shape[0] for t in terms}) != 1:
         return 0
     position = {id(node): n for n, node in enumerate(graph.node)}
     keys.sort(key=lambda t: position[id(t.product)])
+    # One index table, from the first key term's queries, put right after they
+    # are made: every term of one encoder sees the same length (the check at
+    # load confirms it), and a term before that point is left as it was.
+    first = producers.get(keys[0].source)
+    start = position[id(first)] + 1 if first is not None else 0
+    terms = [t for t in terms if position[id(t.product)] >= start]
     taken = _names(graph)
     before: dict[int, list[onnx.NodeProto]] = defaultdict(list)  # node position -> new nodes to put in front of it
-    first = producers.get(keys[0].source)
     index_nodes, key_index, value_index = _index_tables(graph, keys[0].source, keys[0].table.shape[0] // 2, _fresh("/relative_band", taken))
-    before[position[id(first)] + 1 if first is not None else 0].extend(index_nodes)
+    before[start].extend(index_nodes)
     for term in terms:
         base = _fresh(f"{term.product.name or term.product.output[0]}/band", taken)
         name = lambda part, base=base: f"{base}/{part}"  # noqa: E731
@@ -129,54 +147,59 @@ def band_relative_attention(model: onnx.ModelProto) -> int:
         ordered.append(node)
     del graph.node[:]
     graph.node.extend(_live(graph, ordered))
+    # The tables and constants only the dense terms read would still be serialized into every session.
     used = {name for node in graph.node for name in node.input} | _subgraph_reads(graph)
-    for initializer in [i for i in graph.initializer if i.name not in used]:
+    used |= {v.name for v in list(graph.input) + list(graph.output)}
+    for initializer in [i for i in graph.initializer if i.name in read_before and i.name not in used]:
         graph.initializer.remove(initializer)
     return len(terms)
 
 
 def _product_of(table: str, consumers) -> onnx.NodeProto | None:
-    """The MatMul taking `table` as its second input through the export's table ops alone."""
-    tensor = table
+    """The MatMul taking `table` as its second input through the export's table ops alone, a Pad among them."""
+    tensor, ops = table, set()
     while True:
         users = consumers.get(tensor, [])
         if len(users) != 1:
             return None
         user = users[0]
         if user.op_type == "MatMul" and list(user.input[1:]) == [tensor]:
-            return user
+            return user if "Pad" in ops else None
         if user.op_type not in _TABLE_OPS or user.input[0] != tensor:
             return None
         tensor = user.output[0]
+        ops.add(user.op_type)
 
 
-def _keys(product, table, consumers, producers) -> _Term | None:
-    """The key term: the product's output skewed (Shape reads aside) into one Add."""
-    tensor, skewed = product.output[0], False
+def _keys(product, table, consumers) -> _Term | None:
+    """The key term: the product's output skewed (pads and reshapes; Shape reads aside) into one Add."""
+    tensor, ops = product.output[0], set()
     while True:
         users = [u for u in consumers.get(tensor, []) if u.op_type != "Shape"]
         if len(users) != 1:
             return None
         user = users[0]
         if user.op_type == "Add":
-            return _Term("keys", product, product.input[0], tensor, table) if skewed else None
+            return _Term("keys", product, product.input[0], tensor, table) if {"Pad", "Reshape"} <= ops else None
         if user.op_type not in _SKEW_OPS or user.input[0] != tensor:
             return None
-        tensor, skewed = user.output[0], True
+        tensor = user.output[0]
+        ops.add(user.op_type)
 
 
 def _values(product, table, producers) -> _Term | None:
-    """The value term: the product's first input skewed from a Softmax's output."""
-    tensor, skewed = product.input[0], False
+    """The value term: the product's first input skewed (pads and reshapes) from a Softmax's output."""
+    tensor, ops = product.input[0], set()
     while True:
         node = producers.get(tensor)
         if node is None:
             return None
         if node.op_type == "Softmax":
-            return _Term("values", product, tensor, product.output[0], table) if skewed else None
+            return _Term("values", product, tensor, product.output[0], table) if {"Pad", "Reshape"} <= ops else None
         if node.op_type not in _SKEW_OPS:
             return None
-        tensor, skewed = node.input[0], True
+        tensor = node.input[0]
+        ops.add(node.op_type)
 
 
 def _constant(graph: onnx.GraphProto, name: str, value: np.ndarray) -> str:

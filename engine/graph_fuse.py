@@ -138,6 +138,20 @@ def _fresh(base: str, taken: set[str]) -> str:
     return prefix
 
 
+def _ancestors(producers: dict[str, onnx.NodeProto], name: str) -> set[str]:
+    """The tensors `name` depends on (itself included), by name."""
+    seen: set[str] = set()
+    todo = [name]
+    while todo:
+        tensor = todo.pop()
+        node = producers.get(tensor)
+        if node is None or tensor in seen:
+            continue
+        seen.update(node.output)
+        todo.extend(node.input)
+    return seen
+
+
 class _Constants:
     """Values of initializers and Constant nodes, by tensor name."""
 

@@ -282,17 +282,15 @@ class PiperEngine(Engine):
     @staticmethod
     def describe(loaded: LoadedVoice) -> str:
         graphs = loaded.graphs
-        if graphs is None:
-            return "whole units" + (
-                f", {loaded.int8_convs} prior convolutions in int8" if loaded.int8_convs else f", prior in float32 ({loaded.why_float})"
-            )
-        flow = f"flow context {graphs.flow.context}" if graphs.flow else "flow with the encoder"
         fused = f", {loaded.fused_layer_norms} layer norms fused" if loaded.fused_layer_norms else ""
         fused += f", {loaded.banded_terms} attention position terms banded" if loaded.banded_terms else ""
         prior = (
             f", {loaded.int8_convs} prior convolutions in int8" if loaded.int8_convs
             else f", prior in float32 ({loaded.why_float})"
         )
+        if graphs is None:
+            return f"whole units{fused}{prior}"
+        flow = f"flow context {graphs.flow.context}" if graphs.flow else "flow with the encoder"
         return f"streaming inside sentences: decoder context {graphs.decoder.context} frames, {flow}{fused}{prior}"
 
     def voices(self) -> list[str]:

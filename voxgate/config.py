@@ -231,7 +231,7 @@ _HELP = {
     "a second copy of the every-core sessions' memory), always, or never (an engine pool, --engine-url, runs auto)",
     "engine_prior_precision": "piper on the CPU, in the local worker: int8 runs the prior's convolutions as "
     "8-bit integer products (the prior, which a sentence's first audio waits for; the flow and decoder that make the "
-    "audio stay float32), checked against float32 when a voice loads, which adds about a second to it; float32 keeps "
+    "audio stay float32), checked against float32 when a voice loads, which adds under a second to it; float32 keeps "
     "the prior in float32 (an engine pool, --engine-url, runs int8)",
     "first_unit_timeout_ms": "speak the first words after this long even without a clause boundary",
     "engine_url": "URL of an engine pool on Ray Serve (`voxgate engine serve`, a KubeRay RayService), e.g. "

@@ -121,3 +121,15 @@ def test_a_rewrite_that_breaks_the_graph_leaves_the_voice_loading(monkeypatch, c
         loaded = LoadedVoice(embedded_voice_path(), ["CPUExecutionProvider"], threads=1)
     assert loaded.banded_terms == 0 and loaded.graphs is not None
     assert "the check could not run" in caplog.text
+
+
+def test_whole_units_get_the_banded_prior_too():
+    voice = LoadedVoice(embedded_voice_path(), ["CPUExecutionProvider"], threads=1, split=False, spin="never")
+    assert voice.graphs is None and voice.banded_terms == 12
+
+
+def test_the_check_runs_inputs_shorter_than_the_window():
+    """The export takes another branch below w + 1 = 5 ids; the load-time check must see it for any voice."""
+    loaded = LoadedVoice(embedded_voice_path(), ["CPUExecutionProvider"], threads=1, spin="never")
+    lengths = sorted(len(feed["input"][0]) for feed in loaded._probe_feeds())
+    assert lengths[0] < 5 and 5 in lengths and lengths[-1] > 100

@@ -257,7 +257,7 @@ def test_a_prior_that_fails_the_check_stays_float_and_the_log_says_why(monkeypat
 
 
 def test_a_check_that_cannot_run_keeps_the_voice_loading_in_float32(monkeypatch):
-    def broken(self, model, rewritten, config):
+    def broken(self, model, rewritten, **limits):
         raise RuntimeError("no phonemizer for this language")
 
     monkeypatch.setattr(LoadedVoice, "_check_prior", broken)
@@ -305,3 +305,15 @@ def test_the_prior_precision_is_a_setting_checked_at_start_and_handed_to_piper_o
     assert _engine_client(Settings(engine="tone")).config.engine_options == {}
     with pytest.raises(ConfigError, match="--engine-prior-precision 'half'"):
         Settings(engine_prior_precision="half").check()
+
+
+def test_a_full_rewrite_that_fails_falls_back_to_the_feed_forward_convolutions(monkeypatch, caplog):
+    """joe's full int8 prior moves durations by about 0.050 frames per id, its feed-forward layers alone
+    by about 0.014: a limit between the two keeps the second, and the log says what stayed float."""
+    monkeypatch.setattr(graph_quant, "MAX_DURATION_DIFF", 0.025)
+    with caplog.at_level(logging.WARNING, logger="voxgate.engine.piper_voice"):
+        voice = LoadedVoice(embedded_voice_path(), ["CPUExecutionProvider"], 1, spin="never")
+    assert voice.int8_convs == 12 and voice.why_float == ""
+    products = [n.name for n in voice.graphs.prior.model.graph.node if n.op_type == "MatMulInteger"]
+    assert all("ffn_layers" in n for n in products)
+    assert any("pointwise convolutions stay float32" in r.getMessage() for r in caplog.records)
