@@ -172,34 +172,41 @@ def _product_of(table: str, consumers) -> onnx.NodeProto | None:
 
 
 def _keys(product, table, consumers) -> _Term | None:
-    """The key term: the product's output skewed (pads and reshapes; Shape reads aside) into one Add."""
-    tensor, ops = product.output[0], set()
-    while True:
+    """The key term: the product's output skewed (Shape reads aside) into one Add."""
+
+    def user(tensor: str) -> onnx.NodeProto | None:
         users = [u for u in consumers.get(tensor, []) if u.op_type != "Shape"]
-        if len(users) != 1:
+        if len(users) != 1 or users[0].op_type in _SKEW_OPS and users[0].input[0] != tensor:
             return None
-        user = users[0]
-        if user.op_type == "Add":
-            return _Term("keys", product, product.input[0], tensor, table) if {"Pad", "Reshape"} <= ops else None
-        if user.op_type not in _SKEW_OPS or user.input[0] != tensor:
-            return None
-        tensor = user.output[0]
-        ops.add(user.op_type)
+        return users[0]
+
+    end = _through_skew(product.output[0], user, lambda node: node.output[0])
+    if end is None or end[1].op_type != "Add":
+        return None
+    return _Term("keys", product, product.input[0], end[0], table)
 
 
 def _values(product, table, producers) -> _Term | None:
-    """The value term: the product's first input skewed (pads and reshapes) from a Softmax's output."""
-    tensor, ops = product.input[0], set()
+    """The value term: the product's first input skewed from a Softmax's output."""
+    end = _through_skew(product.input[0], producers.get, lambda node: node.input[0])
+    if end is None or end[1].op_type != "Softmax":
+        return None
+    return _Term("values", product, end[0], product.output[0], table)
+
+
+def _through_skew(tensor: str, next_node, across) -> tuple[str, onnx.NodeProto] | None:
+    """From `tensor`, one node at a time (`next_node`, crossed by `across`), through
+    pads, reshapes and slices to the first node of another kind: (the tensor that
+    reaches it, that node), when the way held a pad and a reshape."""
+    ops: set[str] = set()
     while True:
-        node = producers.get(tensor)
+        node = next_node(tensor)
         if node is None:
             return None
-        if node.op_type == "Softmax":
-            return _Term("values", product, tensor, product.output[0], table) if {"Pad", "Reshape"} <= ops else None
         if node.op_type not in _SKEW_OPS:
-            return None
-        tensor = node.input[0]
+            return (tensor, node) if {"Pad", "Reshape"} <= ops else None
         ops.add(node.op_type)
+        tensor = across(node)
 
 
 def _constant(graph: onnx.GraphProto, name: str, value: np.ndarray) -> str:
