@@ -8,6 +8,9 @@ once, and none of them counted against `--max-sessions`.
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -54,18 +57,35 @@ async def test_audio_per_request_is_capped(server_factory):
 
 
 class Held:
-    """A /v1/tts request whose body is not read, so it keeps synthesizing (held open)."""
+    """A /v1/tts request whose body is not read, so it keeps synthesizing (held open).
+
+    Its socket's receive buffer is 4 KB: 2,000 characters of tone (80 s, 2.5 MB
+    of pcm) would otherwise fit in loopback's socket buffers, the server would
+    write all of it, finish, and free its slot mid-test (seen on a fresh clone).
+    With a small window the server's writes wait, as they would for a slow reader.
+    """
 
     def __init__(self, http, url, key):
-        self.http, self.url, self.key = http, url, key
+        self.url, self.key = urlsplit(url), key
 
     async def __aenter__(self):
-        self.resp = await self.http.post(self.url + "/v1/tts", json={"text": "a" * 2000, "format": "pcm"}, headers={"X-API-Key": self.key})
-        assert self.resp.status == 200
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: it sets the window
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (self.url.hostname, self.url.port))
+        self.reader, self.writer = await asyncio.open_connection(sock=sock)
+        body = json.dumps({"text": "a" * 2000, "format": "pcm"}).encode()
+        head = (
+            f"POST /v1/tts HTTP/1.1\r\nHost: {self.url.netloc}\r\nX-API-Key: {self.key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        self.writer.write(head.encode() + body)
+        status = await asyncio.wait_for(self.reader.readline(), 30)
+        assert status.split()[1:2] == [b"200"], status
         return self
 
     async def __aexit__(self, *exc):
-        self.resp.close()
+        self.writer.transport.abort()
 
 
 async def test_concurrency_is_limited_per_key_and_in_total_and_takes_session_slots(server_factory):
