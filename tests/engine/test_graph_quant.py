@@ -118,12 +118,25 @@ def test_the_threshold_is_what_the_near_misses_above_rely_on():
     assert 16 * K < MIN_INNER <= C * K and C < MIN_INNER
 
 
-def test_pointwise_convolutions_reading_one_input_share_its_quantization():
-    """VITS's attention projects one input three times (q, k, v): one quantization serves all three."""
+@pytest.mark.parametrize(
+    "convs",
+    [
+        [(1, (0, 0))] * 3,  # VITS's attention: q, k and v of one input
+        [(3, (1, 1)), (3, (2, 0)), (1, (0, 0))],  # kernels and pads that differ: each pads the shared integers itself
+    ],
+)
+def test_convolutions_reading_one_input_share_its_quantization(convs):
+    """One quantization serves every convolution that reads the same input, whatever their kernels and pads."""
     x = np.random.default_rng(5).standard_normal((1, 256, 29)).astype(np.float32)
     rng = np.random.default_rng(6)
-    inits = [numpy_helper.from_array((rng.standard_normal((O, 256, 1)) * 0.1).astype(np.float32), f"w{k}") for k in range(3)]
-    nodes = [helper.make_node("Conv", ["x", f"w{k}"], [f"h{k}"], kernel_shape=[1]) for k in range(3)]
+    inits = [
+        numpy_helper.from_array((rng.standard_normal((O, 256, kernel)) * 0.1).astype(np.float32), f"w{k}")
+        for k, (kernel, _) in enumerate(convs)
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", f"w{k}"], [f"h{k}"], kernel_shape=[kernel], pads=list(pads))
+        for k, (kernel, pads) in enumerate(convs)
+    ]
     nodes += [
         helper.make_node("Sum", ["h0", "h1", "h2"], ["h"]),
         helper.make_node("RandomNormalLike", ["h"], ["noise"]),
@@ -131,7 +144,7 @@ def test_pointwise_convolutions_reading_one_input_share_its_quantization():
         helper.make_node("Add", ["h", "quiet"], ["z_p"]),
     ]
     inits.append(numpy_helper.from_array(np.array(0.0, dtype=np.float32), "zero"))
-    graph = helper.make_graph(nodes, "qkv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 256, "t"])],
+    graph = helper.make_graph(nodes, "shared", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 256, "t"])],
                               [helper.make_tensor_value_info("z_p", TensorProto.FLOAT, [1, O, "t"])], inits)
     original = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)], ir_version=8)
     rewritten = onnx.ModelProto()
@@ -139,8 +152,10 @@ def test_pointwise_convolutions_reading_one_input_share_its_quantization():
     assert quantize_prior(rewritten, bits=8) == 3
     ops = op_types(rewritten)
     assert ops.count("MatMulInteger") == 3 and ops.count("DynamicQuantizeLinear") == 1 and "Conv" not in ops
-    assert "Concat" not in ops  # one tap: no columns to join
+    assert ops.count("Concat") == sum(kernel > 1 for kernel, _ in convs)  # one tap: no columns to join
+    assert ops.count("Pad") == sum(any(pads) for _, pads in convs)
     want, got = run(original, x)[0], run(rewritten, x)[0]
+    assert got.shape == want.shape
     snr = 10 * np.log10((want.astype(np.float64) ** 2).sum() / ((want - got).astype(np.float64) ** 2).sum())
     assert snr >= 30.0
 
