@@ -203,10 +203,10 @@ class LoadedVoice:
         self.band = band  # False: the dense position terms, as exported (bench_streaming's baseline)
         self.banded_terms = 0
         if self.graphs is not None:
-            prior = self._rewrite_prior(self.graphs.prior.model, config)
+            prior = self._rewrite_prior(self.graphs.prior.model)
             self.graphs = replace(self.graphs, prior=replace(self.graphs.prior, model=prior))
         else:
-            model = self._rewrite_prior(model, config)
+            model = self._rewrite_prior(model)
         whole = b"" if self.graphs is not None else model.SerializeToString()
         self.spin = spin  # one of other_load.SPIN_POLICIES, checked by PiperEngine
         self.sessions, self.spinning = self._sessions(whole, threads, providers)
@@ -216,7 +216,7 @@ class LoadedVoice:
             except SplitError as exc:
                 self.why_whole = str(exc)
                 self.graphs = None
-                model = self._rewrite_prior(model, config)  # the split prior's rewrites were its own
+                model = self._rewrite_prior(model)  # the split prior's rewrites were its own
                 self.sessions, self.spinning = self._sessions(model.SerializeToString(), threads, providers)
         # Counted in the graph that is served, not where it was rewritten.
         served = self.graphs.prior.model if self.graphs is not None else model
@@ -226,15 +226,15 @@ class LoadedVoice:
         elif self.graphs.flow is None:
             log.info("piper voice %s: the flow runs with the encoder (%s)", path, self.graphs.flow_note)
 
-    def _rewrite_prior(self, model, config) -> "onnx.ModelProto":
+    def _rewrite_prior(self, model) -> "onnx.ModelProto":
         """`model` (holding the prior) with the rewrites that pass their checks."""
         if self.band:
-            model, self.banded_terms = self._banded(model, config)
+            model, self.banded_terms = self._banded(model)
         if not self.why_float:  # int8 was asked for, can run here, and has not failed its check
-            model = self._quantized(model, config)
+            model = self._quantized(model)
         return model
 
-    def _banded(self, model, config) -> tuple["onnx.ModelProto", int]:
+    def _banded(self, model) -> tuple["onnx.ModelProto", int]:
         """(`model` with its relative-position terms banded, how many), or (`model`, 0) when that fails its check."""
         import onnx
 
@@ -258,7 +258,7 @@ class LoadedVoice:
             return model, 0
         return rewritten, count
 
-    def _quantized(self, model, config) -> "onnx.ModelProto":
+    def _quantized(self, model) -> "onnx.ModelProto":
         """`model` with its prior's convolutions in int8, or `model` itself (and why) when that fails its check.
 
         When the rewrite with the pointwise convolutions fails its check, the
@@ -294,14 +294,13 @@ class LoadedVoice:
             log.info("piper voice %s: the prior stays float32: %s", self.path, self.why_float)
         return model
 
-    def prior_feed(self, ids: list[int], noise: bool = False) -> dict:
-        """The prior's inputs for one sentence's phoneme ids: the voice's noise scales, or none (deterministic)."""
+    def prior_feed(self, ids: list[int]) -> dict:
+        """The prior's inputs for one sentence's phoneme ids, the noise off (deterministic)."""
         config = self.voice.config
-        scales = [config.noise_scale, config.length_scale, config.noise_w_scale] if noise else [0.0, config.length_scale, 0.0]
         return {
             "input": np.array([ids], dtype=np.int64),
             "input_lengths": np.array([len(ids)], dtype=np.int64),
-            "scales": np.array(scales, dtype=np.float32),
+            "scales": np.array([0.0, config.length_scale, 0.0], dtype=np.float32),
             "sid": self.speaker,
         }
 

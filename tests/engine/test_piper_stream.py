@@ -242,9 +242,9 @@ def test_a_graph_that_cannot_be_split_falls_back_to_whole_units_and_says_why(tmp
     quantized = []  # which graphs got an int8 prior: whole ones (with the decoder), or a split prior
     original = LoadedVoice._quantized
 
-    def spy(self, model, config):
+    def spy(self, model):
         quantized.append(any(n.op_type == "ConvTranspose" for n in model.graph.node))
-        return original(self, model, config)
+        return original(self, model)
 
     monkeypatch.setattr(LoadedVoice, "_quantized", spy)
     with caplog.at_level(logging.WARNING, logger="voxgate.engine.piper_engine"):
