@@ -174,18 +174,23 @@ class EngineClient:
         options: SynthesisOptions | None = None,
         pipeline: TextPipeline | None = None,
         start_in_s: float = 0.0,
+        held_s: float = 0.0,
     ) -> TTSStream:
         """A new stream. `pipeline`: its text pipeline (default: `text_pipeline()`).
         `start_in_s`: seconds until its listener needs the first audio (0: someone
         is waiting now; more for an utterance queued behind others). The worker
         orders steps by it; it travels as a plain duration so that it means the
-        same on another machine."""
+        same on another machine. `held_s`: audio the caller keeps back from its
+        listener until the stream ends (the gateway's resampler and framer), so
+        that the worker's deadlines are the listener's."""
         if not self.ready:
             raise EngineUnavailable("the engine worker is restarting; try again in a moment")
         sid = next(self._ids)
         stream = TTSStream(self, sid, options=options or SynthesisOptions(), pipeline=pipeline or self.text_pipeline())
         self._streams[sid] = stream
-        self._send(proto.OpenStream(sid, stream.options.to_dict(), STREAM_WINDOW, max(0.0, float(start_in_s))))
+        self._send(proto.OpenStream(
+            sid, stream.options.to_dict(), STREAM_WINDOW, max(0.0, float(start_in_s)), max(0.0, float(held_s))
+        ))
         return stream
 
     # StreamTransport: what a TTSStream asks of this client

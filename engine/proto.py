@@ -31,6 +31,10 @@ class OpenStream:
     # Seconds until the listener needs the first audio: a duration, not a time,
     # so that it means the same on another process's (or machine's) clock.
     start_in_s: float = 0.0
+    # Audio the consumer keeps back from its listener while the stream lasts (a
+    # resampler's delay, a part of a frame): the listener runs dry this much
+    # sooner than the audio sent says, and the worker's deadlines say so.
+    held_s: float = 0.0
 
 
 @dataclass(slots=True)

@@ -206,7 +206,7 @@ class RemoteEngineClient(EngineClient):
     # EngineClient.stream() opens a stream with OpenStream: here, its transport.
     def _send(self, message: proto.ToWorker) -> None:
         if isinstance(message, proto.OpenStream):
-            self._transports[message.sid] = RemoteTransport(self, message.sid, message.options, message.start_in_s)
+            self._transports[message.sid] = RemoteTransport(self, message.sid, message.options, message.start_in_s, message.held_s)
 
     # StreamTransport: what a TTSStream asks of this client
     def send_unit(self, sid: int, index: int, payload: proto.UnitPayload) -> None:
@@ -254,12 +254,15 @@ class RemoteEngineClient(EngineClient):
 class RemoteTransport:
     """One stream's requests to the pool: units out in order, frames in, within the stream's credit."""
 
-    def __init__(self, client: RemoteEngineClient, sid: int, options: dict, start_in_s: float) -> None:
+    def __init__(
+        self, client: RemoteEngineClient, sid: int, options: dict, start_in_s: float, held_s: float = 0.0
+    ) -> None:
         self.client = client
         self.sid = sid
         self.options = options
         self.opened_at = time.monotonic()
         self.start_in_s = max(0.0, float(start_in_s))
+        self.held_s = max(0.0, float(held_s))
         self.units: deque = deque()
         self.ended = False
         self.credit = STREAM_WINDOW
@@ -292,8 +295,9 @@ class RemoteTransport:
         now = time.monotonic()
         if self.first_audio_at is None:
             return max(0.0, self.opened_at + self.start_in_s - now)
-        # As the worker reckons it: playout starts with the first audio, or at the start deadline if later.
-        return max(0.0, max(self.opened_at + self.start_in_s, self.first_audio_at) + self.audio_s - now)
+        # As the worker reckons it: playout starts with the first audio, or at the start deadline if
+        # later, and the gateway's listener has heard all of it but what the gateway holds back.
+        return max(0.0, max(self.opened_at + self.start_in_s, self.first_audio_at) + self.audio_s - self.held_s - now)
 
     # The requests
     async def _run(self) -> None:

@@ -47,6 +47,9 @@ URGENT_SLACK_S = 0.5
 # (and redone later) when a listener starts waiting for first audio. Stopping
 # costs the work done so far; this much slack leaves room to redo it.
 PREEMPT_SLACK_S = 1.5
+# The most audio a consumer may say it holds back (OpenStream.held_s): the
+# gateway's is tens of milliseconds; more would only rank its streams first.
+MAX_HELD_S = 0.2
 # Marks a stopped step's result.
 _STOPPED = object()
 
@@ -86,6 +89,8 @@ class _Stream:
     options: SynthesisOptions
     # When the listener needs this stream's first audio, on this process's clock.
     start_at: float
+    # Audio the gateway holds back (proto.OpenStream.held_s, capped at MAX_HELD_S).
+    held_s: float = 0.0
     units: deque = field(default_factory=deque)  # (unit_index, text)
     job: SynthesisJob | None = None
     current_index: int = 0
@@ -108,7 +113,7 @@ class _Stream:
         """When its listener runs out of audio unless another chunk arrives."""
         if self.first_sent_at is None:
             return self.start_at
-        return max(self.start_at, self.first_sent_at) + self.audio_s
+        return max(self.start_at, self.first_sent_at) + self.audio_s - self.held_s
 
     def priority(self, now: float) -> tuple:
         # A first window beats any later window; then earliest deadline first.
@@ -150,7 +155,8 @@ class Scheduler:
         """Apply one message; False once the worker should stop."""
         if isinstance(msg, proto.OpenStream):
             start_at = time.monotonic() + max(0.0, float(msg.start_in_s))
-            self.streams[msg.sid] = _Stream(msg.sid, SynthesisOptions.from_dict(msg.options), start_at, credit=msg.credit)
+            held_s = min(max(0.0, float(msg.held_s)), MAX_HELD_S)
+            self.streams[msg.sid] = _Stream(msg.sid, SynthesisOptions.from_dict(msg.options), start_at, held_s, credit=msg.credit)
         elif isinstance(msg, proto.PushUnit):
             stream = self.streams.get(msg.sid)
             if stream is not None:

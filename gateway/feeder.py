@@ -20,9 +20,9 @@ import numpy as np
 from ..engine.errors import EngineCrashed, EngineStreamError, EngineUnavailable, public_engine_error
 from .encode_pool import FIRST, LATER, encode_pool
 from .encoder import FrameEncoder
-from .frames import FRAME_MS, Framer
+from .frames import FRAME_MS, FRAME_S, Framer
 from .playout import Playout
-from .resample import StreamResampler
+from .resample import StreamResampler, held_back_s
 from .session_metrics import SessionMetrics
 
 if TYPE_CHECKING:
@@ -47,6 +47,15 @@ class UtteranceAudio:
     def encode(self, pcm: np.ndarray, last: bool = False) -> list[bytes]:
         frames = self.framer.push(self.resampler.process(pcm, last=last), last=last)
         return self.encoder.encode(frames) if len(frames) else []
+
+
+def listener_lag_s(engine_rate: int, wire_rate: int) -> float:
+    """How much of an utterance's audio UtteranceAudio keeps from the listener
+    until its last chunk, on average: the resampler's hold, and half a frame in
+    the framer (what is left over is less than a frame). The engine worker's
+    deadlines subtract it (EngineClient.stream's held_s): without it, a stream's
+    listener ran dry that much before the worker reckoned."""
+    return held_back_s(engine_rate, wire_rate) + FRAME_S / 2
 
 
 class Feeder:

@@ -141,6 +141,12 @@ class Playout:
         return self.queue[0] if self.queue else None
 
     @property
+    def buffered_ms(self) -> int:
+        """Audio encoded and not yet played, over every queued utterance: an
+        utterance queued now is heard this long from now at the soonest."""
+        return sum(utt.buffered_ms for utt in self.queue)
+
+    @property
     def idle(self) -> bool:
         """Nothing queued at all: the output may send less than a frame per tick."""
         return not self.queue

@@ -6,8 +6,16 @@ chunks, so chunk boundaries carry no clicks.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import soxr
+
+# Engine chunk lengths (seconds) the hold-back is measured over: two sentences'
+# windows as engine/windows.py plans them for a Piper voice (12 frames of
+# 256 samples at 22,050 Hz first, growing 4x up to 256, then a tail).
+_PROBE_CHUNKS_S = (0.139, 0.557, 2.23, 2.97, 0.43, 0.139, 0.557, 1.16)
+_PROBE_ROUNDS = 3
 
 
 class StreamResampler:
@@ -21,3 +29,23 @@ class StreamResampler:
         if self._stream is None:
             return pcm
         return self._stream.resample_chunk(pcm, last=last)
+
+
+@functools.lru_cache(maxsize=32)
+def held_back_s(in_rate: int, out_rate: int) -> float:
+    """How much audio a StreamResampler(in_rate, out_rate) keeps back from its
+    output before the stream's last chunk, on average over a stream, in seconds.
+
+    soxr works in blocks, so what it holds swings from chunk to chunk (5-42 ms
+    from 22,050 Hz to 24,000). It is read here once per pair of rates by running
+    silence through it in chunks as long as an engine's windows: a few
+    milliseconds of work.
+    """
+    if in_rate == out_rate:
+        return 0.0
+    stream = soxr.ResampleStream(in_rate, out_rate, 1, dtype="int16", quality="HQ")
+    holds: list[float] = []
+    for chunk_s in _PROBE_CHUNKS_S * _PROBE_ROUNDS:
+        stream.resample_chunk(np.zeros(max(1, int(in_rate * chunk_s)), np.int16))
+        holds.append(float(stream.delay()))
+    return sum(holds) / len(holds) / out_rate

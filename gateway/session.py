@@ -28,7 +28,7 @@ from ..engine.errors import EngineUnavailable
 from ..engine.stream import TTSStream
 from .encoder import FrameEncoder, OpusEncoder, OpusSettings, create_encoder
 from .fec import SignalPolicy
-from .feeder import Feeder
+from .feeder import Feeder, listener_lag_s
 from .playout import Playout, UtterancePlay
 from .errors import GatewayError, checked_voice
 from .protocol import Limits, RateLimiter, parse
@@ -144,6 +144,15 @@ class Session:
         if self._feeder is None:
             self._start_feeder()
 
+    def _listener_lag_s(self) -> float:
+        """What this session's feeder keeps back from the listener (feeder.listener_lag_s),
+        at the engine's rate and the wire's; before the output is attached, Opus's."""
+        engine_rate = self.engine.info.get("sample_rate")
+        if not isinstance(engine_rate, int) or engine_rate <= 0:
+            return 0.0
+        wire_rate = self.encoder.sample_rate if self.encoder is not None else self.options.opus.input_rate
+        return listener_lag_s(engine_rate, wire_rate)
+
     def _new_encoder(self, codec: str) -> FrameEncoder:
         encoder = create_encoder(codec, self.options.opus)
         if isinstance(encoder, OpusEncoder) and self.signal_policy is not None:
@@ -254,7 +263,10 @@ class Session:
         if uid is None:
             uid = "u-" + secrets.token_hex(8)  # unguessable: nobody can aim at an id before it exists
         try:
-            stream = self.engine.stream(SynthesisOptions(voice=self.options.voice, rate=self.options.rate))
+            stream = self.engine.stream(
+                SynthesisOptions(voice=self.options.voice, rate=self.options.rate),
+                start_in_s=self.playout.buffered_ms / 1000.0, held_s=self._listener_lag_s(),
+            )
         except EngineUnavailable as exc:
             raise GatewayError("engine_unavailable", str(exc), id=uid) from None
         play = UtterancePlay(id=uid, ready_at=time.perf_counter())

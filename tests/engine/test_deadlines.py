@@ -35,9 +35,9 @@ class Run:
         self.sent: list = []
         self.scheduler = Scheduler(engine, send=lambda message, pcm=None: self.sent.append(message), parallel=1)
 
-    def open(self, sid: int, text: str, start_in: float = 0.0) -> None:
+    def open(self, sid: int, text: str, start_in: float = 0.0, held: float = 0.0) -> None:
         handle = self.scheduler.handle
-        handle(proto.OpenStream(sid, SynthesisOptions().to_dict(), BIG_CREDIT, start_in))
+        handle(proto.OpenStream(sid, SynthesisOptions().to_dict(), BIG_CREDIT, start_in, held))
         handle(proto.PushUnit(sid, 0, text))
         handle(proto.EndInput(sid))
 
@@ -143,6 +143,42 @@ def test_a_stream_with_seconds_buffered_waits_for_one_about_to_run_dry(engine):
         run.close()
 
 
+def test_audio_the_gateway_holds_back_brings_a_streams_deadline_forward(engine):
+    """Streams 30 and 31 say the same text, opened together; 31's consumer holds
+    back 0.2 s (OpenStream.held_s), so once both have their first chunk, 31's
+    listener runs dry first and its next window goes first, although 30 got its
+    first chunk two steps sooner (tens of milliseconds, well under 0.2 s)."""
+    text = "Both streams read this same sentence, which needs several windows of audio."
+    run = Run(engine)
+    try:
+        run.open(30, text)
+        run.open(31, text, held=0.2)
+        run.until(lambda: run.finished(30, 31))
+        trace = list(run.scheduler.trace)
+        first_later = next(sid for sid, kind in trace if kind == "later")
+        assert [sid for sid, kind in trace if kind == "first"][-1] == 31  # both first windows came before
+        assert first_later == 31, trace
+    finally:
+        run.close()
+
+
+def test_the_held_back_audio_is_capped_and_only_counts_once_audio_was_sent(engine):
+    from voxgate.engine.worker import MAX_HELD_S
+
+    run = Run(engine)
+    try:
+        handle = run.scheduler.handle
+        handle(proto.OpenStream(40, SynthesisOptions().to_dict(), 1, 0.0, 30.0))
+        handle(proto.OpenStream(41, SynthesisOptions().to_dict(), 1, 0.0, float("nan")))
+        a, b = run.scheduler.streams[40], run.scheduler.streams[41]
+        assert a.held_s == MAX_HELD_S and b.held_s == 0.0
+        assert a.deadline() == a.start_at  # nothing sent yet: the listener waits from its start
+        a.first_sent_at, a.audio_s = a.start_at + 0.1, 1.0
+        assert a.deadline() == pytest.approx(a.start_at + 0.1 + 1.0 - MAX_HELD_S)
+    finally:
+        run.close()
+
+
 async def test_the_client_sends_the_deadline_as_an_explicit_field_of_the_open_request():
     client = EngineClient(EngineConfig(engine="tone", parallel=1))
     await client.start()
@@ -150,9 +186,10 @@ async def test_the_client_sends_the_deadline_as_an_explicit_field_of_the_open_re
     real = client._send
     client._send = lambda message: (sent.append(message), real(message))  # type: ignore[method-assign]
     try:
-        client.stream(start_in_s=2.5).cancel()
+        client.stream(start_in_s=2.5, held_s=0.03).cancel()
         client.stream().cancel()
     finally:
         await client.close()
     opens = [m for m in sent if isinstance(m, proto.OpenStream)]
     assert [m.start_in_s for m in opens] == [2.5, 0.0]
+    assert [m.held_s for m in opens] == [0.03, 0.0]

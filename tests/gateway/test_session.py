@@ -53,7 +53,9 @@ class Chunk:
 class FakeStream:
     """An engine stream whose audio the test hands over with `say`, and which records its text."""
 
-    def __init__(self) -> None:
+    def __init__(self, start_in_s: float = 0.0, held_s: float = 0.0) -> None:
+        self.start_in_s = start_in_s  # the deadline hints the session gave the engine
+        self.held_s = held_s
         self.texts: list[str] = []
         self.ended = False
         self.cancelled = False
@@ -99,8 +101,8 @@ class FakeEngine:
         self.streams: list[FakeStream] = []
         self.info = {"engine": "fake", "voices": ["joe"], "sample_rate": RATE}
 
-    def stream(self, options) -> FakeStream:
-        stream = FakeStream()
+    def stream(self, options, start_in_s: float = 0.0, held_s: float = 0.0) -> FakeStream:
+        stream = FakeStream(start_in_s, held_s)
         self.streams.append(stream)
         return stream
 
@@ -178,6 +180,39 @@ async def test_text_waits_for_an_output_then_plays_with_ttfa_and_its_parts():
     first, rest = samples.parts[0]
     assert first >= 0 and rest >= 0 and first + rest == pytest.approx(samples.ttfa_s[0], abs=1e-6)
     assert not session.utterances
+
+
+async def test_the_engine_hears_when_each_utterance_is_needed_and_what_the_feeder_holds_back():
+    """The worker orders steps by playout deadline (engine/worker.py): an
+    utterance queued behind audio already encoded is needed no sooner than that
+    audio has played, and every deadline comes earlier by what the resampler and
+    the framer keep from the listener."""
+    from voxgate.gateway.feeder import listener_lag_s
+
+    session, engine, events, _ = make()
+    session.attach_output("opus")
+    session.handle_message('{"type": "speak", "text": "one two three", "id": "a"}')
+    await turns()
+    first = engine.streams[0]
+    assert first.start_in_s == 0.0  # nothing ahead of it: its listener waits now
+    lag = listener_lag_s(RATE, session.encoder.sample_rate)
+    assert first.held_s == pytest.approx(lag) and 0.01 < lag < 0.1
+    first.say(["one", "two", "three"])  # 0.6 s
+    for _ in range(200):
+        if session.playout.buffered_ms >= 500:
+            break
+        await asyncio.sleep(0.005)  # the encode pool's results come back on the loop
+    ahead_ms = session.playout.buffered_ms
+    assert ahead_ms >= 500
+    session.handle_message('{"type": "speak", "text": "four", "id": "b"}')
+    await turns()
+    second = engine.streams[1]
+    assert second.start_in_s == pytest.approx(ahead_ms / 1000.0)
+    assert second.held_s == pytest.approx(lag)
+    session.playout.next_frame()  # one frame played: the next utterance is needed 20 ms sooner
+    session.handle_message('{"type": "speak", "text": "five", "id": "c"}')
+    await turns()
+    assert engine.streams[2].start_in_s == pytest.approx((ahead_ms - 20) / 1000.0)
 
 
 async def test_long_text_reaches_the_engine_in_slices_one_per_turn_and_in_order():

@@ -255,21 +255,23 @@ async def test_closing_the_response_stops_the_replica_work(pool):
 
 
 async def test_the_playout_deadline_travels_with_each_request(remote, pool):
-    stream = remote.stream(SynthesisOptions(), start_in_s=4.0)
+    # The gateway holds 0.5 s back from its listener (an exaggerated held_s).
+    stream = remote.stream(SynthesisOptions(), start_in_s=4.0, held_s=0.5)
     stream.push_text("First sentence heard now.")  # one unit: no clause boundary inside
     stream.flush()
     first = await stream.__anext__()
     seen = await pool.wait_stats(lambda s: s["last_start_in_s"] is not None and s["streams"] == 0)
     # The first request carried the stream's start deadline (4 s, less the time to send it).
     assert 3.0 < seen["last_start_in_s"] <= 4.0 and seen["last_playing"] is False
-    # A later unit carries how long the listener's audio lasts: the first chunk's duration, at most.
+    # A later unit carries how long the listener's audio lasts: the first chunk's duration, at most,
+    # less what the gateway holds back.
     stream.push_text("Second sentence.")
     stream.end_input()
     rest = [chunk async for chunk in stream]
     assert rest and rest[-1].unit_end
     seen = pool.stats()
     assert seen["last_playing"] is True
-    assert 3.0 < seen["last_start_in_s"] <= first.duration + 4.0
+    assert 2.5 < seen["last_start_in_s"] <= first.duration + 3.5
 
 
 async def test_bad_requests_are_refused_with_a_reason(pool):
