@@ -175,6 +175,7 @@ class EngineClient:
         pipeline: TextPipeline | None = None,
         start_in_s: float = 0.0,
         held_s: float = 0.0,
+        after: TTSStream | None = None,
     ) -> TTSStream:
         """A new stream. `pipeline`: its text pipeline (default: `text_pipeline()`).
         `start_in_s`: seconds until its listener needs the first audio (0: someone
@@ -182,14 +183,17 @@ class EngineClient:
         orders steps by it; it travels as a plain duration so that it means the
         same on another machine. `held_s`: audio the caller keeps back from its
         listener until the stream ends (the gateway's resampler and framer), so
-        that the worker's deadlines are the listener's."""
+        that the worker's deadlines are the listener's. `after`: the stream its
+        listener hears before this one (an utterance queued behind another), so
+        that this one is needed once that one's audio runs out."""
         if not self.ready:
             raise EngineUnavailable("the engine worker is restarting; try again in a moment")
         sid = next(self._ids)
         stream = TTSStream(self, sid, options=options or SynthesisOptions(), pipeline=pipeline or self.text_pipeline())
         self._streams[sid] = stream
         self._send(proto.OpenStream(
-            sid, stream.options.to_dict(), STREAM_WINDOW, max(0.0, float(start_in_s)), max(0.0, float(held_s))
+            sid, stream.options.to_dict(), STREAM_WINDOW, max(0.0, float(start_in_s)), max(0.0, float(held_s)),
+            after.sid if after is not None else None,
         ))
         return stream
 

@@ -206,7 +206,10 @@ class RemoteEngineClient(EngineClient):
     # EngineClient.stream() opens a stream with OpenStream: here, its transport.
     def _send(self, message: proto.ToWorker) -> None:
         if isinstance(message, proto.OpenStream):
-            self._transports[message.sid] = RemoteTransport(self, message.sid, message.options, message.start_in_s, message.held_s)
+            self._transports[message.sid] = RemoteTransport(
+                self, message.sid, message.options, message.start_in_s, message.held_s,
+                self._transports.get(message.after) if message.after is not None else None,
+            )
 
     # StreamTransport: what a TTSStream asks of this client
     def send_unit(self, sid: int, index: int, payload: proto.UnitPayload) -> None:
@@ -232,7 +235,9 @@ class RemoteEngineClient(EngineClient):
 
     def _finish(self, sid: int, error: Exception | None) -> None:
         """A stream's last word, from its transport: done, or failed with `error`."""
-        self._transports.pop(sid, None)
+        transport = self._transports.pop(sid, None)
+        if transport is not None and error is not None:
+            transport.cancelled = True
         stream = self._streams.pop(sid, None)
         if stream is None:
             return
@@ -255,7 +260,8 @@ class RemoteTransport:
     """One stream's requests to the pool: units out in order, frames in, within the stream's credit."""
 
     def __init__(
-        self, client: RemoteEngineClient, sid: int, options: dict, start_in_s: float, held_s: float = 0.0
+        self, client: RemoteEngineClient, sid: int, options: dict, start_in_s: float, held_s: float = 0.0,
+        after: "RemoteTransport | None" = None,
     ) -> None:
         self.client = client
         self.sid = sid
@@ -263,6 +269,9 @@ class RemoteTransport:
         self.opened_at = time.monotonic()
         self.start_in_s = max(0.0, float(start_in_s))
         self.held_s = max(0.0, float(held_s))
+        # The stream its listener hears first, while this one has no audio: its deadline is this one's start.
+        self.after = after
+        self.cancelled = False  # cancelled or failed: a stream queued behind it is needed at once
         self.units: deque = deque()
         self.ended = False
         self.credit = STREAM_WINDOW
@@ -287,17 +296,24 @@ class RemoteTransport:
         self._credit_given.set()
 
     def cancel(self) -> None:
+        self.cancelled = True
         if not self._task.done() and asyncio.current_task() is not self._task:
             self._task.cancel()  # closes the open response: the replica stops this stream
 
     def deadline_in(self) -> float:
         """Seconds until the listener runs out of audio: the deadline the replica schedules by."""
         now = time.monotonic()
+        start = self.opened_at + self.start_in_s
+        if self.after is not None:
+            if self.first_audio_at is None and not self.after.cancelled:
+                start = max(start, now + self.after.deadline_in())  # its audio plays first
+            else:
+                self.after = None  # from the first audio on, this stream's own deadline holds
         if self.first_audio_at is None:
-            return max(0.0, self.opened_at + self.start_in_s - now)
+            return max(0.0, start - now)
         # As the worker reckons it: playout starts with the first audio, or at the start deadline if
         # later, and the gateway's listener has heard all of it but what the gateway holds back.
-        return max(0.0, max(self.opened_at + self.start_in_s, self.first_audio_at) + self.audio_s - self.held_s - now)
+        return max(0.0, max(start, self.first_audio_at) + self.audio_s - self.held_s - now)
 
     # The requests
     async def _run(self) -> None:

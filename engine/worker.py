@@ -21,6 +21,7 @@ docs/engines.md for the measurements behind the switch).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
@@ -50,6 +51,12 @@ PREEMPT_SLACK_S = 1.5
 # The most audio a consumer may say it holds back (OpenStream.held_s): the
 # gateway's is tens of milliseconds; more would only rank its streams first.
 MAX_HELD_S = 0.2
+# A stream queued behind more than this many open streams of its listener
+# ranks last until they finish: each deadline walks at most this far.
+MAX_QUEUE_DEPTH = 8
+# The most slack a step is told of (windows.py sizes windows by it): a minute
+# of audio in hand asks for the largest window already.
+MAX_SLACK_S = 60.0
 # Marks a stopped step's result.
 _STOPPED = object()
 
@@ -101,19 +108,42 @@ class _Stream:
     audio_s: float = 0.0
     # When its first chunk went out: playout starts then (or at start_at, if later).
     first_sent_at: float | None = None
+    # The stream its listener hears before this one (OpenStream.after), until it is folded in.
+    after: "_Stream | None" = None
+    closed: bool = False  # out of the scheduler: finished, or (with cancelled) cancelled or failed
+    cancelled: bool = False
 
     def runnable(self) -> bool:
         return not self.busy and self.credit > 0 and (self.job is not None or bool(self.units))
 
-    def waiting_for_first(self, now: float) -> bool:
-        """Its listener is waiting now and has heard nothing yet."""
-        return self.chunks_sent == 0 and self.start_at <= now
+    def start(self, depth: int = 0) -> float:
+        """When its listener needs its first audio: start_at, or, queued behind
+        another stream of the same listener, once that one's audio runs out."""
+        after = self.after
+        if after is None:
+            return self.start_at
+        if after.closed:
+            # Finished, its deadline no longer moves: keep that and let go of the
+            # stream, so that chains are no longer than the streams still open.
+            # Cancelled or failed, its audio ends now: needed from start_at.
+            if not after.cancelled:
+                self.start_at = max(self.start_at, after.deadline(depth + 1))
+            self.after = None
+            return self.start_at
+        if depth >= MAX_QUEUE_DEPTH:
+            return math.inf  # that far behind, not needed soon; and a deadline costs a bounded walk
+        return max(self.start_at, after.deadline(depth + 1))
 
-    def deadline(self) -> float:
+    def waiting_for_first(self, now: float) -> bool:
+        """Its listener is waiting now and has heard nothing yet. Never while the
+        stream before it is open: the listener is waiting for that one."""
+        return self.chunks_sent == 0 and self.start() <= now and self.after is None
+
+    def deadline(self, depth: int = 0) -> float:
         """When its listener runs out of audio unless another chunk arrives."""
         if self.first_sent_at is None:
-            return self.start_at
-        return max(self.start_at, self.first_sent_at) + self.audio_s - self.held_s
+            return self.start(depth)
+        return max(self.start(depth), self.first_sent_at) + self.audio_s - self.held_s
 
     def priority(self, now: float) -> tuple:
         # A first window beats any later window; then earliest deadline first.
@@ -156,7 +186,10 @@ class Scheduler:
         if isinstance(msg, proto.OpenStream):
             start_at = time.monotonic() + max(0.0, float(msg.start_in_s))
             held_s = min(max(0.0, float(msg.held_s)), MAX_HELD_S)
-            self.streams[msg.sid] = _Stream(msg.sid, SynthesisOptions.from_dict(msg.options), start_at, held_s, credit=msg.credit)
+            after = self.streams.get(msg.after) if msg.after is not None else None  # None: already finished
+            self.streams[msg.sid] = _Stream(
+                msg.sid, SynthesisOptions.from_dict(msg.options), start_at, held_s, credit=msg.credit, after=after
+            )
         elif isinstance(msg, proto.PushUnit):
             stream = self.streams.get(msg.sid)
             if stream is not None:
@@ -171,7 +204,7 @@ class Scheduler:
             if stream is not None:
                 stream.credit += msg.chunks
         elif isinstance(msg, proto.CancelStream):
-            stream = self.streams.pop(msg.sid, None)
+            stream = self._remove(msg.sid, cancelled=True)
             if stream is not None:
                 self._drop_job(stream)
         elif isinstance(msg, proto.Ping):
@@ -210,8 +243,15 @@ class Scheduler:
 
     def _maybe_finish(self, stream: _Stream) -> None:
         if stream.ended and not stream.busy and stream.job is None and not stream.units:
-            self.streams.pop(stream.sid, None)
+            self._remove(stream.sid, cancelled=False)
             self.send(proto.StreamDone(stream.sid))
+
+    def _remove(self, sid: int, *, cancelled: bool) -> _Stream | None:
+        """Take a stream out of the scheduler; a stream queued behind it reads `closed`."""
+        stream = self.streams.pop(sid, None)
+        if stream is not None:
+            stream.closed, stream.cancelled = True, cancelled
+        return stream
 
     def _drop_job(self, stream: _Stream) -> None:
         job, stream.job = stream.job, None
@@ -259,7 +299,7 @@ class Scheduler:
                 try:
                     self._begin_unit(stream)
                 except Exception as exc:  # a bad voice name, say: this stream's error alone
-                    self.streams.pop(stream.sid, None)
+                    self._remove(stream.sid, cancelled=True)
                     self.send(proto.StreamError(stream.sid, str(exc)))
                     continue
             # Every core for a step that runs alone and is urgent; one thread each
@@ -296,7 +336,8 @@ class Scheduler:
                 group = [stream]
             active = sum(1 for s in self.streams.values() if s.busy or s.runnable())
             for member in group:
-                member.job.slack_s = max(0.0, member.deadline() - now)
+                # Capped: a stream far back in its listener's queue has an endless deadline.
+                member.job.slack_s = min(max(0.0, member.deadline() - now), MAX_SLACK_S)
                 member.job.load = active / self.parallel
                 member.busy = True
                 member.credit -= 1
@@ -355,7 +396,7 @@ class Scheduler:
             stream.credit += 1  # the job is as it was; the step runs again later
             return
         if isinstance(result, Exception):
-            self.streams.pop(sid, None)
+            self._remove(sid, cancelled=True)
             self.send(proto.StreamError(sid, str(result)))
             return
         if result is None:

@@ -263,9 +263,12 @@ class Session:
         if uid is None:
             uid = "u-" + secrets.token_hex(8)  # unguessable: nobody can aim at an id before it exists
         try:
+            # When the listener needs it: after the audio encoded ahead of it, and after the
+            # utterance before it (still synthesizing, its length unknown); engine/worker.py.
             stream = self.engine.stream(
                 SynthesisOptions(voice=self.options.voice, rate=self.options.rate),
                 start_in_s=self.playout.buffered_ms / 1000.0, held_s=self._listener_lag_s(),
+                after=self.utterances[-1].stream if self.utterances else None,
             )
         except EngineUnavailable as exc:
             raise GatewayError("engine_unavailable", str(exc), id=uid) from None

@@ -35,9 +35,9 @@ class Run:
         self.sent: list = []
         self.scheduler = Scheduler(engine, send=lambda message, pcm=None: self.sent.append(message), parallel=1)
 
-    def open(self, sid: int, text: str, start_in: float = 0.0, held: float = 0.0) -> None:
+    def open(self, sid: int, text: str, start_in: float = 0.0, held: float = 0.0, after: int | None = None) -> None:
         handle = self.scheduler.handle
-        handle(proto.OpenStream(sid, SynthesisOptions().to_dict(), BIG_CREDIT, start_in, held))
+        handle(proto.OpenStream(sid, SynthesisOptions().to_dict(), BIG_CREDIT, start_in, held, after))
         handle(proto.PushUnit(sid, 0, text))
         handle(proto.EndInput(sid))
 
@@ -158,6 +158,61 @@ def test_audio_the_gateway_holds_back_brings_a_streams_deadline_forward(engine):
         first_later = next(sid for sid, kind in trace if kind == "later")
         assert [sid for sid, kind in trace if kind == "first"][-1] == 31  # both first windows came before
         assert first_later == 31, trace
+    finally:
+        run.close()
+
+
+def test_an_utterance_queued_behind_another_waits_for_it_and_not_a_new_listener(engine):
+    """Stream 51 is queued behind 50 for the same listener (OpenStream.after), 52
+    is a new listener's first audio, opened just after 51. 52's first audio goes
+    first: nobody is waiting for 51 yet. And 51 runs only once 50 is done: its
+    listener needs it when 50's audio runs out, and 50's steps are what that
+    listener needs before then."""
+    run = Run(engine)
+    try:
+        run.open(50, "The first utterance is long enough to need several windows of audio.")
+        run.until(lambda: run.chunks(50) >= 1)
+        before = len(run.scheduler.trace)
+        run.open(51, "The second utterance waits its turn.", after=50)
+        run.open(52, "Hi there.")
+        run.until(lambda: run.finished(50, 51, 52))
+        after = list(run.scheduler.trace)[before:]
+        sids = [sid for sid, _ in after]
+        firsts_of_52 = [i for i, (sid, kind) in enumerate(after) if sid == 52 and kind == "first"]
+        assert firsts_of_52 and max(firsts_of_52) < sids.index(51), after
+        assert max(i for i, sid in enumerate(sids) if sid == 50) < sids.index(51), after
+    finally:
+        run.close()
+
+
+def test_a_queued_stream_is_needed_from_its_own_start_once_the_one_before_is_cancelled(engine):
+    run = Run(engine)
+    try:
+        run.scheduler.handle(proto.OpenStream(60, SynthesisOptions().to_dict(), 1, 5.0))
+        run.scheduler.handle(proto.OpenStream(61, SynthesisOptions().to_dict(), 1, 0.0, 0.0, 60))
+        queued = run.scheduler.streams[61]
+        now = time.monotonic()
+        assert not queued.waiting_for_first(now) and queued.deadline() >= now + 4.0  # behind 60's 5 s
+        run.scheduler.handle(proto.CancelStream(60))
+        assert queued.waiting_for_first(time.monotonic()) and queued.after is None
+    finally:
+        run.close()
+
+
+def test_a_deadline_walks_a_bounded_queue(engine):
+    from voxgate.engine.worker import MAX_QUEUE_DEPTH
+
+    run = Run(engine)
+    try:
+        handle = run.scheduler.handle
+        handle(proto.OpenStream(70, SynthesisOptions().to_dict(), 1, 0.0))
+        for sid in range(71, 71 + MAX_QUEUE_DEPTH + 2):
+            handle(proto.OpenStream(sid, SynthesisOptions().to_dict(), 1, 0.0, 0.0, sid - 1))
+        streams = run.scheduler.streams
+        assert streams[70].deadline() <= streams[70 + MAX_QUEUE_DEPTH].deadline() < float("inf")
+        assert streams[71 + MAX_QUEUE_DEPTH].deadline() == float("inf")  # far back: ranks last
+        handle(proto.CancelStream(70))
+        assert streams[71 + MAX_QUEUE_DEPTH].deadline() < float("inf")
     finally:
         run.close()
 

@@ -53,9 +53,10 @@ class Chunk:
 class FakeStream:
     """An engine stream whose audio the test hands over with `say`, and which records its text."""
 
-    def __init__(self, start_in_s: float = 0.0, held_s: float = 0.0) -> None:
+    def __init__(self, start_in_s: float = 0.0, held_s: float = 0.0, after: "FakeStream | None" = None) -> None:
         self.start_in_s = start_in_s  # the deadline hints the session gave the engine
         self.held_s = held_s
+        self.after = after
         self.texts: list[str] = []
         self.ended = False
         self.cancelled = False
@@ -101,8 +102,8 @@ class FakeEngine:
         self.streams: list[FakeStream] = []
         self.info = {"engine": "fake", "voices": ["joe"], "sample_rate": RATE}
 
-    def stream(self, options, start_in_s: float = 0.0, held_s: float = 0.0) -> FakeStream:
-        stream = FakeStream(start_in_s, held_s)
+    def stream(self, options, start_in_s: float = 0.0, held_s: float = 0.0, after=None) -> FakeStream:
+        stream = FakeStream(start_in_s, held_s, after)
         self.streams.append(stream)
         return stream
 
@@ -184,9 +185,10 @@ async def test_text_waits_for_an_output_then_plays_with_ttfa_and_its_parts():
 
 async def test_the_engine_hears_when_each_utterance_is_needed_and_what_the_feeder_holds_back():
     """The worker orders steps by playout deadline (engine/worker.py): an
-    utterance queued behind audio already encoded is needed no sooner than that
-    audio has played, and every deadline comes earlier by what the resampler and
-    the framer keep from the listener."""
+    utterance queued behind another is needed once that one's audio has played
+    (and no sooner than the audio already encoded ahead of it), and every
+    deadline comes earlier by what the resampler and the framer keep from the
+    listener."""
     from voxgate.gateway.feeder import listener_lag_s
 
     session, engine, events, _ = make()
@@ -194,7 +196,7 @@ async def test_the_engine_hears_when_each_utterance_is_needed_and_what_the_feede
     session.handle_message('{"type": "speak", "text": "one two three", "id": "a"}')
     await turns()
     first = engine.streams[0]
-    assert first.start_in_s == 0.0  # nothing ahead of it: its listener waits now
+    assert first.start_in_s == 0.0 and first.after is None  # nothing ahead of it: its listener waits now
     lag = listener_lag_s(RATE, session.encoder.sample_rate)
     assert first.held_s == pytest.approx(lag) and 0.01 < lag < 0.1
     first.say(["one", "two", "three"])  # 0.6 s
@@ -207,12 +209,13 @@ async def test_the_engine_hears_when_each_utterance_is_needed_and_what_the_feede
     session.handle_message('{"type": "speak", "text": "four", "id": "b"}')
     await turns()
     second = engine.streams[1]
-    assert second.start_in_s == pytest.approx(ahead_ms / 1000.0)
+    assert second.after is first and second.start_in_s == pytest.approx(ahead_ms / 1000.0)
     assert second.held_s == pytest.approx(lag)
     session.playout.next_frame()  # one frame played: the next utterance is needed 20 ms sooner
     session.handle_message('{"type": "speak", "text": "five", "id": "c"}')
     await turns()
     assert engine.streams[2].start_in_s == pytest.approx((ahead_ms - 20) / 1000.0)
+    assert engine.streams[2].after is second
 
 
 async def test_long_text_reaches_the_engine_in_slices_one_per_turn_and_in_order():

@@ -274,6 +274,21 @@ async def test_the_playout_deadline_travels_with_each_request(remote, pool):
     assert 2.5 < seen["last_start_in_s"] <= first.duration + 3.5
 
 
+async def test_a_stream_queued_behind_another_is_needed_when_that_ones_audio_runs_out(remote, pool):
+    """The gateway opens an utterance queued behind another with `after`: its
+    requests carry the earlier stream's deadline (4 s here, nothing sent yet),
+    not 0, so the replica does not rank it as a listener waiting now."""
+    before = pool.stats()
+    first = remote.stream(SynthesisOptions(), start_in_s=4.0)
+    second = remote.stream(SynthesisOptions(), after=first)
+    second.push_text("Queued behind the first.")
+    second.end_input()
+    assert [chunk async for chunk in second]
+    seen = await pool.wait_stats(lambda s: s["requests"] > before["requests"] and s["streams"] == 0)
+    assert 3.0 < seen["last_start_in_s"] <= 4.0 and seen["last_playing"] is False
+    first.cancel()
+
+
 async def test_bad_requests_are_refused_with_a_reason(pool):
     async with aiohttp.ClientSession() as http:
         for body in (b"not json", b'{"units": []}', StreamRequest({"colour": "red"}, [[0, "x"]]).encode(),
