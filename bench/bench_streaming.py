@@ -35,7 +35,9 @@ Every figure sits beside a baseline from the same run:
    parallel=1 threads=2 (always every core, one step at a time): first chunk
    of one stream, and throughput at 1, 2, 4 and 8 streams.
 5. fairness: through the gateway, "Hi." alone against "Hi." while another
-   session speaks 2,000 characters without punctuation. Target <= 2x.
+   session speaks 2,000 characters without punctuation. Target <= 2x. And
+   "Hi." sent just after another session queued a six-sentence reply as six
+   `speak`s at once, as backends that send a sentence at a time do.
 6. wer: pocketsphinx WER of the streamed output against the whole-unit
    output on the same sentences (target: within 0.02; both run the prior in
    int8, the default, and a third engine streams with it in float32, for
@@ -112,6 +114,8 @@ TOKEN_REPLY = (
 )
 PAGE_SENTENCE = "Your package left our warehouse this morning and it arrives tomorrow."
 HOSTILE = " ".join(f"word{i}" for i in range(400))[:2000]
+# A reply sent as one `speak` per sentence, all at once (fairness section).
+QUEUED_REPLY = FIRST_SENTENCES[:6]
 TOKENS_PER_S = 30.0
 
 
@@ -522,14 +526,30 @@ async def fairness_section(reps: int) -> dict:
             loaded.append(await speak_ttfa(client, "Hi."))
         still = not any(e.get("type") == "utterance.done" and e.get("id") == uid for _, e in other.event_log)
         other.send({"type": "cancel"})
+        await other.wait_for("utterance.interrupted", id=uid, timeout=60)
         alone += [await speak_ttfa(client, "Hi.") for _ in range(reps)]
+        queued = []
+        for _ in range(reps):
+            ids = [f"q{next(_ids)}" for _ in QUEUED_REPLY]
+            for qid, sentence in zip(ids, QUEUED_REPLY):
+                other.send({"type": "speak", "text": sentence, "id": qid})
+            queued.append(await speak_ttfa(client, "Hi."))
+            other.send({"type": "cancel"})
+            last = ids[-1]
+            await other._next(lambda e: e.get("id") == last and e.get("type") in ("utterance.interrupted", "utterance.done"), 60, last)
+            alone.append(await speak_ttfa(client, "Hi."))
         await client.close()
         await other.close()
     finally:
         await gateway.stop()
-    a, b = summary_ms(alone), summary_ms(loaded)
-    out = {"alone_ms": a, "while_other_speaks_ms": b, "other_still_speaking": still, "ratio_p50": round(b["p50"] / a["p50"], 3)}
+    a, b, q = summary_ms(alone), summary_ms(loaded), summary_ms(queued)
+    out = {
+        "alone_ms": a, "while_other_speaks_ms": b, "other_still_speaking": still, "ratio_p50": round(b["p50"] / a["p50"], 3),
+        "after_other_queued_reply_ms": q, "queued_ratio_p50": round(q["p50"] / a["p50"], 3),
+        "queued_reply_sentences": len(QUEUED_REPLY),
+    }
     print(f"alone {fmt_ms(a)} | while the other speaks {fmt_ms(b)} | ratio p50 {out['ratio_p50']:.2f}x (target <= 2)")
+    print(f"just after the other queued {len(QUEUED_REPLY)} speaks {fmt_ms(q)} | ratio p50 {out['queued_ratio_p50']:.2f}x")
     return out
 
 
