@@ -207,6 +207,12 @@ class Scheduler:
             stream = self._remove(msg.sid, cancelled=True)
             if stream is not None:
                 self._drop_job(stream)
+            running = self.running.get(msg.sid)
+            if running is not None and not running.requested:
+                # Nobody will hear it: stop the step now rather than let it hold a core
+                # (a late window can be a third of a second of one), and drop it when it ends.
+                running.request()
+                self.counters["stopped_steps"] += 1
         elif isinstance(msg, proto.Ping):
             engine_counters = getattr(self.engine, "counters", {})  # e.g. the decoder's frames run and kept
             self.send(proto.Pong(msg.token, {**engine_counters, **self.counters, "streams": len(self.streams), "in_flight": self.in_flight}))

@@ -199,6 +199,24 @@ def test_a_queued_stream_is_needed_from_its_own_start_once_the_one_before_is_can
         run.close()
 
 
+def test_a_cancel_stops_the_streams_running_step(engine):
+    """A cancelled stream's step in flight is stopped (and its audio dropped),
+    so the next listener's first audio does not wait for it."""
+    run = Run(engine)
+    try:
+        run.open(90, "A long utterance whose listener interrupts it during its first step.")
+        run.scheduler.dispatch()
+        stop = run.scheduler.running[90]
+        run.scheduler.handle(proto.CancelStream(90))
+        assert stop.requested
+        run.scheduler.handle(run.scheduler.inbox.get(timeout=60))  # the step ends, stopped or not
+        assert 90 not in run.scheduler.running and not any(
+            isinstance(m, proto.Chunk) and m.sid == 90 for m in run.sent
+        )
+    finally:
+        run.close()
+
+
 def test_a_deadline_walks_a_bounded_queue(engine):
     from voxgate.engine.worker import MAX_QUEUE_DEPTH
 
