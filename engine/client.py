@@ -192,7 +192,8 @@ class EngineClient:
         stream = TTSStream(self, sid, options=options or SynthesisOptions(), pipeline=pipeline or self.text_pipeline())
         self._streams[sid] = stream
         self._send(proto.OpenStream(
-            sid, stream.options.to_dict(), STREAM_WINDOW, max(0.0, float(start_in_s)), max(0.0, float(held_s)),
+            sid, stream.options.to_dict(), STREAM_WINDOW, max(0.0, float(start_in_s)),
+            min(max(0.0, float(held_s)), proto.MAX_HELD_S),
             after.sid if after is not None else None,
         ))
         return stream

@@ -18,6 +18,14 @@ from typing import Union
 
 from .base import WordTiming
 
+# The most audio a consumer may say it holds back (OpenStream.held_s): the
+# gateway's is tens of milliseconds; more would only rank its streams first.
+MAX_HELD_S = 0.2
+# OpenStream.after may name a stream that has ended, among the last this many
+# (the worker and the pool client keep them): an LLM's next sentence arrives
+# once the last one is synthesized, long before it has played.
+MAX_ENDED = 1024
+
 # A unit as it travels: plain text, or speech-tag pieces (engine/tags.py, to_wire).
 UnitPayload = Union[str, list]
 

@@ -30,7 +30,7 @@ import asyncio
 import json
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 
 import aiohttp
 import numpy as np
@@ -79,6 +79,8 @@ class RemoteEngineClient(EngineClient):
         self.direct = direct
         self._http: aiohttp.ClientSession | None = None
         self._transports: dict[int, RemoteTransport] = {}
+        # Streams that ended lately, oldest first, for OpenStream.after (at most proto.MAX_ENDED).
+        self._ended: "OrderedDict[int, RemoteTransport]" = OrderedDict()
         self._is_ready = False
         self._lost_replicas: deque = deque(maxlen=MAX_LOST_REPLICAS)
         # The replicas' own base URLs (empty: everything goes through self.url, Serve's proxy).
@@ -208,8 +210,14 @@ class RemoteEngineClient(EngineClient):
         if isinstance(message, proto.OpenStream):
             self._transports[message.sid] = RemoteTransport(
                 self, message.sid, message.options, message.start_in_s, message.held_s,
-                self._transports.get(message.after) if message.after is not None else None,
+                self._before(message.after),
             )
+
+    def _before(self, sid: int | None) -> "RemoteTransport | None":
+        """The transport of OpenStream.after: still open, or ended lately."""
+        if sid is None:
+            return None
+        return self._transports.get(sid) or self._ended.get(sid)
 
     # StreamTransport: what a TTSStream asks of this client
     def send_unit(self, sid: int, index: int, payload: proto.UnitPayload) -> None:
@@ -236,8 +244,11 @@ class RemoteEngineClient(EngineClient):
     def _finish(self, sid: int, error: Exception | None) -> None:
         """A stream's last word, from its transport: done, or failed with `error`."""
         transport = self._transports.pop(sid, None)
-        if transport is not None and error is not None:
-            transport.cancelled = True
+        if transport is not None:
+            transport.ended = True  # finished or failed: a stream queued behind it follows its audio
+            self._ended[sid] = transport
+            while len(self._ended) > proto.MAX_ENDED:
+                self._ended.popitem(last=False)
         stream = self._streams.pop(sid, None)
         if stream is None:
             return
@@ -267,11 +278,14 @@ class RemoteTransport:
         self.sid = sid
         self.options = options
         self.opened_at = time.monotonic()
-        self.start_in_s = max(0.0, float(start_in_s))
+        # When the listener needs the first audio (monotonic), and what the gateway holds back.
+        self.start_at = self.opened_at + max(0.0, float(start_in_s))
         self.held_s = max(0.0, float(held_s))
-        # The stream its listener hears first, while this one has no audio: its deadline is this one's start.
+        # The stream its listener hears first: its deadline is this one's start, as in the
+        # worker's Scheduler; let go of once it has ended and no longer moves (start()).
         self.after = after
-        self.cancelled = False  # cancelled or failed: a stream queued behind it is needed at once
+        self.ended = False  # every unit synthesized, or failed: what it sent still plays
+        self.cancelled = False  # its listener hears no more of it
         self.units: deque = deque()
         self.ended = False
         self.credit = STREAM_WINDOW
@@ -300,20 +314,31 @@ class RemoteTransport:
         if not self._task.done() and asyncio.current_task() is not self._task:
             self._task.cancel()  # closes the open response: the replica stops this stream
 
+    def start(self) -> float:
+        """When the listener needs this stream's first audio (monotonic)."""
+        after = self.after
+        if after is None:
+            return self.start_at
+        if after.cancelled:
+            self.after = None  # its audio stops now
+            return self.start_at
+        start = max(self.start_at, after.deadline())
+        if after.ended and after.after is None:
+            self.start_at, self.after = start, None  # it no longer moves: keep the time, not the stream
+        return start
+
+    def deadline(self) -> float:
+        """When the listener runs out of audio (monotonic), as the worker reckons it: playout
+        starts with the first audio, or at the start if later, and the gateway's listener has
+        heard all of it but what the gateway holds back."""
+        start = self.start()
+        if self.first_audio_at is None:
+            return start
+        return max(start, self.first_audio_at) + self.audio_s - self.held_s
+
     def deadline_in(self) -> float:
         """Seconds until the listener runs out of audio: the deadline the replica schedules by."""
-        now = time.monotonic()
-        start = self.opened_at + self.start_in_s
-        if self.after is not None:
-            if self.first_audio_at is None and not self.after.cancelled:
-                start = max(start, now + self.after.deadline_in())  # its audio plays first
-            else:
-                self.after = None  # from the first audio on, this stream's own deadline holds
-        if self.first_audio_at is None:
-            return max(0.0, start - now)
-        # As the worker reckons it: playout starts with the first audio, or at the start deadline if
-        # later, and the gateway's listener has heard all of it but what the gateway holds back.
-        return max(0.0, max(start, self.first_audio_at) + self.audio_s - self.held_s - now)
+        return max(0.0, self.deadline() - time.monotonic())
 
     # The requests
     async def _run(self) -> None:

@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 import traceback
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -48,12 +48,10 @@ URGENT_SLACK_S = 0.5
 # (and redone later) when a listener starts waiting for first audio. Stopping
 # costs the work done so far; this much slack leaves room to redo it.
 PREEMPT_SLACK_S = 1.5
-# The most audio a consumer may say it holds back (OpenStream.held_s): the
-# gateway's is tens of milliseconds; more would only rank its streams first.
-MAX_HELD_S = 0.2
-# A stream queued behind more than this many open streams of its listener
-# ranks last until they finish: each deadline walks at most this far.
+# A stream queued behind more than this many unsettled streams of its listener
+# ranks last until they end: each deadline walks at most this far.
 MAX_QUEUE_DEPTH = 8
+
 # The most slack a step is told of (windows.py sizes windows by it): a minute
 # of audio in hand asks for the largest window already.
 MAX_SLACK_S = 60.0
@@ -108,9 +106,11 @@ class _Stream:
     audio_s: float = 0.0
     # When its first chunk went out: playout starts then (or at start_at, if later).
     first_sent_at: float | None = None
-    # The stream its listener hears before this one (OpenStream.after), until it is folded in.
+    # The stream its listener hears before this one (OpenStream.after), until that one has
+    # ended and its deadline no longer moves (Scheduler._settle folds it into start_at).
     after: "_Stream | None" = None
-    closed: bool = False  # out of the scheduler: finished, or (with cancelled) cancelled or failed
+    followers: list = field(default_factory=list)  # the streams whose `after` this is
+    closed: bool = False  # out of the scheduler: ended (finished or failed), or cancelled
     cancelled: bool = False
 
     def runnable(self) -> bool:
@@ -119,25 +119,16 @@ class _Stream:
     def start(self, depth: int = 0) -> float:
         """When its listener needs its first audio: start_at, or, queued behind
         another stream of the same listener, once that one's audio runs out."""
-        after = self.after
-        if after is None:
-            return self.start_at
-        if after.closed:
-            # Finished, its deadline no longer moves: keep that and let go of the
-            # stream, so that chains are no longer than the streams still open.
-            # Cancelled or failed, its audio ends now: needed from start_at.
-            if not after.cancelled:
-                self.start_at = max(self.start_at, after.deadline(depth + 1))
-            self.after = None
+        if self.after is None:
             return self.start_at
         if depth >= MAX_QUEUE_DEPTH:
             return math.inf  # that far behind, not needed soon; and a deadline costs a bounded walk
-        return max(self.start_at, after.deadline(depth + 1))
+        return max(self.start_at, self.after.deadline(depth + 1))
 
     def waiting_for_first(self, now: float) -> bool:
-        """Its listener is waiting now and has heard nothing yet. Never while the
-        stream before it is open: the listener is waiting for that one."""
-        return self.chunks_sent == 0 and self.start() <= now and self.after is None
+        """Its listener is waiting now and has heard nothing yet. Never while a
+        stream before it is unsettled: the listener is waiting for that one."""
+        return self.chunks_sent == 0 and self.after is None and self.start_at <= now
 
     def deadline(self, depth: int = 0) -> float:
         """When its listener runs out of audio unless another chunk arrives."""
@@ -173,10 +164,12 @@ class Scheduler:
         # Engines whose step() takes many jobs at once (torch) advance several streams per pass.
         self.max_batch = int(engine.info().get("max_batch", 1)) if self.stepwise else 1
         self.counters = {
-            "steps": 0, "batches": 0, "batched_streams": 0, "largest_batch": 0, "all_core_steps": 0, "stopped_steps": 0,
+            "steps": 0, "batches": 0, "batched_streams": 0, "largest_batch": 0, "all_core_steps": 0, "stopped_steps": 0, "cancelled_steps": 0,
         }
         # The stop signal of each stream's running step.
         self.running: dict[int, StopSignal] = {}
+        # Streams that ended lately, oldest first, for OpenStream.after (at most proto.MAX_ENDED).
+        self._ended: "OrderedDict[int, _Stream]" = OrderedDict()
         # (sid, kind) per dispatched step, kind "first" or "later"; tests read the order.
         self.trace: deque = deque(maxlen=4096)
 
@@ -185,11 +178,16 @@ class Scheduler:
         """Apply one message; False once the worker should stop."""
         if isinstance(msg, proto.OpenStream):
             start_at = time.monotonic() + max(0.0, float(msg.start_in_s))
-            held_s = min(max(0.0, float(msg.held_s)), MAX_HELD_S)
-            after = self.streams.get(msg.after) if msg.after is not None else None  # None: already finished
-            self.streams[msg.sid] = _Stream(
-                msg.sid, SynthesisOptions.from_dict(msg.options), start_at, held_s, credit=msg.credit, after=after
-            )
+            held_s = min(max(0.0, float(msg.held_s)), proto.MAX_HELD_S)
+            stream = _Stream(msg.sid, SynthesisOptions.from_dict(msg.options), start_at, held_s, credit=msg.credit)
+            if msg.after is not None:
+                # Still open, or ended lately (proto.MAX_ENDED).
+                before = self.streams.get(msg.after) or self._ended.get(msg.after)
+                if before is not None:
+                    stream.after = before
+                    before.followers.append(stream)
+                    self._settle(before)
+            self.streams[msg.sid] = stream
         elif isinstance(msg, proto.PushUnit):
             stream = self.streams.get(msg.sid)
             if stream is not None:
@@ -212,7 +210,7 @@ class Scheduler:
                 # Nobody will hear it: stop the step now rather than let it hold a core
                 # (a late window can be a third of a second of one), and drop it when it ends.
                 running.request()
-                self.counters["stopped_steps"] += 1
+                self.counters["cancelled_steps"] += 1
         elif isinstance(msg, proto.Ping):
             engine_counters = getattr(self.engine, "counters", {})  # e.g. the decoder's frames run and kept
             self.send(proto.Pong(msg.token, {**engine_counters, **self.counters, "streams": len(self.streams), "in_flight": self.in_flight}))
@@ -253,11 +251,37 @@ class Scheduler:
             self.send(proto.StreamDone(stream.sid))
 
     def _remove(self, sid: int, *, cancelled: bool) -> _Stream | None:
-        """Take a stream out of the scheduler; a stream queued behind it reads `closed`."""
+        """Take a stream out of the scheduler: ended (finished, or failed: what it
+        sent still plays) or cancelled (its listener hears no more of it)."""
         stream = self.streams.pop(sid, None)
         if stream is not None:
             stream.closed, stream.cancelled = True, cancelled
+            if not cancelled:
+                self._ended[sid] = stream
+                while len(self._ended) > proto.MAX_ENDED:
+                    self._ended.popitem(last=False)
+            self._settle(stream)
         return stream
+
+    @staticmethod
+    def _settle(stream: _Stream) -> None:
+        """Hand a closed stream's end to the streams queued behind it, once it no
+        longer moves: an ended stream whose own predecessor has settled (its
+        deadline is then fixed), or a cancelled one (its audio stops now). Those
+        followers let go of it, so chains are no longer than the open streams
+        they wait on, and the walk goes on to their followers in turn."""
+        pending = [stream]
+        while pending:
+            s = pending.pop()
+            if not s.closed or (s.after is not None and not s.cancelled):
+                continue  # open, or ended behind a stream still open: its deadline still moves
+            for follower in s.followers:
+                if follower.after is s:
+                    if not s.cancelled:
+                        follower.start_at = max(follower.start_at, s.deadline())
+                    follower.after = None
+                    pending.append(follower)
+            s.followers.clear()
 
     def _drop_job(self, stream: _Stream) -> None:
         job, stream.job = stream.job, None
@@ -305,7 +329,7 @@ class Scheduler:
                 try:
                     self._begin_unit(stream)
                 except Exception as exc:  # a bad voice name, say: this stream's error alone
-                    self._remove(stream.sid, cancelled=True)
+                    self._remove(stream.sid, cancelled=False)
                     self.send(proto.StreamError(stream.sid, str(exc)))
                     continue
             # Every core for a step that runs alone and is urgent; one thread each
@@ -402,7 +426,7 @@ class Scheduler:
             stream.credit += 1  # the job is as it was; the step runs again later
             return
         if isinstance(result, Exception):
-            self._remove(sid, cancelled=True)
+            self._remove(sid, cancelled=False)
             self.send(proto.StreamError(sid, str(result)))
             return
         if result is None:

@@ -339,7 +339,9 @@ class Session:
         utterances, self.utterances = self.utterances, []
         self._open_by_source.clear()
         self._text.clear()
-        for utt in utterances:
+        # Newest first: the engine never sees a queued stream whose predecessor is
+        # cancelled while it is still open (it would rank as a listener waiting now).
+        for utt in reversed(utterances):
             utt.stream.cancel()
             self._interrupted_ids.add((utt.source, utt.id))
         if len(self._interrupted_ids) > 1000:
@@ -440,7 +442,7 @@ class Session:
             return
         self._closed = True
         self._text.clear()
-        for utt in self.utterances:
+        for utt in reversed(self.utterances):  # newest first, as in interrupt()
             utt.stream.cancel()
         self.utterances = []
         self.playout.clear()

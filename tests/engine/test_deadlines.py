@@ -144,20 +144,19 @@ def test_a_stream_with_seconds_buffered_waits_for_one_about_to_run_dry(engine):
 
 
 def test_audio_the_gateway_holds_back_brings_a_streams_deadline_forward(engine):
-    """Streams 30 and 31 say the same text, opened together; 31's consumer holds
-    back 0.2 s (OpenStream.held_s), so once both have their first chunk, 31's
-    listener runs dry first and its next window goes first, although 30 got its
-    first chunk two steps sooner (tens of milliseconds, well under 0.2 s)."""
-    text = "Both streams read this same sentence, which needs several windows of audio."
+    """Streams 30 and 31 have sent the same audio at the same moment; 31's
+    consumer holds back 0.2 s (OpenStream.held_s), so its listener runs dry
+    first and its next step ranks first."""
     run = Run(engine)
     try:
-        run.open(30, text)
-        run.open(31, text, held=0.2)
-        run.until(lambda: run.finished(30, 31))
-        trace = list(run.scheduler.trace)
-        first_later = next(sid for sid, kind in trace if kind == "later")
-        assert [sid for sid, kind in trace if kind == "first"][-1] == 31  # both first windows came before
-        assert first_later == 31, trace
+        run.open(30, "Both streams read this same sentence.")
+        run.open(31, "Both streams read this same sentence.", held=0.2)
+        a, b = run.scheduler.streams[30], run.scheduler.streams[31]
+        now = time.monotonic()
+        for s in (a, b):
+            s.start_at, s.first_sent_at, s.audio_s, s.chunks_sent = now, now, 1.0, 1
+        assert b.deadline() == pytest.approx(a.deadline() - 0.2)
+        assert b.priority(now) < a.priority(now)
     finally:
         run.close()
 
@@ -235,8 +234,63 @@ def test_a_deadline_walks_a_bounded_queue(engine):
         run.close()
 
 
+def test_streams_that_ended_behind_an_open_one_settle_when_it_ends(engine):
+    """A reply sent as short `speak`s: stream 100 is still open, 101-110 queued
+    behind it have ended already (short, or out of text), 111 is open behind
+    them. Past MAX_QUEUE_DEPTH it ranks last; once 100 ends, the queue settles:
+    every link is let go of and 111's start is fixed, and finite."""
+    run = Run(engine)
+    try:
+        handle = run.scheduler.handle
+        handle(proto.OpenStream(100, SynthesisOptions().to_dict(), 1, 3.0))
+        for sid in range(101, 111):
+            handle(proto.OpenStream(sid, SynthesisOptions().to_dict(), 1, 0.0, 0.0, sid - 1))
+            handle(proto.EndInput(sid))  # no text: it ends at once, behind 100
+        handle(proto.OpenStream(111, SynthesisOptions().to_dict(), 1, 0.0, 0.0, 110))
+        last = run.scheduler.streams[111]
+        assert last.deadline() == float("inf") and not last.waiting_for_first(time.monotonic())
+        first_deadline = run.scheduler.streams[100].deadline()
+        handle(proto.EndInput(100))
+        assert last.after is None and first_deadline <= last.start_at < float("inf")
+        assert not last.waiting_for_first(time.monotonic())  # 100's listener needs it in about 3 s
+    finally:
+        run.close()
+
+
+def test_a_stream_opened_after_one_that_ended_follows_its_audio(engine):
+    """An LLM's next sentence arrives once the last one is synthesized, long
+    before it has played: `after` names a stream that has ended, and the new
+    one is needed when that one's audio runs out, not now."""
+    run = Run(engine)
+    try:
+        handle = run.scheduler.handle
+        handle(proto.OpenStream(120, SynthesisOptions().to_dict(), 1, 5.0))
+        handle(proto.EndInput(120))
+        assert 120 not in run.scheduler.streams
+        handle(proto.OpenStream(121, SynthesisOptions().to_dict(), 1, 0.0, 0.0, 120))
+        queued = run.scheduler.streams[121]
+        assert queued.after is None and queued.start_at >= time.monotonic() + 4.0
+        assert not queued.waiting_for_first(time.monotonic())
+    finally:
+        run.close()
+
+
+def test_a_stream_behind_one_that_failed_follows_what_it_sent(engine):
+    run = Run(engine)
+    try:
+        handle = run.scheduler.handle
+        handle(proto.OpenStream(130, SynthesisOptions(voice="no-such-voice").to_dict(), 1, 5.0))
+        handle(proto.OpenStream(131, SynthesisOptions().to_dict(), 1, 0.0, 0.0, 130))
+        handle(proto.PushUnit(130, 0, "This voice does not exist."))
+        run.until(lambda: any(isinstance(m, proto.StreamError) and m.sid == 130 for m in run.sent))
+        queued = run.scheduler.streams[131]
+        assert queued.after is None and queued.start_at >= time.monotonic() + 4.0
+    finally:
+        run.close()
+
+
 def test_the_held_back_audio_is_capped_and_only_counts_once_audio_was_sent(engine):
-    from voxgate.engine.worker import MAX_HELD_S
+    from voxgate.engine.proto import MAX_HELD_S
 
     run = Run(engine)
     try:

@@ -255,8 +255,8 @@ async def test_closing_the_response_stops_the_replica_work(pool):
 
 
 async def test_the_playout_deadline_travels_with_each_request(remote, pool):
-    # The gateway holds 0.5 s back from its listener (an exaggerated held_s).
-    stream = remote.stream(SynthesisOptions(), start_in_s=4.0, held_s=0.5)
+    # The gateway holds 0.2 s back from its listener (the most it may say, proto.MAX_HELD_S).
+    stream = remote.stream(SynthesisOptions(), start_in_s=4.0, held_s=0.2)
     stream.push_text("First sentence heard now.")  # one unit: no clause boundary inside
     stream.flush()
     first = await stream.__anext__()
@@ -271,22 +271,46 @@ async def test_the_playout_deadline_travels_with_each_request(remote, pool):
     assert rest and rest[-1].unit_end
     seen = pool.stats()
     assert seen["last_playing"] is True
-    assert 2.5 < seen["last_start_in_s"] <= first.duration + 3.5
+    assert 2.5 < seen["last_start_in_s"] <= first.duration + 3.8
 
 
 async def test_a_stream_queued_behind_another_is_needed_when_that_ones_audio_runs_out(remote, pool):
     """The gateway opens an utterance queued behind another with `after`: its
-    requests carry the earlier stream's deadline (4 s here, nothing sent yet),
-    not 0, so the replica does not rank it as a listener waiting now."""
-    before = pool.stats()
+    requests carry the earlier stream's deadline (4 s here), not 0, so the
+    replica does not rank it as a listener waiting now: behind a stream still
+    open (nothing sent yet), and behind one that has ended (all its audio
+    received, as when an LLM's next sentence arrives)."""
     first = remote.stream(SynthesisOptions(), start_in_s=4.0)
-    second = remote.stream(SynthesisOptions(), after=first)
-    second.push_text("Queued behind the first.")
-    second.end_input()
-    assert [chunk async for chunk in second]
-    seen = await pool.wait_stats(lambda s: s["requests"] > before["requests"] and s["streams"] == 0)
-    assert 3.0 < seen["last_start_in_s"] <= 4.0 and seen["last_playing"] is False
+    first_audio_s = 0.0  # what the first stream's listener hears before the queued one
+    try:
+        for text in ("Queued behind the first.", "And behind the first once it has ended."):
+            before = pool.stats()
+            queued = remote.stream(SynthesisOptions(), after=first)
+            queued.push_text(text)
+            queued.end_input()
+            assert [chunk async for chunk in queued]
+            seen = await pool.wait_stats(lambda s: s["requests"] > before["requests"] and s["streams"] == 0)
+            assert 3.0 + first_audio_s < seen["last_start_in_s"] <= 4.0 + first_audio_s
+            assert seen["last_playing"] is False
+            if first_audio_s == 0.0:  # for the second round, the first stream says its text and ends
+                first.push_text("The first says something.")
+                first.end_input()
+                first_audio_s = sum(chunk.duration for chunk in [chunk async for chunk in first])
+                assert first_audio_s > 0 and first.sid not in remote._transports
+    finally:
+        first.cancel()
+
+
+async def test_a_stream_behind_a_cancelled_one_is_needed_at_once(remote, pool):
+    first = remote.stream(SynthesisOptions(), start_in_s=4.0)
+    queued = remote.stream(SynthesisOptions(), after=first)
     first.cancel()
+    before = pool.stats()
+    queued.push_text("Needed now.")
+    queued.end_input()
+    assert [chunk async for chunk in queued]
+    seen = await pool.wait_stats(lambda s: s["requests"] > before["requests"] and s["streams"] == 0)
+    assert seen["last_start_in_s"] < 1.0
 
 
 async def test_bad_requests_are_refused_with_a_reason(pool):
