@@ -43,8 +43,9 @@ class OpenStream:
     # resampler's delay, a part of a frame): the listener runs dry this much
     # sooner than the audio sent says, and the worker's deadlines say so.
     held_s: float = 0.0
-    # The open stream whose audio the same listener hears first (an utterance
-    # queued behind another): this one is needed once that one's audio runs out.
+    # The stream whose audio the same listener hears first (an utterance queued
+    # behind another; still open, or among the last MAX_ENDED that ended): this
+    # one is needed once that one's audio runs out.
     after: int | None = None
 
 

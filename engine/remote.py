@@ -245,7 +245,7 @@ class RemoteEngineClient(EngineClient):
         """A stream's last word, from its transport: done, or failed with `error`."""
         transport = self._transports.pop(sid, None)
         if transport is not None:
-            transport.ended = True  # finished or failed: a stream queued behind it follows its audio
+            transport.done = True  # finished or failed: a stream queued behind it follows its audio
             self._ended[sid] = transport
             while len(self._ended) > proto.MAX_ENDED:
                 self._ended.popitem(last=False)
@@ -284,7 +284,7 @@ class RemoteTransport:
         # The stream its listener hears first: its deadline is this one's start, as in the
         # worker's Scheduler; let go of once it has ended and no longer moves (start()).
         self.after = after
-        self.ended = False  # every unit synthesized, or failed: what it sent still plays
+        self.done = False  # every unit synthesized, or failed: what it sent still plays
         self.cancelled = False  # its listener hears no more of it
         self.units: deque = deque()
         self.ended = False
@@ -323,7 +323,7 @@ class RemoteTransport:
             self.after = None  # its audio stops now
             return self.start_at
         start = max(self.start_at, after.deadline())
-        if after.ended and after.after is None:
+        if after.done and after.after is None:
             self.start_at, self.after = start, None  # it no longer moves: keep the time, not the stream
         return start
 

@@ -94,7 +94,7 @@ class _Stream:
     options: SynthesisOptions
     # When the listener needs this stream's first audio, on this process's clock.
     start_at: float
-    # Audio the gateway holds back (proto.OpenStream.held_s, capped at MAX_HELD_S).
+    # Audio the gateway holds back (proto.OpenStream.held_s, capped at proto.MAX_HELD_S).
     held_s: float = 0.0
     units: deque = field(default_factory=deque)  # (unit_index, text)
     job: SynthesisJob | None = None
@@ -164,7 +164,8 @@ class Scheduler:
         # Engines whose step() takes many jobs at once (torch) advance several streams per pass.
         self.max_batch = int(engine.info().get("max_batch", 1)) if self.stepwise else 1
         self.counters = {
-            "steps": 0, "batches": 0, "batched_streams": 0, "largest_batch": 0, "all_core_steps": 0, "stopped_steps": 0, "cancelled_steps": 0,
+            "steps": 0, "batches": 0, "batched_streams": 0, "largest_batch": 0, "all_core_steps": 0,
+            "stopped_steps": 0, "cancelled_steps": 0,
         }
         # The stop signal of each stream's running step.
         self.running: dict[int, StopSignal] = {}
