@@ -41,6 +41,10 @@ class Run:
         handle(proto.PushUnit(sid, 0, text))
         handle(proto.EndInput(sid))
 
+    def bare(self, sid: int, start_in: float = 0.0, after: int | None = None, **options) -> None:
+        """A stream with no text yet and a credit of one chunk."""
+        self.scheduler.handle(proto.OpenStream(sid, SynthesisOptions(**options).to_dict(), 1, start_in, 0.0, after))
+
     def until(self, done) -> None:
         for _ in range(10000):
             if done():
@@ -187,8 +191,8 @@ def test_an_utterance_queued_behind_another_waits_for_it_and_not_a_new_listener(
 def test_a_queued_stream_is_needed_from_its_own_start_once_the_one_before_is_cancelled(engine):
     run = Run(engine)
     try:
-        run.scheduler.handle(proto.OpenStream(60, SynthesisOptions().to_dict(), 1, 5.0))
-        run.scheduler.handle(proto.OpenStream(61, SynthesisOptions().to_dict(), 1, 0.0, 0.0, 60))
+        run.bare(60, start_in=5.0)
+        run.bare(61, after=60)
         queued = run.scheduler.streams[61]
         now = time.monotonic()
         assert not queued.waiting_for_first(now) and queued.deadline() >= now + 4.0  # behind 60's 5 s
@@ -221,14 +225,13 @@ def test_a_deadline_walks_a_bounded_queue(engine):
 
     run = Run(engine)
     try:
-        handle = run.scheduler.handle
-        handle(proto.OpenStream(70, SynthesisOptions().to_dict(), 1, 0.0))
+        run.bare(70)
         for sid in range(71, 71 + MAX_QUEUE_DEPTH + 2):
-            handle(proto.OpenStream(sid, SynthesisOptions().to_dict(), 1, 0.0, 0.0, sid - 1))
+            run.bare(sid, after=sid - 1)
         streams = run.scheduler.streams
         assert streams[70].deadline() <= streams[70 + MAX_QUEUE_DEPTH].deadline() < float("inf")
         assert streams[71 + MAX_QUEUE_DEPTH].deadline() == float("inf")  # far back: ranks last
-        handle(proto.CancelStream(70))
+        run.scheduler.handle(proto.CancelStream(70))
         assert streams[71 + MAX_QUEUE_DEPTH].deadline() < float("inf")
     finally:
         run.close()
@@ -242,11 +245,11 @@ def test_streams_that_ended_behind_an_open_one_settle_when_it_ends(engine):
     run = Run(engine)
     try:
         handle = run.scheduler.handle
-        handle(proto.OpenStream(100, SynthesisOptions().to_dict(), 1, 3.0))
+        run.bare(100, start_in=3.0)
         for sid in range(101, 111):
-            handle(proto.OpenStream(sid, SynthesisOptions().to_dict(), 1, 0.0, 0.0, sid - 1))
+            run.bare(sid, after=sid - 1)
             handle(proto.EndInput(sid))  # no text: it ends at once, behind 100
-        handle(proto.OpenStream(111, SynthesisOptions().to_dict(), 1, 0.0, 0.0, 110))
+        run.bare(111, after=110)
         last = run.scheduler.streams[111]
         assert last.deadline() == float("inf") and not last.waiting_for_first(time.monotonic())
         first_deadline = run.scheduler.streams[100].deadline()
@@ -263,11 +266,10 @@ def test_a_stream_opened_after_one_that_ended_follows_its_audio(engine):
     one is needed when that one's audio runs out, not now."""
     run = Run(engine)
     try:
-        handle = run.scheduler.handle
-        handle(proto.OpenStream(120, SynthesisOptions().to_dict(), 1, 5.0))
-        handle(proto.EndInput(120))
+        run.bare(120, start_in=5.0)
+        run.scheduler.handle(proto.EndInput(120))
         assert 120 not in run.scheduler.streams
-        handle(proto.OpenStream(121, SynthesisOptions().to_dict(), 1, 0.0, 0.0, 120))
+        run.bare(121, after=120)
         queued = run.scheduler.streams[121]
         assert queued.after is None and queued.start_at >= time.monotonic() + 4.0
         assert not queued.waiting_for_first(time.monotonic())
@@ -278,10 +280,9 @@ def test_a_stream_opened_after_one_that_ended_follows_its_audio(engine):
 def test_a_stream_behind_one_that_failed_follows_what_it_sent(engine):
     run = Run(engine)
     try:
-        handle = run.scheduler.handle
-        handle(proto.OpenStream(130, SynthesisOptions(voice="no-such-voice").to_dict(), 1, 5.0))
-        handle(proto.OpenStream(131, SynthesisOptions().to_dict(), 1, 0.0, 0.0, 130))
-        handle(proto.PushUnit(130, 0, "This voice does not exist."))
+        run.bare(130, start_in=5.0, voice="no-such-voice")
+        run.bare(131, after=130)
+        run.scheduler.handle(proto.PushUnit(130, 0, "This voice does not exist."))
         run.until(lambda: any(isinstance(m, proto.StreamError) and m.sid == 130 for m in run.sent))
         queued = run.scheduler.streams[131]
         assert queued.after is None and queued.start_at >= time.monotonic() + 4.0
