@@ -37,7 +37,9 @@ Every figure sits beside a baseline from the same run:
 5. fairness: through the gateway, "Hi." alone against "Hi." while another
    session speaks 2,000 characters without punctuation. Target <= 2x. And
    "Hi." sent just after another session queued a six-sentence reply as six
-   `speak`s at once, as backends that send a sentence at a time do.
+   `speak`s at once, and just after another session's fourth sentence of a
+   reply sent a sentence every 0.3 s, as backends that send an LLM's reply a
+   sentence at a time do.
 6. wer: pocketsphinx WER of the streamed output against the whole-unit
    output on the same sentences (target: within 0.02; both run the prior in
    int8, the default, and a third engine streams with it in float32, for
@@ -116,6 +118,8 @@ PAGE_SENTENCE = "Your package left our warehouse this morning and it arrives tom
 HOSTILE = " ".join(f"word{i}" for i in range(400))[:2000]
 # A reply sent as one `speak` per sentence, all at once (fairness section).
 QUEUED_REPLY = FIRST_SENTENCES[:6]
+# ... and a sentence at a time, as an LLM writes them (about 10 words at 30 tokens/s).
+PACED_GAP_S = 0.3
 TOKENS_PER_S = 30.0
 
 
@@ -534,23 +538,44 @@ async def fairness_section(reps: int) -> dict:
             for qid, sentence in zip(ids, QUEUED_REPLY):
                 other.send({"type": "speak", "text": sentence, "id": qid})
             queued.append(await speak_ttfa(client, "Hi."))
-            other.send({"type": "cancel"})
-            last = ids[-1]
-            await other._next(lambda e: e.get("id") == last and e.get("type") in ("utterance.interrupted", "utterance.done"), 60, last)
+            await _cancel_all(other, ids[-1])
+            alone.append(await speak_ttfa(client, "Hi."))
+        # As an LLM backend sends a reply: a sentence every PACED_GAP_S, each
+        # queued behind the last (which has often been synthesized already);
+        # "Hi." right after the fourth.
+        paced = []
+        for _ in range(reps):
+            ids = [f"p{next(_ids)}" for _ in QUEUED_REPLY[:4]]
+            for i, (pid, sentence) in enumerate(zip(ids, QUEUED_REPLY)):
+                if i:
+                    await asyncio.sleep(PACED_GAP_S)
+                other.send({"type": "speak", "text": sentence, "id": pid})
+            paced.append(await speak_ttfa(client, "Hi."))
+            await _cancel_all(other, ids[-1])
             alone.append(await speak_ttfa(client, "Hi."))
         await client.close()
         await other.close()
     finally:
         await gateway.stop()
-    a, b, q = summary_ms(alone), summary_ms(loaded), summary_ms(queued)
+    a, b, q, pc = summary_ms(alone), summary_ms(loaded), summary_ms(queued), summary_ms(paced)
     out = {
         "alone_ms": a, "while_other_speaks_ms": b, "other_still_speaking": still, "ratio_p50": round(b["p50"] / a["p50"], 3),
         "after_other_queued_reply_ms": q, "queued_ratio_p50": round(q["p50"] / a["p50"], 3),
         "queued_reply_sentences": len(QUEUED_REPLY),
+        "after_other_paced_sentence_ms": pc, "paced_ratio_p50": round(pc["p50"] / a["p50"], 3), "paced_gap_s": PACED_GAP_S,
     }
     print(f"alone {fmt_ms(a)} | while the other speaks {fmt_ms(b)} | ratio p50 {out['ratio_p50']:.2f}x (target <= 2)")
     print(f"just after the other queued {len(QUEUED_REPLY)} speaks {fmt_ms(q)} | ratio p50 {out['queued_ratio_p50']:.2f}x")
+    print(f"just after the other's 4th sentence, one every {PACED_GAP_S} s {fmt_ms(pc)} | ratio p50 {out['paced_ratio_p50']:.2f}x")
     return out
+
+
+async def _cancel_all(client, last_id: str) -> None:
+    """Cancel what `client` has queued and wait until its last utterance has ended."""
+    client.send({"type": "cancel"})
+    await client._next(
+        lambda e: e.get("id") == last_id and e.get("type") in ("utterance.interrupted", "utterance.done"), 60, last_id
+    )
 
 
 # ---------------------------------------------------------------------------

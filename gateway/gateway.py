@@ -16,6 +16,7 @@ from ..engine.client import EngineClient, EngineConfig
 from . import priority
 from .encoder import OpusSettings
 from .errors import GatewayError, checked_voice
+from .feeder import listener_lag_s
 from .ice import IcePolicy, parse_ice_server, parse_networks, restrict_host_addresses
 from .metrics import GatewayMetrics
 from .peer import PeerConnection
@@ -104,6 +105,10 @@ class Gateway:
         self.engine.listeners.append(self._on_engine_event)
         self._tasks.append(asyncio.ensure_future(self._watch_loop_lag()))
         self._tasks.append(asyncio.ensure_future(self._reap_idle()))
+        rate = self.engine.info.get("sample_rate")
+        if isinstance(rate, int) and rate > 0:
+            # Measured once per pair of rates (a few ms of soxr): now, not on a first utterance's path.
+            listener_lag_s(rate, OpusSettings().input_rate)
         log.info("engine %s ready: %s", self.settings.engine, self.engine.info)
 
     async def drain(self, timeout: float) -> None:

@@ -31,7 +31,7 @@ def test_the_lag_is_what_the_resampler_and_framer_keep_on_average(engine_rate):
         heard_s += len(framer.push(resampler.process(pcm))) / wire_rate
         lags.append(sent_s - heard_s)
     lag = listener_lag_s(engine_rate, wire_rate)
-    # On average within 5 ms (16,000 Hz: 26.4 against 30.6 ms; 22,050: 41.1 against 40.4), and the
+    # On average within 5 ms (16,000 Hz: 26.4 against 29.6 ms; 22,050: 41.1 against 40.1), and the
     # most ever kept is at most 20 ms more (the resampler's block swings).
     assert abs(np.mean(lags) - lag) < 0.006 and max(lags) < lag + 0.025, (lags, lag)
 
