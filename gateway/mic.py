@@ -101,6 +101,87 @@ def parse_rtp(data: bytes) -> RtpFields | None:
     return RtpFields(data[1] & 0x7F, int.from_bytes(data[4:8], "big"), data[pos:end], extension)
 
 
+def level_reader(extensions_map) -> Callable[[int, bytes], tuple[bool, int] | None]:
+    """Reads a packet's RFC 6464 audio level from its header-extension block: (voice, -dBov) or None.
+
+    aiortc's `HeaderExtensionsMap.get` unpacks every element into a new object for
+    each packet; this walks the block for the one element the microphone reads,
+    under the id negotiated for it, which aiortc's map holds (read on every packet,
+    as the map is configured only once the connection is up). It refuses what
+    aiortc refuses about the block's layout and the level's own length; other
+    elements' contents are not read. Where this aiortc keeps the ids elsewhere,
+    its own `get` reads the level.
+    """
+    ids = getattr(extensions_map, "_HeaderExtensionsMap__ids", None)
+    if ids is None or not hasattr(ids, "audio_level"):
+        return lambda profile, block: extensions_map.get(profile, block).audio_level
+
+    def read(profile: int, block: bytes) -> tuple[bool, int] | None:
+        wanted = ids.audio_level
+        level = None
+        pos, end = 0, len(block)
+        if profile == 0xBEDE:  # one-byte elements: id in the high nibble, length - 1 in the low
+            while pos < end:
+                head = block[pos]
+                pos += 1
+                if head == 0:
+                    continue  # padding
+                length = (head & 0x0F) + 1
+                if pos + length > end:
+                    raise ValueError("RTP one-byte header extension value is truncated")
+                if head >> 4 == wanted:
+                    level = _level(block, pos, length)
+                pos += length
+        elif profile == 0x1000:  # two-byte elements: id byte, length byte
+            while pos < end:
+                if block[pos] == 0:
+                    pos += 1
+                    continue
+                if pos + 2 > end:
+                    raise ValueError("RTP two-byte header extension is truncated")
+                element, length = block[pos], block[pos + 1]
+                pos += 2
+                if pos + length > end:
+                    raise ValueError("RTP two-byte header extension value is truncated")
+                if element == wanted:
+                    level = _level(block, pos, length)
+                pos += length
+        return level  # the last one, as aiortc
+
+    return read
+
+
+def _level(block: bytes, pos: int, length: int) -> tuple[bool, int]:
+    if length != 1:
+        raise ValueError("an audio level is one byte")
+    value = block[pos]
+    return (value & 0x80 == 0x80, value & 0x7F)
+
+
+def _demultiplex(protocol, data_received: Callable[[bytes, int], None]) -> None:
+    """Hand `protocol`'s RTP and RTCP datagrams straight to `data_received`.
+
+    aioice tries to parse every datagram as STUN and passes it on when that
+    raises: an exception per microphone packet. By their first byte (RFC 7983),
+    128-191 is RTP or RTCP and never STUN, whose first byte is 0-3; everything
+    else still goes through aioice.
+    """
+    candidate = getattr(protocol, "local_candidate", None)
+    if candidate is None or not hasattr(protocol, "datagram_received"):
+        return
+    component = candidate.component
+    to_aioice = protocol.datagram_received
+
+    def datagram_received(data: bytes, addr) -> None:
+        if data and 127 < data[0] < 192:
+            data_received(data, component)
+        else:
+            to_aioice(data, addr)
+
+    # asyncio's datagram transport looks this up on the protocol for every datagram.
+    protocol.datagram_received = datagram_received
+
+
 class Microphone:
     """Decodes one peer's microphone packets for `on_audio` (16 kHz mono int16).
 
@@ -151,6 +232,7 @@ class Microphone:
             log.info("this aiortc's transports lack what the direct microphone path reads; using aiortc's")
             return False
         to_aiortc = connection.data_received
+        read_level = level_reader(extensions)
 
         def data_received(data: bytes, component: int) -> None:
             # Called from asyncio's datagram callback: nothing a peer sends may raise out of
@@ -172,7 +254,7 @@ class Microphone:
             if fields is None:
                 return
             try:
-                level = extensions.get(*fields.extension).audio_level if fields.extension else None
+                level = read_level(*fields.extension) if fields.extension else None
             except (ValueError, IndexError, struct.error, UnicodeDecodeError):
                 return  # a malformed header extension: aiortc's parse drops the packet too
             try:
@@ -184,6 +266,8 @@ class Microphone:
 
         # aioice's protocol looks this up on the connection for every datagram.
         connection.data_received = data_received
+        for protocol in getattr(connection, "_protocols", ()):
+            _demultiplex(protocol, data_received)
         return True
 
     def _ticks(self, payload: bytes) -> int:

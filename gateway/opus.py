@@ -171,8 +171,36 @@ class Encoder:
 
 
 def packet_samples(packet: bytes, rate: int) -> int:
-    """How many samples at `rate` an Opus packet holds, read from its header without decoding."""
-    return _check(_lib().opus_packet_get_nb_samples(packet, len(packet), rate), "opus_packet_get_nb_samples")
+    """How many samples at `rate` an Opus packet holds, read from its header without decoding.
+
+    The arithmetic of libopus's `opus_packet_get_nb_samples` (RFC 6716, 3.1), in
+    Python: the microphone asks this for every packet its level gate passes over,
+    and a ctypes call cost several times the reading. `tests/gateway/test_opus.py`
+    checks it against libopus for every header.
+    """
+    if not packet:
+        raise OpusError("opus_packet_get_nb_samples: invalid argument")
+    toc = packet[0]
+    code = toc & 0x3
+    if code == 0:
+        frames = 1
+    elif code != 3:
+        frames = 2
+    elif len(packet) < 2:
+        raise OpusError("opus_packet_get_nb_samples: corrupted stream")
+    else:
+        frames = packet[1] & 0x3F
+    if toc & 0x80:  # CELT: 2.5, 5, 10 or 20 ms
+        per_frame = (rate << ((toc >> 3) & 0x3)) // 400
+    elif toc & 0x60 == 0x60:  # hybrid: 10 or 20 ms
+        per_frame = rate // 50 if toc & 0x08 else rate // 100
+    else:  # SILK: 10, 20, 40 or 60 ms
+        size = (toc >> 3) & 0x3
+        per_frame = rate * 60 // 1000 if size == 3 else (rate << size) // 100
+    samples = frames * per_frame
+    if samples * 25 > rate * 3:  # over 120 ms
+        raise OpusError("opus_packet_get_nb_samples: corrupted stream")
+    return samples
 
 
 class Decoder:

@@ -28,9 +28,11 @@ import logging
 import os
 import struct
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
+from aioice.ice import StunProtocol
 from aiortc.mediastreams import MediaStreamError
+from aiortc.rtcdtlstransport import State
 from aiortc.rtcrtpsender import random_sequence_number
 from aiortc.rtp import HeaderExtensions
 
@@ -47,6 +49,7 @@ NTP_EPOCH_OFFSET = 2208988800  # seconds from 1900 (NTP) to 1970 (Unix)
 _FIXED = struct.Struct("!BBHLL")
 _SEQ_TS = struct.Struct("!HL")
 _ABS_PROBE = 0x123456
+_DTLS_TX = ("_state", "_tx_srtp", "_RTCDtlsTransport__tx_bytes", "_RTCDtlsTransport__tx_packets")
 
 
 def ntp_now() -> int:
@@ -81,6 +84,35 @@ def header_template(extensions_map, mid: str | None) -> tuple[int, bytes, int | 
     if offset is not None and (len(with_zero) != len(with_probe) or differ[-1] - offset > 2):
         raise ValueError("unexpected abs-send-time header extension layout")
     return profile, with_zero, offset
+
+
+def direct_wire(dtls) -> Callable[[bytes], bool] | None:
+    """SRTP and the socket for `dtls`'s RTP in one plain call, or None where this aiortc or
+    aioice lacks what it reads.
+
+    aiortc's `_send_rtp` hands each packet down through four coroutines (its ICE
+    transport, aioice's `send`, `sendto` and the protocol's `send_data`) that end
+    in the datagram transport's `sendto`. This does what they do (the state
+    check, SRTP, the counters, the nominated pair's socket) in one call. It
+    returns False, having sent nothing, whenever that path would not be the
+    same: not connected (aiortc raises), no pair, or a protocol of another kind;
+    the caller then awaits aiortc's path.
+    """
+    connection = getattr(getattr(dtls, "transport", None), "_connection", None)
+    if not hasattr(connection, "_nominated") or not all(hasattr(dtls, name) for name in _DTLS_TX):
+        return None
+
+    def send(data: bytes) -> bool:
+        pair = connection._nominated.get(1)
+        if dtls._state is not State.CONNECTED or pair is None or type(pair.protocol) is not StunProtocol:
+            return False
+        data = dtls._tx_srtp.protect(data)
+        pair.protocol.transport.sendto(data, pair.remote_addr)  # what StunProtocol.send_data does
+        dtls._RTCDtlsTransport__tx_bytes += len(data)
+        dtls._RTCDtlsTransport__tx_packets += 1
+        return True
+
+    return send
 
 
 class PacketWriter:
@@ -132,6 +164,7 @@ class RtpSender:
         sender, track = self.sender, self.track
         getattr(sender, _PRIVATE + "rtp_started").set()
         send = sender.transport._send_rtp  # the DTLS transport: SRTP protect, then the ICE pair's socket
+        direct = direct_wire(sender.transport) or (lambda data: False)
         # What aiortc's RTCP loop puts in its sender reports, under their private names.
         ntp_name, rtp_name, packets_name, octets_name = (
             _PRIVATE + name for name in ("ntp_timestamp", "rtp_timestamp", "packet_count", "octet_count")
@@ -144,7 +177,9 @@ class RtpSender:
                 payload, pts = await track.next_payload()
                 rtp_time = (self.timestamp_origin + pts) & 0xFFFFFFFF
                 ntp = ntp_now()
-                await send(packet(payload, self.sequence, rtp_time, ntp))
+                data = packet(payload, self.sequence, rtp_time, ntp)
+                if not direct(data):
+                    await send(data)
                 self.packets += 1
                 self.octets += len(payload)
                 self.sequence = (self.sequence + 1) & 0xFFFF

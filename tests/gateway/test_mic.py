@@ -1,6 +1,7 @@
 """The microphone reader: RTP packets to 16 kHz PCM for the VAD, gaps as silence, nothing decoded when unwanted."""
 
 import asyncio
+import struct
 
 import numpy as np
 import pytest
@@ -232,6 +233,9 @@ async def test_a_real_peers_microphone_is_read_from_its_datagrams_not_aiortcs_qu
             await client.wait_for("pong", timeout=5)  # the data channel still goes through aiortc
             await asyncio.wait_for(reported.wait(), 15)
             assert mic.direct and mic.decoded > 0 and via_aiortc == []
+            # aioice would parse each of them as STUN first (RFC 7983: they never are).
+            connection = mic_receiver.transport.transport._connection
+            assert connection._protocols and all("datagram_received" in vars(p) for p in connection._protocols)
     finally:
         await runner.cleanup()
 
@@ -334,3 +338,72 @@ def test_hostile_datagrams_never_raise_out_of_the_direct_path(caplog):
     for seq in (2, 3):
         receive(tx.protect(rtp(payload, seq, 960 * seq).serialize()), 1)
     assert mic.failures == 2 and caplog.text.count("microphone packet handling failed") == 1
+
+
+def _level_blocks():
+    """Header-extension blocks, well and badly formed, in both layouts (RFC 8285)."""
+    import random
+
+    rng = random.Random(6464)
+    blocks = [(0xBEDE, b""), (0xBEDE, b"\x10\x85\x00\x00"), (0xBEDE, b"\x00\x10\x05\x10\x7f"),
+              (0xBEDE, b"\x11\x05\x00\x00"), (0xBEDE, b"\x12"), (0xBEDE, b"\x30\x01\x10\x85"),
+              (0x1000, b"\x01\x01\x85\x00"), (0x1000, b"\x01\x02\x85\x00"), (0x1000, b"\x01"),
+              (0x1000, b"\x03\x05\x00"), (0x1234, b"\x10\x85\x00\x00")]
+    for _ in range(400):
+        profile = rng.choice((0xBEDE, 0x1000))
+        blocks.append((profile, bytes(rng.choice((0, 1, 0x10, 0x20, 0x85, rng.randrange(256))) for _ in range(rng.randrange(9)))))
+    return blocks
+
+
+@pytest.mark.parametrize("level_id", [1, 2])
+def test_the_level_is_read_as_aiortcs_map_reads_it(level_id):
+    """The microphone's own reading of the audio level: the same level as aiortc's
+    HeaderExtensionsMap.get, and a refusal wherever it refuses, over 411 blocks."""
+    from voxgate.gateway.mic import level_reader
+
+    uris = ["urn:example:not-read", "urn:ietf:params:rtp-hdrext:ssrc-audio-level"]
+    ext_map = header_extensions(*(uris if level_id == 2 else uris[::-1]))
+    read = level_reader(ext_map)
+    levels = refusals = 0
+    for profile, block in _level_blocks():
+        try:
+            theirs = ext_map.get(profile, block).audio_level
+        except (ValueError, IndexError, struct.error):
+            refusals += 1
+            with pytest.raises(ValueError):
+                read(profile, block)
+            continue
+        assert read(profile, block) == theirs, (profile, block)
+        levels += theirs is not None
+    assert levels > 10 and refusals > 20
+
+
+def test_the_level_follows_the_map_configured_after_the_reader_is_made():
+    """aiortc configures the map once the connection is up, after the microphone attached."""
+    from aiortc.rtcrtpparameters import RTCRtpHeaderExtensionParameters, RTCRtpParameters
+    from aiortc.rtp import HeaderExtensionsMap
+
+    from voxgate.gateway.mic import level_reader
+
+    ext_map = HeaderExtensionsMap()
+    read = level_reader(ext_map)
+    assert read(0xBEDE, b"\x30\x85\x00\x00") is None
+    ext_map.configure(RTCRtpParameters(headerExtensions=[
+        RTCRtpHeaderExtensionParameters(id=3, uri="urn:ietf:params:rtp-hdrext:ssrc-audio-level")]))
+    assert read(0xBEDE, b"\x30\x85\x00\x00") == (True, 5)
+
+
+def test_rtp_and_rtcp_skip_aioices_stun_parse_and_the_rest_does_not():
+    from types import SimpleNamespace
+
+    from voxgate.gateway.mic import _demultiplex
+
+    to_aioice, direct = [], []
+    protocol = SimpleNamespace(local_candidate=SimpleNamespace(component=1))
+    protocol.datagram_received = lambda data, addr: to_aioice.append(data)
+    _demultiplex(protocol, lambda data, component: direct.append((data, component)))
+    stun, dtls, rtp_data, rtcp = b"\x00\x01" + b"\x00" * 18, b"\x16\xfe\xfd", b"\x80\x6f" + b"\x00" * 10, b"\x81\xc9\x00\x01"
+    for data in (stun, dtls, rtp_data, rtcp, b"", b"\xc0"):
+        protocol.datagram_received(data, ("127.0.0.1", 9))
+    assert direct == [(rtp_data, 1), (rtcp, 1)]
+    assert to_aioice == [stun, dtls, b"", b"\xc0"]

@@ -181,6 +181,26 @@ def test_vad_speech_still_detected_over_steady_noise():
     assert run_vad(mixed)[:1] == ["speech.started"]
 
 
+def test_vad_counts_voiced_frames_only_within_its_window():
+    """Speech starts on min_speech_ms of voiced frames within twice that: a clicking
+    microphone (one voiced frame in twenty, for a long time) never adds up to speech."""
+    vad = VoiceActivityDetector(VadSettings(min_speech_ms=200))
+    clicks = [vad._decide(i % 20 == 0) for i in range(20 * 30)]
+    assert not any(clicks) and not vad.speaking
+    events = [vad._decide(True) for _ in range(10)]
+    assert events == [None] * 9 + ["speech.started"]
+
+
+def test_vad_levels_are_the_rms_of_the_frame_in_db():
+    """On the scale the microphone's level gate uses (20 log10 of the int16 RMS)."""
+    vad = VoiceActivityDetector()
+    vad.process(np.full(320, 1000, dtype=np.int16))
+    assert vad._floor_db == pytest.approx(60.0, abs=1e-6)
+    square = VoiceActivityDetector()
+    square.process(np.tile(np.array([3000, -3000], dtype=np.int16), 160))
+    assert square._floor_db == pytest.approx(20 * np.log10(3000), abs=1e-6)
+
+
 def test_vad_settings_are_validated():
     settings = VadSettings()
     with pytest.raises(ValueError):

@@ -143,3 +143,60 @@ async def test_speech_over_either_sender_decodes_exactly_and_rtcp_counts_it(serv
             if info.packet_count >= frames:
                 break
         assert info.octet_count >= 3 * info.packet_count
+
+
+async def test_the_direct_wire_sends_what_aiortcs_path_would_and_declines_where_it_differs():
+    """SRTP-protected on the nominated pair's socket, with the DTLS transport's counters; False
+    (nothing sent) when not connected, without a pair, or on a protocol of another kind."""
+    import os
+    from types import SimpleNamespace
+
+    from aioice.ice import StunProtocol
+    from aiortc.rtcdtlstransport import State
+    from pylibsrtp import Policy, Session
+
+    loop = asyncio.get_running_loop()
+    arrived: asyncio.Queue = asyncio.Queue()
+
+    class Listener(asyncio.DatagramProtocol):
+        def datagram_received(self, data, addr):
+            arrived.put_nowait(data)
+
+    listener, _ = await loop.create_datagram_endpoint(Listener, local_addr=("127.0.0.1", 0))
+    transport, protocol = await loop.create_datagram_endpoint(lambda: StunProtocol(None), local_addr=("127.0.0.1", 0))
+    try:
+        key = os.urandom(30)
+        profile = Policy.SRTP_PROFILE_AES128_CM_SHA1_80
+        tx = Session(Policy(key=key, ssrc_type=Policy.SSRC_ANY_OUTBOUND, srtp_profile=profile))
+        rx = Session(Policy(key=key, ssrc_type=Policy.SSRC_ANY_INBOUND, srtp_profile=profile))
+        pair = SimpleNamespace(protocol=protocol, remote_addr=listener.get_extra_info("sockname")[:2])
+        connection = SimpleNamespace(_nominated={1: pair})
+        dtls = SimpleNamespace(transport=SimpleNamespace(_connection=connection), _state=State.CONNECTED, _tx_srtp=tx,
+                               _RTCDtlsTransport__tx_bytes=0, _RTCDtlsTransport__tx_packets=0)
+        send = rtp_send.direct_wire(dtls)
+        packet = rtp_send.PacketWriter(payload_type=111, ssrc=7, extensions_map=extensions_map(), mid=None).packet(
+            b"\xf8\xff\xfe", 1, 960, 0)
+        assert send(packet)
+        wire = await asyncio.wait_for(arrived.get(), 5)
+        assert rx.unprotect(wire) == packet
+        assert (dtls._RTCDtlsTransport__tx_packets, dtls._RTCDtlsTransport__tx_bytes) == (1, len(wire))
+        dtls._state = State.CLOSED
+        assert not send(packet)
+        dtls._state = State.CONNECTED
+        pair.protocol = SimpleNamespace(transport=transport)  # not aioice's StunProtocol
+        assert not send(packet)
+        connection._nominated.clear()
+        assert not send(packet)
+        assert dtls._RTCDtlsTransport__tx_packets == 1 and arrived.empty()
+    finally:
+        transport.close()
+        listener.close()
+
+
+async def test_this_aiortc_has_what_the_direct_wire_reads():
+    """Red when an aiortc or aioice upgrade renames it: every packet would take the slow path silently."""
+    from aiortc.rtcdtlstransport import RTCCertificate, RTCDtlsTransport
+    from aiortc.rtcicetransport import RTCIceGatherer, RTCIceTransport
+
+    dtls = RTCDtlsTransport(RTCIceTransport(RTCIceGatherer()), [RTCCertificate.generateCertificate()])
+    assert rtp_send.direct_wire(dtls) is not None
