@@ -161,7 +161,8 @@ class Encoder:
         packets = []
         for offset in range(0, len(pcm) * 2, n * 2):
             size = encode(state, base + offset, n, out, MAX_PACKET)
-            packets.append(out.raw[: _check(size, "opus_encode")])
+            # The packet's bytes only: `out.raw` would copy the whole buffer first.
+            packets.append(ctypes.string_at(out, _check(size, "opus_encode")))
         return packets
 
     def __del__(self) -> None:
@@ -215,11 +216,12 @@ class Decoder:
         self.rate = rate
         # The longest Opus packet holds 120 ms.
         self._pcm = np.zeros(rate * 120 // 1000, dtype=np.int16)
+        self._pcm_at = self._pcm.ctypes.data  # read once: `.ctypes` builds new objects on every access
 
     def decode(self, packet: bytes) -> np.ndarray:
         """One packet in, its int16 samples out (a copy)."""
         pcm = self._pcm
-        n = _lib().opus_decode(self._state, packet, len(packet), pcm.ctypes.data, len(pcm), 0)
+        n = _lib().opus_decode(self._state, packet, len(packet), self._pcm_at, len(pcm), 0)
         return pcm[: _check(n, "opus_decode")].copy()
 
     def __del__(self) -> None:
