@@ -10,7 +10,9 @@ per sender as a template (the same bytes aiortc would write: version, payload
 type, SSRC, the header extensions it negotiated: the mid, and abs-send-time
 where negotiated, which aiortc does not do for audio), and each frame only
 writes its sequence number, timestamp, marker and send time into it before
-SRTP and the socket.
+SRTP and the socket: `direct_wire` protects it and hands it to the nominated
+pair's socket in one call, where aiortc and aioice pass it down four
+coroutines.
 
 This replaces one private method of the sender (`_run_rtp`) and keeps the
 state aiortc's RTCP loop reads for its sender reports (packet and octet
