@@ -137,8 +137,8 @@ def run_server(engine: str, port: int) -> None:
     # Where each RTP packet leaves: handed to the DTLS transport, just before SRTP
     # protection and the socket. perf_counter is CLOCK_MONOTONIC on Linux, one clock
     # for every process, so these times compare with the clients' in the parent.
-    # This is the one patch left, and it is aiortc's, not the product's: the moment a
-    # packet enters SRTP lies inside aiortc. The session's own samples come through
+    # These patches are aiortc's and the direct wire's, not the product's logic: the moment
+    # a packet enters SRTP lies inside them. The session's own samples come through
     # the product's seam below (GatewayMetrics.observers).
     clocks: dict[int, WireClock] = {}
     original_send_rtp = RTCDtlsTransport._send_rtp
@@ -149,6 +149,27 @@ def run_server(engine: str, port: int) -> None:
         await original_send_rtp(self, data)
 
     RTCDtlsTransport._send_rtp = timed_send_rtp
+    # The speech track's packets skip _send_rtp where they can (rtp_send.direct_wire: SRTP and
+    # the socket in one call), so they are timed at the same point there: just before SRTP.
+    from voxgate.gateway import rtp_send
+
+    original_direct_wire = rtp_send.direct_wire
+
+    def timed_direct_wire(dtls):
+        send = original_direct_wire(dtls)
+        if send is None:
+            return None
+
+        def timed(data: bytes) -> bool:
+            at = time.perf_counter()
+            if not send(data):
+                return False  # not sent: _send_rtp sends (and times) it
+            clocks.setdefault(id(dtls), WireClock()).tick(at, RtpPacket.parse(data).payload)
+            return True
+
+        return timed
+
+    rtp_send.direct_wire = timed_direct_wire
 
     settings = Settings(
         host="127.0.0.1", port=port, ice_host=["127.0.0.1"], engine=engine, web=False,

@@ -143,3 +143,51 @@ def parse_networks(values: list[str]) -> list[ipaddress._BaseNetwork]:
         except ValueError:
             raise ValueError(f"{value!r} is not a network; use CIDR such as 127.0.0.0/8 or 203.0.113.0/24") from None
     return nets
+
+
+def contain_datagram_errors(pc) -> int:
+    """Keep a malformed datagram's exception inside the session it was sent to.
+
+    aioice parses each datagram on a session's ports as STUN first and expects
+    only ValueError from that; a crafted one (an attribute of the wrong length)
+    raises struct.error out of asyncio's datagram callback, and the event loop
+    logs a traceback for every such datagram, which anyone who can reach a
+    port may send as fast as they like. Here each of the peer connection's
+    ICE protocols drops what raises, counts it, and logs once per connection.
+    Called once gathering is over (setLocalDescription): aioice makes no
+    protocols after it. Returns how many protocols it wrapped.
+    """
+    wrapped = 0
+    for connection in _ice_connections(pc):
+        dropped = [0]
+        for protocol in getattr(connection, "_protocols", ()):
+            if hasattr(protocol, "datagram_received"):
+                protocol.datagram_received = _contained(protocol.datagram_received, dropped)
+                wrapped += 1
+    return wrapped
+
+
+def _ice_connections(pc) -> list:
+    """The aioice connections under a peer connection's DTLS transports (one with BUNDLE)."""
+    dtls = [t.sender.transport for t in pc.getTransceivers()]
+    if pc.sctp is not None:
+        dtls.append(pc.sctp.transport)
+    found: dict[int, object] = {}
+    for transport in dtls:
+        connection = getattr(getattr(transport, "transport", None), "_connection", None)
+        if connection is not None:
+            found[id(connection)] = connection
+    return list(found.values())
+
+
+def _contained(datagram_received, dropped: list[int]):
+    def contained(data: bytes, addr) -> None:
+        try:
+            datagram_received(data, addr)
+        except Exception as exc:
+            dropped[0] += 1
+            if dropped[0] == 1:
+                log.warning("dropped a datagram aioice could not handle (%s: %s); logged once per session",
+                            type(exc).__name__, exc)
+
+    return contained

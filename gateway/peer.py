@@ -9,7 +9,7 @@ import re
 from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.sdp import SessionDescription, candidate_from_sdp
 
-from .ice import IcePolicy
+from .ice import IcePolicy, contain_datagram_errors
 from . import fec, rtp_send
 from .mic import Microphone
 from .session import Session
@@ -130,6 +130,7 @@ class PeerConnection:
             await self.pc.setLocalDescription(answer)
         except Exception as exc:
             raise GatewayError("negotiation_failed", f"could not answer the offer: {exc}") from None
+        contain_datagram_errors(self.pc)
         local = self.pc.localDescription.sdp
         if has_audio:
             codec, payload_type = negotiated_codec(local) or ("", -1)

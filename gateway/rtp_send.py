@@ -68,8 +68,12 @@ def install(sender, track: SpeechTrack) -> bool:
     if not supported(sender):
         log.warning("this aiortc's RTCRtpSender lacks the state the direct RTP sender keeps; using aiortc's loop")
         return False
+    def run(codec):
+        sender.voxgate_rtp = RtpSender(sender, track, codec)  # kept for its counters
+        return sender.voxgate_rtp.run()
+
     # An instance attribute shadows the method: RTCRtpSender.send() starts this with the codec.
-    sender._run_rtp = lambda codec: RtpSender(sender, track, codec).run()
+    sender._run_rtp = run
     return True
 
 
@@ -106,7 +110,8 @@ def direct_wire(dtls) -> Callable[[bytes], bool] | None:
 
     def send(data: bytes) -> bool:
         pair = connection._nominated.get(1)
-        if dtls._state is not State.CONNECTED or pair is None or type(pair.protocol) is not StunProtocol:
+        if (dtls._state is not State.CONNECTED or pair is None or type(pair.protocol) is not StunProtocol
+                or 192 <= data[1] <= 208):  # what aiortc would take for RTCP (payload types 64-80 with the marker)
             return False
         data = dtls._tx_srtp.protect(data)
         pair.protocol.transport.sendto(data, pair.remote_addr)  # what StunProtocol.send_data does
@@ -150,6 +155,7 @@ class RtpSender:
         self.timestamp_origin = int.from_bytes(os.urandom(4), "big")
         self.packets = 0
         self.octets = 0
+        self.direct_packets = 0  # of those, sent by direct_wire rather than aiortc's _send_rtp
 
     def _writer(self) -> PacketWriter:
         return PacketWriter(
@@ -180,7 +186,9 @@ class RtpSender:
                 rtp_time = (self.timestamp_origin + pts) & 0xFFFFFFFF
                 ntp = ntp_now()
                 data = packet(payload, self.sequence, rtp_time, ntp)
-                if not direct(data):
+                if direct(data):
+                    self.direct_packets += 1
+                else:
                     await send(data)
                 self.packets += 1
                 self.octets += len(payload)

@@ -77,3 +77,49 @@ async def test_a_flood_of_messages_is_rate_limited_and_every_message_answered(to
         await asyncio.sleep(1.1)  # the bucket refills
         client.send({"type": "speak", "text": "After the flood.", "id": "f"})
         await client.wait_for("utterance.done", id="f", timeout=20)
+
+
+async def test_crafted_stun_datagrams_are_dropped_inside_their_session(caplog):
+    """aioice raises struct.error out of asyncio's datagram callback for a STUN attribute of the
+    wrong length: without containment the loop logs a traceback per datagram, for anyone who
+    can reach a session's port. Each is dropped, logged once, and the session lives on."""
+    import logging
+    import socket
+    import struct
+
+    from aiohttp import web
+    from aioice import stun
+
+    from tests.conftest import free_port
+    from voxgate.config import Settings
+    from voxgate.signaling.server import create_app
+
+    attribute = struct.pack("!HH", 0x000D, 2) + b"\x00\x01\x00\x00"  # LIFETIME is 4 bytes, not 2
+    crafted = struct.pack("!HHI12s", 0x0001, len(attribute), stun.COOKIE, b"x" * 12) + attribute
+    with pytest.raises(struct.error):
+        stun.parse_message(crafted)  # what aioice meets; it catches only ValueError
+
+    app = create_app(Settings(engine="tone", host="127.0.0.1", ice_host=["127.0.0.1"], web=False))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    caplog.set_level(logging.WARNING)
+    try:
+        async with RtcClient(f"http://127.0.0.1:{port}") as client:
+            peer = app["gateway"].peers[client.session_id]
+            connection = next(t.sender.transport for t in peer.pc.getTransceivers()).transport._connection
+            targets = [p.transport.get_extra_info("sockname")[:2] for p in connection._protocols]
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as attacker:
+                for _ in range(20):
+                    for target in targets:
+                        attacker.sendto(crafted, target)
+            for _ in range(3):  # pings answered after the datagrams: they were read by then
+                client.send({"type": "ping", "t": 1})
+                await client.wait_for("pong", timeout=5)
+            client.send({"type": "speak", "text": "Still here.", "id": "s"})
+            await client.wait_for("utterance.done", id="s", timeout=30)
+        assert "Exception in callback" not in caplog.text
+        assert caplog.text.count("dropped a datagram aioice could not handle") == 1
+    finally:
+        await runner.cleanup()

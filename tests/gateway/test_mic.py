@@ -378,6 +378,19 @@ def test_the_level_is_read_as_aiortcs_map_reads_it(level_id):
     assert levels > 10 and refusals > 20
 
 
+def test_the_level_is_read_without_aiortcs_unpack():
+    """Red when an aiortc upgrade renames the map's ids: the reader would fall back to get()."""
+    from voxgate.gateway.mic import level_reader
+
+    ext_map = header_extensions("urn:ietf:params:rtp-hdrext:ssrc-audio-level")
+
+    def unpacked(*args):
+        raise AssertionError("aiortc's HeaderExtensionsMap.get was used")
+
+    ext_map.get = unpacked
+    assert level_reader(ext_map)(0xBEDE, b"\x10\x85\x00\x00") == (True, 5)
+
+
 def test_the_level_follows_the_map_configured_after_the_reader_is_made():
     """aiortc configures the map once the connection is up, after the microphone attached."""
     from aiortc.rtcrtpparameters import RTCRtpHeaderExtensionParameters, RTCRtpParameters
@@ -403,7 +416,11 @@ def test_rtp_and_rtcp_skip_aioices_stun_parse_and_the_rest_does_not():
     protocol.datagram_received = lambda data, addr: to_aioice.append(data)
     _demultiplex(protocol, lambda data, component: direct.append((data, component)))
     stun, dtls, rtp_data, rtcp = b"\x00\x01" + b"\x00" * 18, b"\x16\xfe\xfd", b"\x80\x6f" + b"\x00" * 10, b"\x81\xc9\x00\x01"
-    for data in (stun, dtls, rtp_data, rtcp, b"", b"\xc0"):
+    for data in (stun, dtls, rtp_data, rtcp, b"", b"\xc0", b"\x7f\x00", b"\xbf\x00"):
         protocol.datagram_received(data, ("127.0.0.1", 9))
-    assert direct == [(rtp_data, 1), (rtcp, 1)]
-    assert to_aioice == [stun, dtls, b"", b"\xc0"]
+    assert direct == [(rtp_data, 1), (rtcp, 1), (b"\xbf\x00", 1)]
+    assert to_aioice == [stun, dtls, b"", b"\xc0", b"\x7f\x00"]
+    rtcp_component = SimpleNamespace(local_candidate=SimpleNamespace(component=2), datagram_received=to_aioice.append)
+    _demultiplex(rtcp_component, lambda data, component: direct.append((data, component)))
+    rtcp_component.datagram_received(rtcp, ("127.0.0.1", 9))
+    assert direct[-1] == (rtcp, 2)

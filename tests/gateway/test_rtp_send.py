@@ -180,6 +180,9 @@ async def test_the_direct_wire_sends_what_aiortcs_path_would_and_declines_where_
         wire = await asyncio.wait_for(arrived.get(), 5)
         assert rx.unprotect(wire) == packet
         assert (dtls._RTCDtlsTransport__tx_packets, dtls._RTCDtlsTransport__tx_bytes) == (1, len(wire))
+        rtcp_like = rtp_send.PacketWriter(payload_type=72, ssrc=7, extensions_map=extensions_map(), mid=None).packet(
+            b"\xf8", 2, 1920, 0)
+        assert not send(rtcp_like)  # aiortc's _send_rtp would protect it as RTCP (RFC 5761)
         dtls._state = State.CLOSED
         assert not send(packet)
         dtls._state = State.CONNECTED
@@ -200,3 +203,31 @@ async def test_this_aiortc_has_what_the_direct_wire_reads():
 
     dtls = RTCDtlsTransport(RTCIceTransport(RTCIceGatherer()), [RTCCertificate.generateCertificate()])
     assert rtp_send.direct_wire(dtls) is not None
+
+
+async def test_a_real_sessions_speech_leaves_by_the_direct_wire():
+    """In-process gateway and an aiortc listener on loopback: every speech packet took the
+    direct wire (none fell back to aiortc's coroutines), and the audio arrived exactly."""
+    from aiohttp import web
+
+    from tests.conftest import free_port
+    from voxgate.config import Settings
+    from voxgate.signaling.server import create_app
+
+    app = create_app(Settings(engine="tone", host="127.0.0.1", ice_host=["127.0.0.1"], web=False))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with RtcClient(f"http://127.0.0.1:{port}") as client:
+            text = "Straight to the socket."
+            sent = client.send({"type": "speak", "text": text, "id": "d"})
+            done = await client.wait_for("utterance.done", id="d", timeout=30)
+            await client.wait_tail(done)
+            assert tone.decode(client.audio.pcm(sent), client.audio.sample_rate) == text
+            sender = next(t.sender for t in app["gateway"].peers[client.session_id].pc.getTransceivers())
+            rtp = sender.voxgate_rtp
+            assert rtp.packets >= done["audio_ms"] // 20 and rtp.direct_packets == rtp.packets
+    finally:
+        await runner.cleanup()
