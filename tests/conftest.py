@@ -9,6 +9,7 @@ that only needs a running gateway.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -27,6 +28,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def in_process_gateway(**settings):
+    """A tone-engine gateway in this test's own event loop, on loopback: (app, url). For tests that
+    read the gateway's objects (peers, transports) while a real client talks to it."""
+    from aiohttp import web
+
+    from voxgate.config import Settings
+    from voxgate.signaling.server import create_app
+
+    app = create_app(Settings(**{"engine": "tone", "host": "127.0.0.1", "ice_host": ["127.0.0.1"], "web": False, **settings}))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield app, f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
 
 
 class ServerProcess:

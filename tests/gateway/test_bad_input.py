@@ -90,23 +90,16 @@ async def test_crafted_stun_datagrams_are_dropped_inside_their_session(caplog):
     from aiohttp import web
     from aioice import stun
 
-    from tests.conftest import free_port
-    from voxgate.config import Settings
-    from voxgate.signaling.server import create_app
+    from tests.conftest import in_process_gateway
 
     attribute = struct.pack("!HH", 0x000D, 2) + b"\x00\x01\x00\x00"  # LIFETIME is 4 bytes, not 2
     crafted = struct.pack("!HHI12s", 0x0001, len(attribute), stun.COOKIE, b"x" * 12) + attribute
     with pytest.raises(struct.error):
         stun.parse_message(crafted)  # what aioice meets; it catches only ValueError
 
-    app = create_app(Settings(engine="tone", host="127.0.0.1", ice_host=["127.0.0.1"], web=False))
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
     caplog.set_level(logging.WARNING)
-    try:
-        async with RtcClient(f"http://127.0.0.1:{port}") as client:
+    async with in_process_gateway() as (app, url):
+        async with RtcClient(url) as client:
             peer = app["gateway"].peers[client.session_id]
             connection = next(t.sender.transport for t in peer.pc.getTransceivers()).transport._connection
             targets = [p.transport.get_extra_info("sockname")[:2] for p in connection._protocols]
@@ -121,5 +114,3 @@ async def test_crafted_stun_datagrams_are_dropped_inside_their_session(caplog):
             await client.wait_for("utterance.done", id="s", timeout=30)
         assert "Exception in callback" not in caplog.text
         assert caplog.text.count("dropped a datagram aioice could not handle") == 1
-    finally:
-        await runner.cleanup()

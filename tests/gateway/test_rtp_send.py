@@ -208,19 +208,10 @@ async def test_this_aiortc_has_what_the_direct_wire_reads():
 async def test_a_real_sessions_speech_leaves_by_the_direct_wire():
     """In-process gateway and an aiortc listener on loopback: every speech packet took the
     direct wire (none fell back to aiortc's coroutines), and the audio arrived exactly."""
-    from aiohttp import web
+    from tests.conftest import in_process_gateway
 
-    from tests.conftest import free_port
-    from voxgate.config import Settings
-    from voxgate.signaling.server import create_app
-
-    app = create_app(Settings(engine="tone", host="127.0.0.1", ice_host=["127.0.0.1"], web=False))
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        async with RtcClient(f"http://127.0.0.1:{port}") as client:
+    async with in_process_gateway() as (app, url):
+        async with RtcClient(url) as client:
             text = "Straight to the socket."
             sent = client.send({"type": "speak", "text": text, "id": "d"})
             done = await client.wait_for("utterance.done", id="d", timeout=30)
@@ -229,5 +220,3 @@ async def test_a_real_sessions_speech_leaves_by_the_direct_wire():
             sender = next(t.sender for t in app["gateway"].peers[client.session_id].pc.getTransceivers())
             rtp = sender.voxgate_rtp
             assert rtp.packets >= done["audio_ms"] // 20 and rtp.direct_packets == rtp.packets
-    finally:
-        await runner.cleanup()
