@@ -68,6 +68,7 @@ def install(sender, track: SpeechTrack) -> bool:
     if not supported(sender):
         log.warning("this aiortc's RTCRtpSender lacks the state the direct RTP sender keeps; using aiortc's loop")
         return False
+
     def run(codec):
         sender.voxgate_rtp = RtpSender(sender, track, codec)  # kept for its counters
         return sender.voxgate_rtp.run()
@@ -101,8 +102,8 @@ def direct_wire(dtls) -> Callable[[bytes], bool] | None:
     in the datagram transport's `sendto`. This does what they do (the state
     check, SRTP, the counters, the nominated pair's socket) in one call. It
     returns False, having sent nothing, whenever that path would not be the
-    same: not connected (aiortc raises), no pair, or a protocol of another kind;
-    the caller then awaits aiortc's path.
+    same: not connected (aiortc raises), no pair, a protocol of another kind, or
+    a packet aiortc would protect as RTCP; the caller then awaits aiortc's path.
     """
     connection = getattr(getattr(dtls, "transport", None), "_connection", None)
     if not hasattr(connection, "_nominated") or not all(hasattr(dtls, name) for name in _DTLS_TX):
