@@ -1,57 +1,133 @@
-"""Encoding threads shared by every session, handing results back in batches.
+"""Where resampling and Opus run: on threads shared by every session, or on the event loop.
 
-Resampling and Opus run off the event loop (libopus releases the GIL), on one
-thread per core beyond the one the event loop needs. Waking the event loop
-from a thread costs a system call and a loop iteration; with a wake-up per
-encoded slice that was a tenth of the media path's CPU. Here a thread wakes
-the loop only when no wake-up is already pending, and the loop then takes
-every result that is ready, so the cost is per batch, not per slice.
+How many threads is `--encode-threads`: by default one per core beyond the
+event loop's (at least one), from the cores this process may run on.
 
-An utterance's first audio jumps the queue: its encoding is on the path to
-first audio, the others are up to a second ahead of their playout.
+On threads, libopus releases the GIL while it encodes, so encoding runs beside
+the loop. A thread wakes the loop only when no wake-up is already pending, and
+the loop then takes every result that is ready, so the cost is per batch, not
+per slice. An utterance's first audio jumps the queue: its encoding is on the
+path to first audio, the others are up to a second ahead of their playout.
+
+With 0 threads, encoding runs on the event loop. Jobs wait in one queue, first
+audio first, and one callback runs them for at most `LOOP_BUDGET_S` per loop
+iteration before it yields. A job is a slice of at most 0.1 s (`feeder.py`),
+about 5 frames of work, so the frames due meanwhile wait behind at most the
+budget and one slice. Without the budget, every session encoding its next
+utterance ahead at once put a slice each into one iteration.
+
+What the choice costs, measured with `bench/bench_capacity.py` at 40 speaking
+sessions on 2 cores (docs/scaling.md): on the loop the server used 10-20 %
+less CPU, because the thread and the loop no longer trade the GIL around
+every libopus call (a futex wake-up and a context switch each), but two to
+four times as many frames left over 5 ms late, because the loop's thread
+itself now does that work. The default keeps frames on time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import os
 import queue
 import threading
+import time
 from typing import Any, Callable
 
 from . import priority
 
 FIRST = 0  # priority of an utterance's first slice
 LATER = 1
+MAX_THREADS = 64
+LOOP_BUDGET_S = 0.001  # encoding on the loop: at most this long per iteration, then one more job
+
+
+def default_threads() -> int:
+    """One per core beyond the event loop's, and at least one.
+
+    The cores this process may run on (a cpuset or taskset), not the machine's:
+    with --media-priority realtime these threads may take every core they are given."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def parse_threads(value: str) -> int:
+    """`--encode-threads`: "auto" or a count from 0 (on the event loop) to MAX_THREADS."""
+    if value.strip().lower() == "auto":
+        return default_threads()
+    try:
+        threads = int(value)
+    except ValueError:
+        threads = -1
+    if not 0 <= threads <= MAX_THREADS:
+        raise ValueError(
+            f"--encode-threads {value!r}: give auto, 0 (encode on the event loop) or a thread count up to {MAX_THREADS}"
+        )
+    return threads
 
 
 class EncodePool:
     def __init__(self, threads: int | None = None) -> None:
-        # The cores this process may run on (a cpuset or taskset), not the machine's: with
-        # --media-priority realtime these threads may take every core they are given.
-        self.threads = threads or max(1, len(os.sched_getaffinity(0)) - 1)
+        self.threads = default_threads() if threads is None else threads
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
         self._lock = threading.Lock()
         # Results waiting for their event loop, and the loops already asked to take them.
         self._done: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future, Any, BaseException | None]]] = {}
         self._wake_pending: set[asyncio.AbstractEventLoop] = set()
+        # Without threads: each loop's jobs, and the loops whose drain is scheduled.
+        self._here: dict[asyncio.AbstractEventLoop, list] = {}
+        self._draining: set[asyncio.AbstractEventLoop] = set()
         self._workers: list[threading.Thread] = []
         self.batches = 0
         self.jobs = 0
 
+    def configure(self, threads: int) -> None:
+        """Set the thread count (0: on the event loop) before the first job."""
+        if self._workers:
+            raise RuntimeError("the encode pool's threads have started; configure it before the first job")
+        self.threads = threads
+
     def submit(self, fn: Callable[..., Any], *args: Any, priority: int = LATER) -> asyncio.Future:
-        """Run fn(*args) on a pool thread; the result arrives on the calling event loop."""
+        """Run fn(*args) on a pool thread, or on the loop a little at a time when the pool
+        has no threads; the result arrives on the calling event loop."""
         loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if self.threads == 0:
+            heapq.heappush(self._here.setdefault(loop, []), (priority, next(self._order), future, fn, args))
+            if loop not in self._draining:
+                self._draining.add(loop)
+                loop.call_soon(self._drain, loop)
+            return future
         if not self._workers:
             for i in range(self.threads):
                 worker = threading.Thread(target=self._work, name=f"encode-{i}", daemon=True)
                 worker.start()
                 self._workers.append(worker)
-        future = loop.create_future()
         self._jobs.put((priority, next(self._order), future, fn, args))
         return future
+
+    def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Run the loop's jobs for up to LOOP_BUDGET_S, then let the loop go round."""
+        jobs = self._here.get(loop, [])
+        until = time.perf_counter() + LOOP_BUDGET_S
+        self.batches += 1
+        while jobs and time.perf_counter() < until:
+            _, _, future, fn, args = heapq.heappop(jobs)
+            if future.cancelled():
+                continue  # its session was interrupted meanwhile
+            self.jobs += 1
+            try:
+                result = fn(*args)
+            except Exception as exc:  # handed to the awaiting coroutine
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+        if jobs:
+            loop.call_soon(self._drain, loop)
+        else:
+            self._here.pop(loop, None)
+            self._draining.discard(loop)
 
     def _work(self) -> None:
         priority.enter_media_thread()  # the event loop's priority: these threads hold the GIL it waits for

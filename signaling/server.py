@@ -19,6 +19,7 @@ from ..config import Settings
 from ..engine.client import EngineClient
 from ..gateway.errors import GatewayError
 from ..gateway import priority
+from ..gateway.encode_pool import encode_pool, parse_threads
 from ..gateway.gateway import Gateway
 from ..gateway.peer import PeerConnection
 from .errors import error_response, read_json_object
@@ -351,6 +352,9 @@ async def serve(settings: Settings) -> None:
     # Before the engine worker starts and before any encoding thread: it follows the
     # loop's thread, and the worker does not (raises PriorityError saying what to do).
     priority.apply(settings.media_priority)
+    encode_pool.configure(parse_threads(settings.encode_threads))
+    log.info("speech is encoded %s (--encode-threads %s)", f"on {encode_pool.threads} threads" if encode_pool.threads
+             else "on the event loop", settings.encode_threads)
     app = create_app(settings)
     gw: Gateway = app["gateway"]
     runner = web.AppRunner(app, handle_signals=False, access_log=None)

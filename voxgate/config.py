@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 from .engine.base import DEFAULT_PRIOR_PRECISION, PRIOR_PRECISIONS  # light: numpy only
 from .engine.other_load import SPIN_POLICIES  # light: imports nothing of onnxruntime
 from .gateway.fec import SIGNAL_POLICIES  # light: imports no aiortc
+from .gateway.encode_pool import parse_threads  # light: the standard library
 from .gateway.priority import MEDIA_PRIORITIES  # light: os and logging
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -66,6 +67,8 @@ class Settings:
     rtp_sender: str = "voxgate"
     # How the OS schedules the event loop and the encoding threads (gateway/priority.py).
     media_priority: str = "normal"
+    # Threads that resample and encode speech; 0: on the event loop (gateway/encode_pool.py).
+    encode_threads: str = "auto"
     # Barge-in defaults for new sessions
     vad: bool = True
     vad_aggressiveness: int = 2
@@ -160,6 +163,10 @@ class Settings:
             raise ConfigError(f"--rtp-sender {self.rtp_sender!r}: choose one of {', '.join(RTP_SENDERS)}")
         if self.media_priority not in MEDIA_PRIORITIES:
             raise ConfigError(f"--media-priority {self.media_priority!r}: choose one of {', '.join(MEDIA_PRIORITIES)}")
+        try:
+            parse_threads(self.encode_threads)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         self._check_fleet()
         if self.engine_url is not None:
             parsed = urlsplit(self.engine_url)
@@ -256,6 +263,9 @@ _HELP = {
     "once while other threads keep the cores busy; the engine worker stays normal; needs a real-time limit of 10, "
     "e.g. docker run --ulimit rtprio=10 or ulimit -r 10, or CAP_SYS_NICE; keep --max-sessions within capacity, "
     "since these threads come before synthesis)",
+    "encode_threads": "threads that resample and Opus-encode speech, shared by every session: auto (one per core "
+    "beyond the event loop's, at least one), a count up to 64, or 0: on the event loop, a little per iteration (less "
+    "CPU, more late frames: docs/scaling.md)",
     "vad": "barge-in by voice on for new sessions",
     "vad_aggressiveness": "webrtcvad mode 0..3 for new sessions",
     "vad_min_speech_ms": "speech needed before a barge-in fires",

@@ -1,10 +1,18 @@
-"""The encoding threads (gateway/encode_pool.py): results and errors on the caller's loop."""
+"""Where encoding runs (gateway/encode_pool.py): on threads, or on the event loop within a
+budget per iteration; results and errors arrive on the caller's loop either way."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import threading
+import time
+
 import pytest
 
-from voxgate.gateway.encode_pool import EncodePool
+from voxgate.config import ConfigError, Settings
+from voxgate.gateway import encode_pool as pool_module
+from voxgate.gateway.encode_pool import FIRST, LATER, EncodePool, default_threads, parse_threads
 
 
 async def test_results_and_errors_arrive_on_the_calling_loop():
@@ -13,3 +21,99 @@ async def test_results_and_errors_arrive_on_the_calling_loop():
     assert [await r for r in results] == [2**n for n in range(20)]
     with pytest.raises(ZeroDivisionError):
         await pool.submit(divmod, 1, 0)
+
+
+async def test_without_threads_jobs_run_on_the_loop_and_never_inside_submit():
+    pool = EncodePool(threads=0)
+    ran_on: list[int] = []
+
+    def job(n: int) -> int:
+        ran_on.append(threading.get_ident())
+        return n * n
+
+    futures = [pool.submit(job, n) for n in range(20)]
+    assert ran_on == []  # submit only queues: the caller's coroutine is never blocked by encoding
+    assert [await f for f in futures] == [n * n for n in range(20)]
+    assert set(ran_on) == {threading.get_ident()}
+    with pytest.raises(ZeroDivisionError):
+        await pool.submit(divmod, 1, 0)
+    assert not pool._workers  # no thread was started
+
+
+async def test_without_threads_an_iteration_runs_jobs_for_the_budget_then_lets_the_loop_go_round():
+    pool = EncodePool(threads=0)
+    loop = asyncio.get_running_loop()
+    job_s = pool_module.LOOP_BUDGET_S / 2
+    iterations_seen: list[int] = []
+    iteration = 0
+
+    def count_iterations() -> None:
+        nonlocal iteration
+        iteration += 1
+        if pool._here:
+            loop.call_soon(count_iterations)
+
+    def job() -> None:
+        iterations_seen.append(iteration)
+        until = time.perf_counter() + job_s
+        while time.perf_counter() < until:
+            pass
+
+    futures = [pool.submit(job) for _ in range(12)]
+    loop.call_soon(count_iterations)
+    await asyncio.gather(*futures)
+    per_iteration = [iterations_seen.count(i) for i in sorted(set(iterations_seen))]
+    # Half the budget each: the budget runs out after two or three jobs, never all twelve at once.
+    assert max(per_iteration) <= 3, per_iteration
+    assert len(per_iteration) >= 4, per_iteration
+
+
+async def test_without_threads_first_audio_jumps_the_queue_and_cancelled_jobs_are_skipped():
+    pool = EncodePool(threads=0)
+    order: list[str] = []
+    later = [pool.submit(order.append, f"later{n}", priority=LATER) for n in range(3)]
+    later[1].cancel()
+    first = pool.submit(order.append, "first", priority=FIRST)
+    await asyncio.gather(first, later[0], later[2])
+    assert order == ["first", "later0", "later2"]
+
+
+def test_auto_is_a_thread_per_core_beyond_the_loops_and_at_least_one(monkeypatch):
+    for cores, threads in ((1, 1), (2, 1), (4, 3), (16, 15)):
+        monkeypatch.setattr(pool_module.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        assert default_threads() == threads
+        assert parse_threads("auto") == threads
+        assert EncodePool().threads == threads
+
+
+def test_encode_threads_setting_is_checked_and_says_what_to_give():
+    assert parse_threads("0") == 0 and parse_threads("3") == 3
+    for bad in ("x", "-1", "65", "1.5", ""):
+        with pytest.raises(ConfigError, match="--encode-threads .*give auto, 0 .* or a thread count up to 64"):
+            Settings(encode_threads=bad).check()
+
+
+async def test_configure_after_the_threads_started_is_refused():
+    pool = EncodePool(threads=1)
+    await pool.submit(int, "1")
+    with pytest.raises(RuntimeError, match="configure it before the first job"):
+        pool.configure(0)
+    idle = EncodePool(threads=1)
+    idle.configure(0)
+    assert idle.threads == 0
+
+
+async def test_a_server_encoding_on_its_event_loop_speaks_and_starts_no_thread(server_factory):
+    """--encode-threads 0 end to end: a real aiortc listener hears the utterance's tones, and
+    the server has as many threads after the speech as before (threads start at the first job)."""
+    from voxgate.engine import tone
+    from voxgate.rtc_client import RtcClient
+
+    server = server_factory("tone", ["--encode-threads", "0"])
+    async with RtcClient(server.url) as client:
+        threads = len(os.listdir(f"/proc/{server.proc.pid}/task"))
+        sent = client.send({"type": "speak", "text": "ab", "id": "u1"})
+        await client.wait_for("utterance.done", id="u1", timeout=20)
+        await client.audio.wait_frames(10, since=sent, timeout=10)
+        assert tone.decode(client.audio.pcm(sent), client.audio.sample_rate) == "ab"
+        assert len(os.listdir(f"/proc/{server.proc.pid}/task")) == threads

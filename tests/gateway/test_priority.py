@@ -13,7 +13,6 @@ import pytest
 
 from voxgate.config import ConfigError, Settings
 from voxgate.gateway import priority
-from voxgate.gateway.encode_pool import encode_pool
 from voxgate.rtc_client import RtcClient
 
 from tests.gateway.test_resilience import engine_worker_pid
@@ -115,16 +114,17 @@ def test_unthrottled_real_time_is_warned_about(sched, monkeypatch, caplog):
 async def test_realtime_covers_the_loop_and_the_media_threads_but_not_the_engine_worker(server_factory):
     if not _realtime_allowed():
         pytest.skip("this machine refuses SCHED_FIFO to this user (not root, no CAP_SYS_NICE, ulimit -r 0)")
-    server = server_factory("tone", ["--media-priority", "realtime"])
+    # Two encoding threads, whatever this machine's cores would choose.
+    server = server_factory("tone", ["--media-priority", "realtime", "--encode-threads", "2"])
     async with RtcClient(server.url) as client:
         # Speech starts the encode pool's threads, which take the loop's priority as they start.
         client.send({"type": "speak", "text": "Frames on time.", "id": "u1"})
         await client.wait_for("utterance.done", id="u1", timeout=20)
         threads = _policies(server.proc.pid)
         realtime = [tid for tid, policy in threads.items() if policy == FIFO]
-        # The event loop's thread, the engine reader and the encode pool: nothing else.
+        # The event loop's thread, the engine reader and the two encoding threads: nothing else.
         assert server.proc.pid in realtime
-        assert len(realtime) == 2 + encode_pool.threads, threads
+        assert len(realtime) == 2 + 2, threads
         worker = engine_worker_pid(server.proc.pid)
         assert set(_policies(worker).values()) == {os.SCHED_OTHER}  # synthesis never takes the loop's core
 
