@@ -16,12 +16,15 @@ about 5 frames of work, so the frames due meanwhile wait behind at most the
 budget and one slice. Without the budget, every session encoding its next
 utterance ahead at once put a slice each into one iteration.
 
-What the choice costs, measured with `bench/bench_capacity.py` at 40 speaking
-sessions on 2 cores (docs/scaling.md): on the loop the server used 10-20 %
-less CPU, because the thread and the loop no longer trade the GIL around
-every libopus call (a futex wake-up and a context switch each), but two to
-four times as many frames left over 5 ms late, because the loop's thread
-itself now does that work. The default keeps frames on time.
+What the choice costs, in one `bench/bench_capacity.py` run at 40 sessions on
+2 cores (bench/results/capacity-encode-threads.json, docs/scaling.md): on the
+loop, the server used a fifth less CPU with continuous speech to listeners
+(the thread and the loop no longer hand the GIL to each other around every
+libopus call), and the same with a microphone or in
+a conversation; but with continuous speech 1.8 to 4 times as many frames left
+over 5 ms late, because the loop's own thread does that work. So the default
+keeps the threads; 0 is for a gateway whose CPU matters more than its frames'
+timing.
 """
 
 from __future__ import annotations
