@@ -78,9 +78,8 @@ class EncodePool:
         # Results waiting for their event loop, and the loops already asked to take them.
         self._done: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future, Any, BaseException | None]]] = {}
         self._wake_pending: set[asyncio.AbstractEventLoop] = set()
-        # Without threads: each loop's jobs, and the loops whose drain is scheduled.
+        # Without threads: each loop's waiting jobs; a loop is here while its drain is scheduled.
         self._here: dict[asyncio.AbstractEventLoop, list] = {}
-        self._draining: set[asyncio.AbstractEventLoop] = set()
         self._workers: list[threading.Thread] = []
         self.batches = 0
         self.jobs = 0
@@ -97,10 +96,10 @@ class EncodePool:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         if self.threads == 0:
-            heapq.heappush(self._here.setdefault(loop, []), (priority, next(self._order), future, fn, args))
-            if loop not in self._draining:
-                self._draining.add(loop)
+            if loop not in self._here:
+                self._here[loop] = []
                 loop.call_soon(self._drain, loop)
+            heapq.heappush(self._here[loop], (priority, next(self._order), future, fn, args))
             return future
         if not self._workers:
             for i in range(self.threads):
@@ -112,7 +111,7 @@ class EncodePool:
 
     def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
         """Run the loop's jobs for up to LOOP_BUDGET_S, then let the loop go round."""
-        jobs = self._here.get(loop, [])
+        jobs = self._here[loop]
         until = time.perf_counter() + LOOP_BUDGET_S
         self.batches += 1
         while jobs and time.perf_counter() < until:
@@ -129,8 +128,7 @@ class EncodePool:
         if jobs:
             loop.call_soon(self._drain, loop)
         else:
-            self._here.pop(loop, None)
-            self._draining.discard(loop)
+            del self._here[loop]
 
     def _work(self) -> None:
         priority.enter_media_thread()  # the event loop's priority: these threads hold the GIL it waits for

@@ -353,8 +353,8 @@ async def serve(settings: Settings) -> None:
     # loop's thread, and the worker does not (raises PriorityError saying what to do).
     priority.apply(settings.media_priority)
     encode_pool.configure(parse_threads(settings.encode_threads))
-    log.info("speech is encoded %s (--encode-threads %s)", f"on {encode_pool.threads} threads" if encode_pool.threads
-             else "on the event loop", settings.encode_threads)
+    where = f"on {encode_pool.threads} thread(s)" if encode_pool.threads else "on the event loop"
+    log.info("speech is encoded %s (--encode-threads %s)", where, settings.encode_threads)
     app = create_app(settings)
     gw: Gateway = app["gateway"]
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
