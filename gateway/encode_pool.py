@@ -9,12 +9,16 @@ the loop then takes every result that is ready, so the cost is per batch, not
 per slice. An utterance's first audio jumps the queue: its encoding is on the
 path to first audio, the others are up to a second ahead of their playout.
 
-With 0 threads, encoding runs on the event loop. Jobs wait in one queue, first
-audio first, and one callback runs them for at most `LOOP_BUDGET_S` per loop
-iteration before it yields. A job is a slice of at most 0.1 s (`feeder.py`),
-about 5 frames of work, so the frames due meanwhile wait behind at most the
-budget and one slice. Without the budget, every session encoding its next
-utterance ahead at once put a slice each into one iteration.
+With 0 threads, encoding runs on the event loop, as its lowest priority. Jobs
+wait in one queue, first audio first, and one callback runs them only while no
+other callback waits on the loop: the sends that a frame-clock tick releases,
+packets read, messages. It runs one job at a time, rechecks, and stops after
+`LOOP_BUDGET_S`. A job is a slice of at most 0.1 s (`feeder.py`), about 5
+frames of work, so whatever becomes due meanwhile waits behind one slice at
+most. Encoding gives way for at most `MAX_YIELD_S` at a stretch, so a loop that
+is never idle still encodes. With a fixed budget instead, and no giving way,
+the sends of a tick often queued behind a millisecond of encoding in each of
+the two or three turns between the tick and the socket.
 
 What the choice costs, in one `bench/bench_capacity.py` run at 40 sessions on
 2 cores (bench/results/capacity-encode-threads.json, docs/scaling.md): on the
@@ -36,6 +40,7 @@ import os
 import queue
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import priority
@@ -43,7 +48,25 @@ from . import priority
 FIRST = 0  # priority of an utterance's first slice
 LATER = 1
 MAX_THREADS = 64
-LOOP_BUDGET_S = 0.001  # encoding on the loop: at most this long per iteration, then one more job
+LOOP_BUDGET_S = 0.001  # encoding on the loop: at most this long per turn, then one more job
+MAX_YIELD_S = 0.005  # encoding on the loop gives way to other callbacks for at most this long
+
+
+def _others_waiting(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether other callbacks wait to run on `loop` this turn or the next.
+
+    asyncio's own loops keep them in `_ready`; a loop without it (uvloop) never
+    says so, and encoding there runs on its budget alone.
+    """
+    return bool(getattr(loop, "_ready", None))
+
+
+@dataclass
+class _LoopJobs:
+    """One event loop's encoding jobs, while the pool has no threads."""
+
+    heap: list = field(default_factory=list)  # (priority, order, future, fn, args)
+    yielding_since: float | None = None  # when encoding began to give way to other callbacks
 
 
 def default_threads() -> int:
@@ -79,7 +102,7 @@ class EncodePool:
         self._done: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future, Any, BaseException | None]]] = {}
         self._wake_pending: set[asyncio.AbstractEventLoop] = set()
         # Without threads: each loop's waiting jobs; a loop is here while its drain is scheduled.
-        self._here: dict[asyncio.AbstractEventLoop, list] = {}
+        self._here: dict[asyncio.AbstractEventLoop, _LoopJobs] = {}
         self._workers: list[threading.Thread] = []
         self.batches = 0
         self.jobs = 0
@@ -97,9 +120,9 @@ class EncodePool:
         future = loop.create_future()
         if self.threads == 0:
             if loop not in self._here:
-                self._here[loop] = []
+                self._here[loop] = _LoopJobs()
                 loop.call_soon(self._drain, loop)
-            heapq.heappush(self._here[loop], (priority, next(self._order), future, fn, args))
+            heapq.heappush(self._here[loop].heap, (priority, next(self._order), future, fn, args))
             return future
         if not self._workers:
             for i in range(self.threads):
@@ -110,14 +133,26 @@ class EncodePool:
         return future
 
     def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Run the loop's jobs for up to LOOP_BUDGET_S, then let the loop go round."""
+        """Run the loop's jobs while nothing else waits, for up to LOOP_BUDGET_S, then go round."""
         jobs = self._here[loop]
-        until = time.perf_counter() + LOOP_BUDGET_S
+        now = time.perf_counter()
+        if _others_waiting(loop):
+            if jobs.yielding_since is None:
+                jobs.yielding_since = now
+            if now - jobs.yielding_since < MAX_YIELD_S:
+                loop.call_soon(self._drain, loop)
+                return
+        jobs.yielding_since = None
+        until = now + LOOP_BUDGET_S
         self.batches += 1
-        while jobs and time.perf_counter() < until:
-            _, _, future, fn, args = heapq.heappop(jobs)
+        ran = False
+        while jobs.heap:
+            if ran and time.perf_counter() >= until:
+                break
+            _, _, future, fn, args = heapq.heappop(jobs.heap)
             if future.cancelled():
                 continue  # its session was interrupted meanwhile
+            ran = True
             self.jobs += 1
             try:
                 result = fn(*args)
@@ -125,7 +160,7 @@ class EncodePool:
                 future.set_exception(exc)
             else:
                 future.set_result(result)
-        if jobs:
+        if jobs.heap:
             loop.call_soon(self._drain, loop)
         else:
             del self._here[loop]

@@ -68,6 +68,45 @@ async def test_without_threads_an_iteration_runs_jobs_for_the_budget_then_lets_t
     assert len(per_iteration) >= 4, per_iteration
 
 
+async def test_without_threads_encoding_waits_while_other_callbacks_are_ready(monkeypatch):
+    """The frames a tick releases go before encoding: a job starts only in a turn where
+    nothing else waits, here after a chain of six callbacks, each scheduling the next."""
+    monkeypatch.setattr(pool_module, "MAX_YIELD_S", 60.0)  # no forced run, however slow the machine
+    pool = EncodePool(threads=0)
+    loop = asyncio.get_running_loop()
+    events: list[str] = []
+
+    def other(n: int) -> None:
+        events.append(f"other{n}")
+        if n < 5:
+            loop.call_soon(other, n + 1)
+
+    job = pool.submit(events.append, "job")
+    loop.call_soon(other, 0)
+    await job
+    assert events == [f"other{n}" for n in range(6)] + ["job"]
+
+
+async def test_without_threads_a_loop_that_is_never_idle_still_encodes(monkeypatch):
+    """Giving way is bounded by MAX_YIELD_S: callbacks that never stop do not starve encoding."""
+    monkeypatch.setattr(pool_module, "MAX_YIELD_S", 0.002)
+    pool = EncodePool(threads=0)
+    loop = asyncio.get_running_loop()
+    turns_before_the_jobs = 0
+    jobs = [pool.submit(int, str(n)) for n in range(3)]
+
+    def busy() -> None:
+        nonlocal turns_before_the_jobs
+        if not jobs[0].done():
+            turns_before_the_jobs += 1
+        if not all(job.done() for job in jobs):
+            loop.call_soon(busy)
+
+    loop.call_soon(busy)
+    assert await asyncio.gather(*jobs) == [0, 1, 2]
+    assert turns_before_the_jobs > 1  # it did give way first
+
+
 async def test_without_threads_first_audio_jumps_the_queue_and_cancelled_jobs_are_skipped():
     pool = EncodePool(threads=0)
     order: list[str] = []
