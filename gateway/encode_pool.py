@@ -1,34 +1,31 @@
-"""Where resampling and Opus run: on threads shared by every session, or on the event loop.
+"""Where resampling and Opus run: on the event loop (the default), or on threads.
 
-How many threads is `--encode-threads`: by default one per core beyond the
-event loop's (at least one), from the cores this process may run on.
+`--encode-threads 0`, the default, encodes on the event loop, as its lowest
+priority. Jobs wait in one queue, an utterance's first audio first, and one
+callback runs them only in a turn of the loop where no other callback waits:
+the sends that a frame-clock tick releases, packets read, messages. Once it
+starts it runs jobs for up to `LOOP_BUDGET_S`, and a job is a slice of at
+most 0.1 s (`feeder.py`), about 5 frames of work, so whatever becomes due
+meanwhile waits behind a millisecond at most. Encoding gives way for at most
+`MAX_YIELD_S` at a stretch, so a loop that is never idle still encodes. A
+first version without the giving way, a fixed budget per turn, put a
+millisecond of encoding ahead of a tick's sends in each of the two or three
+turns between the tick and the socket, and frames went late.
 
-On threads, libopus releases the GIL while it encodes, so encoding runs beside
-the loop. A thread wakes the loop only when no wake-up is already pending, and
-the loop then takes every result that is ready, so the cost is per batch, not
-per slice. An utterance's first audio jumps the queue: its encoding is on the
-path to first audio, the others are up to a second ahead of their playout.
+`--encode-threads N` (or `auto`: one per core beyond the event loop's, at
+least one) encodes on N threads shared by every session. libopus releases the
+GIL while it encodes, so encoding runs beside the loop. A thread wakes the
+loop only when no wake-up is already pending, and the loop then takes every
+result that is ready, so the cost is per batch, not per slice. An utterance's
+first audio jumps the queue there too.
 
-With 0 threads, encoding runs on the event loop, as its lowest priority. Jobs
-wait in one queue, first audio first, and one callback runs them only while no
-other callback waits on the loop: the sends that a frame-clock tick releases,
-packets read, messages. It runs one job at a time, rechecks, and stops after
-`LOOP_BUDGET_S`. A job is a slice of at most 0.1 s (`feeder.py`), about 5
-frames of work, so whatever becomes due meanwhile waits behind one slice at
-most. Encoding gives way for at most `MAX_YIELD_S` at a stretch, so a loop that
-is never idle still encodes. With a fixed budget instead, and no giving way,
-the sends of a tick often queued behind a millisecond of encoding in each of
-the two or three turns between the tick and the socket.
-
-What the choice costs, in one `bench/bench_capacity.py` run at 40 sessions on
-2 cores (bench/results/capacity-encode-threads.json, docs/scaling.md): on the
-loop, the server used a fifth less CPU with continuous speech to listeners
-(the thread and the loop no longer hand the GIL to each other around every
-libopus call), and the same with a microphone or in
-a conversation; but with continuous speech 1.8 to 4 times as many frames left
-over 5 ms late, because the loop's own thread does that work. So the default
-keeps the threads; 0 is for a gateway whose CPU matters more than its frames'
-timing.
+Why the loop is the default: at 40 sessions on 2 cores, in alternating runs of
+`bench/bench_capacity.py` (docs/scaling.md), encoding on the loop cost less CPU
+per session and sent fewer late frames than one thread, with continuous
+speech and in conversations alike. The thread and the loop hand the GIL to
+each other around every libopus call and every send, and each hand-off wakes
+the other core. Threads remain for one process that must use more cores than
+one loop can drive.
 """
 
 from __future__ import annotations
@@ -93,8 +90,8 @@ def parse_threads(value: str) -> int:
 
 
 class EncodePool:
-    def __init__(self, threads: int | None = None) -> None:
-        self.threads = default_threads() if threads is None else threads
+    def __init__(self, threads: int = 0) -> None:
+        self.threads = threads
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
         self._lock = threading.Lock()

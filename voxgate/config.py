@@ -68,7 +68,7 @@ class Settings:
     # How the OS schedules the event loop and the encoding threads (gateway/priority.py).
     media_priority: str = "normal"
     # Threads that resample and encode speech; 0: on the event loop (gateway/encode_pool.py).
-    encode_threads: str = "auto"
+    encode_threads: str = "0"
     # Barge-in defaults for new sessions
     vad: bool = True
     vad_aggressiveness: int = 2
@@ -263,9 +263,10 @@ _HELP = {
     "once while other threads keep the cores busy; the engine worker stays normal; needs a real-time limit of 10, "
     "e.g. docker run --ulimit rtprio=10 or ulimit -r 10, or CAP_SYS_NICE; keep --max-sessions within capacity, "
     "since these threads come before synthesis)",
-    "encode_threads": "threads that resample and Opus-encode speech, shared by every session: auto (one per core "
-    "beyond the event loop's, at least one), a count up to 64, or 0: on the event loop, a little per iteration (less "
-    "CPU, more late frames: docs/scaling.md)",
+    "encode_threads": "where speech is resampled and Opus-encoded: 0 (the default) on the event loop, whenever no "
+    "other callback waits; or on threads shared by every session: a count up to 64, or auto (one per core beyond the "
+    "event loop's, at least one), for one process that must use many cores (more CPU per session and more late "
+    "frames on 2 cores: docs/scaling.md)",
     "vad": "barge-in by voice on for new sessions",
     "vad_aggressiveness": "webrtcvad mode 0..3 for new sessions",
     "vad_min_speech_ms": "speech needed before a barge-in fires",

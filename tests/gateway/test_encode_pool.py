@@ -1,5 +1,5 @@
-"""Where encoding runs (gateway/encode_pool.py): on threads, or on the event loop within a
-budget per iteration; results and errors arrive on the caller's loop either way."""
+"""Where encoding runs (gateway/encode_pool.py): on the event loop when nothing else waits, within
+a budget per turn, or on threads; results and errors arrive on the caller's loop either way."""
 
 from __future__ import annotations
 
@@ -122,7 +122,11 @@ def test_auto_is_a_thread_per_core_beyond_the_loops_and_at_least_one(monkeypatch
         monkeypatch.setattr(pool_module.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
         assert default_threads() == threads
         assert parse_threads("auto") == threads
-        assert EncodePool().threads == threads
+
+
+def test_by_default_speech_is_encoded_on_the_event_loop():
+    assert parse_threads(Settings().encode_threads) == 0
+    assert EncodePool().threads == 0
 
 
 def test_encode_threads_setting_is_checked_and_says_what_to_give():
@@ -142,13 +146,14 @@ async def test_configure_after_the_threads_started_is_refused():
     assert idle.threads == 0
 
 
-async def test_a_server_encoding_on_its_event_loop_speaks_and_starts_no_thread(server_factory):
-    """--encode-threads 0 end to end: a real aiortc listener hears the utterance's tones, and
-    the server has as many threads after the speech as before (threads start at the first job)."""
+async def test_a_default_server_encodes_on_its_event_loop_speaks_and_starts_no_thread(server_factory):
+    """The default (--encode-threads 0) end to end: a real aiortc listener hears the utterance's
+    tones, and the server has as many threads after the speech as before (threads would start
+    at the first job)."""
     from voxgate.engine import tone
     from voxgate.rtc_client import RtcClient
 
-    server = server_factory("tone", ["--encode-threads", "0"])
+    server = server_factory("tone")
     async with RtcClient(server.url) as client:
         threads = len(os.listdir(f"/proc/{server.proc.pid}/task"))
         sent = client.send({"type": "speak", "text": "ab", "id": "u1"})
