@@ -6,8 +6,10 @@ callback runs them only in a turn of the loop where no other callback waits:
 the sends that a frame-clock tick releases, packets read, messages. Once it
 starts it runs jobs for up to `LOOP_BUDGET_S`, and a job is a slice of at
 most 0.1 s (`feeder.py`), about 5 frames of work, so whatever becomes due
-meanwhile waits behind a millisecond at most. Encoding gives way for at most
-`MAX_YIELD_S` at a stretch, so a loop that is never idle still encodes. A
+meanwhile waits behind the budget and one slice at most. Encoding gives way
+for at most `MAX_YIELD_S` at a stretch (until the first turn after it), so a
+loop that is never idle still encodes, and an utterance's first slice does not
+give way at all: it is on the path to first audio. A
 first version without the giving way, a fixed budget per turn, put a
 millisecond of encoding ahead of a tick's sends in each of the two or three
 turns between the tick and the socket, and frames went late.
@@ -89,6 +91,27 @@ def parse_threads(value: str) -> int:
     return threads
 
 
+def _run(fn: Callable[..., Any], args: tuple) -> tuple[Any, BaseException | None]:
+    """fn(*args) as (result, None) or (None, the exception), for the awaiting coroutine."""
+    try:
+        return fn(*args), None
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:
+        return None, exc
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # cancelled meanwhile: nobody waits for it
+        return
+    if error is None:
+        future.set_result(result)
+    elif isinstance(error, StopIteration):  # a future refuses it (TypeError): it would end the caller's coroutine
+        future.set_exception(RuntimeError(f"an encoding job raised {error!r}"))
+    else:
+        future.set_exception(error)
+
+
 class EncodePool:
     def __init__(self, threads: int = 0) -> None:
         self.threads = threads
@@ -101,8 +124,6 @@ class EncodePool:
         # Without threads: each loop's waiting jobs; a loop is here while its drain is scheduled.
         self._here: dict[asyncio.AbstractEventLoop, _LoopJobs] = {}
         self._workers: list[threading.Thread] = []
-        self.batches = 0
-        self.jobs = 0
 
     def configure(self, threads: int) -> None:
         """Set the thread count (0: on the event loop) before the first job."""
@@ -111,12 +132,15 @@ class EncodePool:
         self.threads = threads
 
     def submit(self, fn: Callable[..., Any], *args: Any, priority: int = LATER) -> asyncio.Future:
-        """Run fn(*args) on a pool thread, or on the loop a little at a time when the pool
-        has no threads; the result arrives on the calling event loop."""
+        """Run fn(*args) on a pool thread, or, when the pool has no threads, on the loop in
+        turns where no other callback waits (up to MAX_YIELD_S later, at once for FIRST);
+        the result arrives on the calling event loop."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         if self.threads == 0:
             if loop not in self._here:
+                for closed in [other for other in self._here if other.is_closed()]:
+                    del self._here[closed]  # closed with jobs queued: nobody waits for them
                 self._here[loop] = _LoopJobs()
                 loop.call_soon(self._drain, loop)
             heapq.heappush(self._here[loop].heap, (priority, next(self._order), future, fn, args))
@@ -133,34 +157,36 @@ class EncodePool:
         """Run the loop's jobs while nothing else waits, for up to LOOP_BUDGET_S, then go round."""
         jobs = self._here[loop]
         now = time.perf_counter()
-        if _others_waiting(loop):
+        first_audio = bool(jobs.heap) and jobs.heap[0][0] == FIRST
+        busy = _others_waiting(loop)
+        if busy and not first_audio:
             if jobs.yielding_since is None:
                 jobs.yielding_since = now
             if now - jobs.yielding_since < MAX_YIELD_S:
                 loop.call_soon(self._drain, loop)
                 return
-        jobs.yielding_since = None
+        only_first = busy and first_audio
+        if not only_first:  # first audio going ahead does not restart the others' wait
+            jobs.yielding_since = None
         until = now + LOOP_BUDGET_S
-        self.batches += 1
-        ran = False
-        while jobs.heap:
-            if ran and time.perf_counter() >= until:
-                break
-            _, _, future, fn, args = heapq.heappop(jobs.heap)
-            if future.cancelled():
-                continue  # its session was interrupted meanwhile
-            ran = True
-            self.jobs += 1
-            try:
-                result = fn(*args)
-            except Exception as exc:  # handed to the awaiting coroutine
-                future.set_exception(exc)
+        try:
+            ran = False
+            while jobs.heap:
+                if ran and time.perf_counter() >= until:
+                    break
+                if only_first and jobs.heap[0][0] != FIRST:
+                    break  # others wait: only first audio goes ahead of them
+                _, _, future, fn, args = heapq.heappop(jobs.heap)
+                if future.cancelled():
+                    continue  # its session was interrupted meanwhile
+                ran = True
+                _settle(future, *_run(fn, args))
+        finally:
+            # Whatever happened, the loop's other jobs still run (or its entry goes).
+            if jobs.heap:
+                loop.call_soon(self._drain, loop)
             else:
-                future.set_result(result)
-        if jobs.heap:
-            loop.call_soon(self._drain, loop)
-        else:
-            del self._here[loop]
+                del self._here[loop]
 
     def _work(self) -> None:
         priority.enter_media_thread()  # the event loop's priority: these threads hold the GIL it waits for
@@ -170,7 +196,7 @@ class EncodePool:
                 continue  # its session was interrupted meanwhile
             try:
                 result, error = fn(*args), None
-            except BaseException as exc:  # handed to the awaiting coroutine
+            except BaseException as exc:  # handed to the awaiting coroutine: a thread has nobody else to tell
                 result, error = None, exc
             loop = future.get_loop()
             with self._lock:
@@ -189,15 +215,8 @@ class EncodePool:
         with self._lock:
             done = self._done.pop(loop, [])
             self._wake_pending.discard(loop)
-        self.batches += 1
-        self.jobs += len(done)
         for future, result, error in done:
-            if future.cancelled():
-                continue
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(result)
+            _settle(future, result, error)
 
 
 # One pool for the process: the cores are shared by every session.

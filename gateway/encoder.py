@@ -73,8 +73,8 @@ class OpusEncoder(FrameEncoder):
 
     def use_signal(self, signal: str) -> None:
         """The signal ("voice" or "music") the next encode() codes with. Called from
-        the event loop; the encoding thread applies it, so libopus is only ever
-        touched by the thread that encodes."""
+        the event loop; the next encode() applies it (on the loop, or on an encoding thread
+        with --encode-threads N), so libopus is only ever touched by the code that encodes."""
         if signal not in opus.SIGNALS:
             raise ValueError(f"signal {signal!r}: choose one of {', '.join(opus.SIGNALS)}")
         self._signal = signal

@@ -11,7 +11,7 @@ auto is music throughout) a session codes its speech as music
 while its listener's RTCP receiver reports show no loss, and as voice, with FEC,
 from the first report of LOSS_ON or more until HOLD_S after the last such
 report. libopus switches modes between two frames without a click; each switch
-applies from the next frame the encoding thread codes.
+applies from the next frame encoded.
 
 Receiver reports reach an aiortc sender through its private
 `_handle_rtcp_packet`; `watch_reports` wraps it. If an aiortc upgrade renames

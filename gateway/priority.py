@@ -1,7 +1,8 @@
 """How the operating system schedules the media threads: `--media-priority`.
 
 Every session's frames leave on one 5 ms clock in the event loop's thread
-(`pacer.py`), encoded on the encode pool's threads (`encode_pool.py`). When
+(`pacer.py`), encoded there too or, with `--encode-threads N`, on the encode pool's threads
+(`encode_pool.py`). When
 other work keeps the cores busy (the engine worker synthesizing, other
 processes; in `bench/bench_capacity.py`, the load generators beside the
 server), Linux makes the woken event loop wait for a core. Measured at 60

@@ -355,6 +355,9 @@ async def serve(settings: Settings) -> None:
     encode_pool.configure(parse_threads(settings.encode_threads))
     where = f"on {encode_pool.threads} thread(s)" if encode_pool.threads else "on the event loop"
     log.info("speech is encoded %s (--encode-threads %s)", where, settings.encode_threads)
+    if not encode_pool.threads and not hasattr(asyncio.get_running_loop(), "_ready"):
+        log.warning("this event loop (%s) does not show its waiting callbacks, so encoding on it cannot give way "
+                    "to them and frames may go late; give --encode-threads auto", type(asyncio.get_running_loop()).__name__)
     app = create_app(settings)
     gw: Gateway = app["gateway"]
     runner = web.AppRunner(app, handle_signals=False, access_log=None)

@@ -65,9 +65,9 @@ class Settings:
     opus_signal: str = "auto"
     # Who builds the speech track's RTP packets (gateway/rtp_send.py).
     rtp_sender: str = "voxgate"
-    # How the OS schedules the event loop and the encoding threads (gateway/priority.py).
+    # How the OS schedules the event loop and the threads it waits on (gateway/priority.py).
     media_priority: str = "normal"
-    # Threads that resample and encode speech; 0: on the event loop (gateway/encode_pool.py).
+    # Threads that resample and encode speech; 0, the default: on the event loop (gateway/encode_pool.py).
     encode_threads: str = "0"
     # Barge-in defaults for new sessions
     vad: bool = True
@@ -258,8 +258,8 @@ _HELP = {
     "show no loss, voice from a report of 1 %% or more until 30 s after the last (with --no-opus-fec, auto is music)",
     "rtp_sender": "who builds the speech track's RTP packets: voxgate (a header template per sender, a "
     "fraction of aiortc's cost per frame) or aiortc (aiortc's own sender loop)",
-    "media_priority": "how the OS schedules the event loop and the threads it waits on (encoding, the engine "
-    "reader, /v1/tts formatting): normal, or realtime (SCHED_FIFO at a low priority, so a woken loop gets a core at "
+    "media_priority": "how the OS schedules the event loop and the threads it waits on (the engine "
+    "reader, /v1/tts formatting, and encoding threads with --encode-threads N): normal, or realtime (SCHED_FIFO at a low priority, so a woken loop gets a core at "
     "once while other threads keep the cores busy; the engine worker stays normal; needs a real-time limit of 10, "
     "e.g. docker run --ulimit rtprio=10 or ulimit -r 10, or CAP_SYS_NICE; keep --max-sessions within capacity, "
     "since these threads come before synthesis)",

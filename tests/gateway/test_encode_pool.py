@@ -40,7 +40,9 @@ async def test_without_threads_jobs_run_on_the_loop_and_never_inside_submit():
     assert not pool._workers  # no thread was started
 
 
-async def test_without_threads_an_iteration_runs_jobs_for_the_budget_then_lets_the_loop_go_round():
+async def test_without_threads_an_iteration_runs_jobs_for_the_budget_then_lets_the_loop_go_round(monkeypatch):
+    # As when nothing else waits: the counting callback below would otherwise make encoding give way.
+    monkeypatch.setattr(pool_module, "_others_waiting", lambda loop: False)
     pool = EncodePool(threads=0)
     loop = asyncio.get_running_loop()
     job_s = pool_module.LOOP_BUDGET_S / 2
@@ -85,6 +87,66 @@ async def test_without_threads_encoding_waits_while_other_callbacks_are_ready(mo
     loop.call_soon(other, 0)
     await job
     assert events == [f"other{n}" for n in range(6)] + ["job"]
+
+
+async def test_without_threads_first_audio_does_not_give_way_and_the_rest_still_does(monkeypatch):
+    """An utterance's first slice is on the path to first audio: it runs in the first turn,
+    ahead of other callbacks; the later slices behind it still wait for an idle turn."""
+    monkeypatch.setattr(pool_module, "MAX_YIELD_S", 60.0)
+    pool = EncodePool(threads=0)
+    loop = asyncio.get_running_loop()
+    events: list[str] = []
+
+    def other(n: int) -> None:
+        events.append(f"other{n}")
+        if n < 3:
+            loop.call_soon(other, n + 1)
+
+    later = pool.submit(events.append, "later", priority=LATER)
+    first = pool.submit(events.append, "first", priority=FIRST)
+    loop.call_soon(other, 0)
+    await asyncio.gather(first, later)
+    assert events == ["first", "other0", "other1", "other2", "other3", "later"]
+
+
+async def test_without_threads_a_failing_job_fails_alone():
+    """A job's exception goes to its awaiting coroutine, and the loop's later jobs still run,
+    even for exceptions a future refuses (StopIteration) or that are not Exceptions."""
+
+    class Abort(BaseException):
+        pass
+
+    def stop() -> None:
+        raise StopIteration
+
+    def abort() -> None:
+        raise Abort
+
+    for threads in (0, 1):
+        pool = EncodePool(threads=threads)
+        stopped, aborted = pool.submit(stop), pool.submit(abort)
+        after = pool.submit(pow, 2, 5)
+        with pytest.raises(RuntimeError, match="StopIteration"):
+            await stopped
+        with pytest.raises(Abort):
+            await aborted
+        assert await after == 32
+        assert await pool.submit(pow, 3, 2) == 9
+
+
+def test_without_threads_a_loop_closed_with_jobs_queued_is_forgotten():
+    pool = EncodePool(threads=0)
+
+    async def submit_only() -> None:
+        pool.submit(int, "1")
+
+    async def submit_and_wait() -> int:
+        return await pool.submit(int, "2")
+
+    asyncio.run(submit_only())
+    assert len(pool._here) == 1  # its loop closed with the job queued
+    assert asyncio.run(submit_and_wait()) == 2
+    assert not pool._here
 
 
 async def test_without_threads_a_loop_that_is_never_idle_still_encodes(monkeypatch):
