@@ -8,8 +8,10 @@ starts it runs jobs for up to `LOOP_BUDGET_S`, and a job is a slice of at
 most 0.1 s (`feeder.py`), about 5 frames of work, so whatever becomes due
 meanwhile waits behind the budget and one slice at most. Encoding gives way
 for at most `MAX_YIELD_S` at a stretch (until the first turn after it), so a
-loop that is never idle still encodes, and an utterance's first slice does not
-give way at all: it is on the path to first audio. A
+loop that is never idle still encodes. An utterance's first slice gives way
+too, so on a busy loop first audio can wait up to that long: letting it go
+ahead of a tick's sends was tried, and late frames were no better for it in
+two pairs of runs at 40 sessions. A
 first version without the giving way, a fixed budget per turn, put a
 millisecond of encoding ahead of a tick's sends in each of the two or three
 turns between the tick and the socket, and frames went late.
@@ -133,7 +135,7 @@ class EncodePool:
 
     def submit(self, fn: Callable[..., Any], *args: Any, priority: int = LATER) -> asyncio.Future:
         """Run fn(*args) on a pool thread, or, when the pool has no threads, on the loop in
-        turns where no other callback waits (up to MAX_YIELD_S later, at once for FIRST);
+        turns where no other callback waits (up to MAX_YIELD_S later);
         the result arrives on the calling event loop."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -157,25 +159,19 @@ class EncodePool:
         """Run the loop's jobs while nothing else waits, for up to LOOP_BUDGET_S, then go round."""
         jobs = self._here[loop]
         now = time.perf_counter()
-        first_audio = bool(jobs.heap) and jobs.heap[0][0] == FIRST
-        busy = _others_waiting(loop)
-        if busy and not first_audio:
+        if _others_waiting(loop):
             if jobs.yielding_since is None:
                 jobs.yielding_since = now
             if now - jobs.yielding_since < MAX_YIELD_S:
                 loop.call_soon(self._drain, loop)
                 return
-        only_first = busy and first_audio
-        if not only_first:  # first audio going ahead does not restart the others' wait
-            jobs.yielding_since = None
+        jobs.yielding_since = None
         until = now + LOOP_BUDGET_S
         try:
             ran = False
             while jobs.heap:
                 if ran and time.perf_counter() >= until:
                     break
-                if only_first and jobs.heap[0][0] != FIRST:
-                    break  # others wait: only first audio goes ahead of them
                 _, _, future, fn, args = heapq.heappop(jobs.heap)
                 if future.cancelled():
                     continue  # its session was interrupted meanwhile

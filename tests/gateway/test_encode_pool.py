@@ -89,26 +89,6 @@ async def test_without_threads_encoding_waits_while_other_callbacks_are_ready(mo
     assert events == [f"other{n}" for n in range(6)] + ["job"]
 
 
-async def test_without_threads_first_audio_does_not_give_way_and_the_rest_still_does(monkeypatch):
-    """An utterance's first slice is on the path to first audio: it runs in the first turn,
-    ahead of other callbacks; the later slices behind it still wait for an idle turn."""
-    monkeypatch.setattr(pool_module, "MAX_YIELD_S", 60.0)
-    pool = EncodePool(threads=0)
-    loop = asyncio.get_running_loop()
-    events: list[str] = []
-
-    def other(n: int) -> None:
-        events.append(f"other{n}")
-        if n < 3:
-            loop.call_soon(other, n + 1)
-
-    later = pool.submit(events.append, "later", priority=LATER)
-    first = pool.submit(events.append, "first", priority=FIRST)
-    loop.call_soon(other, 0)
-    await asyncio.gather(first, later)
-    assert events == ["first", "other0", "other1", "other2", "other3", "later"]
-
-
 async def test_without_threads_a_failing_job_fails_alone():
     """A job's exception goes to its awaiting coroutine, and the loop's later jobs still run,
     even for exceptions a future refuses (StopIteration) or that are not Exceptions."""
