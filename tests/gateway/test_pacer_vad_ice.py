@@ -1,13 +1,14 @@
 """Pacer schedule, VAD decisions and ICE policy, in isolation."""
 
 import asyncio
+import gc
 import time
 
 import numpy as np
 import pytest
 
 from voxgate.gateway.ice import IcePolicy, parse_ice_server, parse_networks
-from voxgate.gateway.pacer import FrameClock, Pacer
+from voxgate.gateway.pacer import FrameClock, IntervalRing, Pacer
 from voxgate.gateway.vad import VadSettings, VoiceActivityDetector
 
 
@@ -155,6 +156,35 @@ def run_vad(pcm: np.ndarray, **settings) -> list[str]:
     for i in range(0, len(pcm), 320):
         events += vad.process(pcm[i : i + 320])
     return events
+
+
+def test_interval_ring_keeps_the_newest_in_order():
+    ring = IntervalRing(4)
+    assert len(ring) == 0 and list(ring) == []
+    for x in range(1, 7):
+        ring.append(float(x))
+    assert len(ring) == 4 and list(ring) == [3.0, 4.0, 5.0, 6.0]
+    ring.clear()
+    ring.append(9.0)
+    assert list(ring) == [9.0]
+
+
+def test_pacer_stats_give_the_garbage_collector_nothing_to_walk():
+    # A full collection walks every referent of every tracked container while the
+    # event loop waits; each session's minute of intervals must not be among them.
+    pacer = Pacer()
+    for _ in range(5000):
+        pacer.stats.intervals.append(0.020)
+    walked, seen, todo = 0, set(), [pacer.stats]
+    while todo:  # every referent a collection visits from the stats down, types aside
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, type) or not gc.is_tracked(obj):
+            continue
+        seen.add(id(obj))
+        referents = gc.get_referents(obj)
+        walked += len(referents)
+        todo.extend(referents)
+    assert len(pacer.stats.intervals) == 3000 and walked < 50, walked
 
 
 def test_vad_fires_on_speech_and_settles_after():
