@@ -339,6 +339,7 @@ JITTER_HISTOGRAM = "voxgate_pacer_departure_jitter_seconds"
 UNDERRUN_COUNTER = "voxgate_pacer_underruns_total"
 DTX_COUNTER = "voxgate_pacer_dtx_frames_total"  # frames between utterances a keep-alive covered
 LOOP_LAG_HISTOGRAM = "voxgate_event_loop_lag_seconds"
+GC_PAUSE_HISTOGRAM = "voxgate_gc_pause_seconds"  # by generation; 2 is a full collection
 
 
 def parse_product_metrics(text: str) -> dict:
@@ -364,6 +365,11 @@ def parse_product_metrics(text: str) -> dict:
 
     jitter_le, jitter_cumulative = buckets(JITTER_HISTOGRAM)
     lag_le, lag_cumulative = buckets(LOOP_LAG_HISTOGRAM)
+    if f"# TYPE {GC_PAUSE_HISTOGRAM} histogram" not in text:
+        raise KeyError(f"the product's /metrics has no histogram {GC_PAUSE_HISTOGRAM}; bench/bench_capacity.py reads it")
+    full = (("generation", "2"),)
+    gc_found = sorted((float(dict(labels)["le"]), v) for (n, labels), v in samples.items()
+                      if n == GC_PAUSE_HISTOGRAM + "_bucket" and ("generation", "2") in labels)
     return {
         "frames": value(JITTER_HISTOGRAM + "_count"),
         "late": value(LATE_COUNTER),
@@ -373,6 +379,11 @@ def parse_product_metrics(text: str) -> dict:
         "jitter_cumulative": jitter_cumulative,
         "loop_lag_le": lag_le,
         "loop_lag_cumulative": lag_cumulative,
+        # Full garbage collections: none yet is zero, not an error (the series starts at the first).
+        "full_collections": samples.get((GC_PAUSE_HISTOGRAM + "_count", full), 0.0),
+        "full_collection_s": samples.get((GC_PAUSE_HISTOGRAM + "_sum", full), 0.0),
+        "full_collection_le": [b for b, _ in gc_found],
+        "full_collection_cumulative": [v for _, v in gc_found],
     }
 
 
@@ -622,6 +633,15 @@ class Bench:
         if server.kind == "product":
             lag_p99 = histogram_bound(f1["loop_lag_le"], f0["loop_lag_cumulative"], f1["loop_lag_cumulative"], 0.99)
             row["server_loop_lag_p99_le_ms"] = round(lag_p99 * 1000.0, 1) if lag_p99 is not None else None
+            # Each full collection stops the loop with every session's frames behind it.
+            n_full = f1["full_collections"] - f0["full_collections"]
+            longest = (histogram_bound(f1["full_collection_le"], f0["full_collection_cumulative"] or [0.0] * len(f1["full_collection_le"]),
+                                       f1["full_collection_cumulative"], 1.0) if n_full else None)
+            row["server_full_collections"] = {
+                "count": int(n_full),
+                "mean_ms": round(1000.0 * (f1["full_collection_s"] - f0["full_collection_s"]) / n_full, 1) if n_full else None,
+                "longest_le_ms": round(1000.0 * longest, 1) if longest is not None else None,
+            }
         else:
             row["baseline_barge_ins"] = f1["barge_ins"] - f0["barge_ins"]
         row["generator_saturated"] = bool(
@@ -657,6 +677,7 @@ def print_row(row: dict) -> None:
         f"bot {_f(100 * (c['bot_speaking_share'] or 0), 0)}%  gen {100 * g['cores_total']:3.0f}% "
         f"(max {100 * max(g['cores_each'], default=0):3.0f}%)  bg {100 * row['machine']['background_cores']:3.0f}%"
         f" (steal {100 * row['machine']['steal_cores']:.0f}%)"
+        + (f"  gc2 {full['count']}x{_f(full['mean_ms'])}ms" if (full := row.get("server_full_collections")) else "")
         + (f"  [{', '.join(flags)}]" if flags else ""),
         flush=True,
     )

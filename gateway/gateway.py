@@ -104,6 +104,7 @@ class Gateway:
         await self.engine.start()
         self.engine.listeners.append(self._on_engine_event)
         self._tasks.append(asyncio.ensure_future(self._watch_loop_lag()))
+        self.metrics.watch_collections()
         self._tasks.append(asyncio.ensure_future(self._reap_idle()))
         rate = self.engine.info.get("sample_rate")
         if isinstance(rate, int) and rate > 0:
@@ -121,6 +122,7 @@ class Gateway:
 
     async def stop(self) -> None:
         self.accepting = False
+        self.metrics.unwatch_collections()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*(s.close("server shutting down") for s in list(self.sessions.values())), return_exceptions=True)

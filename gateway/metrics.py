@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import gc
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from .session_metrics import SessionMetrics, SessionMetricsFanOut
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
 JITTER_BUCKETS = (0.0, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+PAUSE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5)
 
 
 class GatewayMetrics:
@@ -30,6 +34,9 @@ class GatewayMetrics:
         self.engine_rtf = Histogram("voxgate_engine_rtf", "Engine real-time factor per chunk (synthesis time / audio time)", buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0), registry=r)
         self.worker_restarts = Counter("voxgate_engine_worker_restarts_total", "Engine worker restarts", registry=r)
         self.loop_lag = Histogram("voxgate_event_loop_lag_seconds", "Event-loop lag measured by a 100 ms ticker", buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0), registry=r)
+        self.gc_pause = Histogram("voxgate_gc_pause_seconds",
+                                  "Time a garbage collection held the process, every session's frames waiting behind it, "
+                                  "by generation (2: a full collection)", ["generation"], buckets=PAUSE_BUCKETS, registry=r)
         self.rejected = Counter("voxgate_sessions_rejected_total", "Sessions refused", ["reason"], registry=r)
         self.errors = Counter("voxgate_protocol_errors_total", "Error events sent to clients", ["code"], registry=r)
         self.opus_signal = Counter("voxgate_opus_signal_switches_total",
@@ -38,6 +45,24 @@ class GatewayMetrics:
         # Whatever else wants every session's samples (a benchmark's recorder), beside Prometheus;
         # read when a session is made.
         self.observers: list[SessionMetrics] = []
+        self._collection_started: float | None = None
+
+    def watch_collections(self) -> None:
+        """Observe every garbage collection's pause from now until `unwatch_collections()`."""
+        if self._on_collection not in gc.callbacks:
+            gc.callbacks.append(self._on_collection)
+
+    def unwatch_collections(self) -> None:
+        if self._on_collection in gc.callbacks:
+            gc.callbacks.remove(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict) -> None:
+        # Collections are not reentrant, so one start time serves (any thread's collection holds the GIL).
+        if phase == "start":
+            self._collection_started = time.perf_counter()
+        elif self._collection_started is not None:
+            self.gc_pause.labels(str(info["generation"])).observe(time.perf_counter() - self._collection_started)
+            self._collection_started = None
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

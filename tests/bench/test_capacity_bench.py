@@ -62,6 +62,9 @@ async def test_reads_the_products_metrics(tone_server) -> None:
     assert after["jitter_le"][-1] == float("inf")
     assert after["late"] >= before["late"]
     assert bench_capacity.histogram_bound(after["jitter_le"], before["jitter_cumulative"], after["jitter_cumulative"], 0.5) is not None
+    # The server process collected its start-up heap in full (settle_heap) after the gateway began timing collections.
+    assert after["full_collections"] >= 1 and after["full_collection_s"] > 0
+    assert after["full_collection_cumulative"][-1] == after["full_collections"]
 
 
 def test_a_renamed_product_metric_is_an_error() -> None:
@@ -81,9 +84,14 @@ def test_a_renamed_product_metric_is_an_error() -> None:
         "# TYPE voxgate_pacer_dtx_frames_total counter\n"
         "voxgate_pacer_dtx_frames_total 40.0\n"
     )
-    assert bench_capacity.parse_product_metrics(text + "# TYPE voxgate_pacer_late_frames_total counter\nvoxgate_pacer_late_frames_total 1.0\n")["late"] == 1
+    gc_pauses = "# TYPE voxgate_gc_pause_seconds histogram\n"  # no collection yet: no series, and not an error
+    late = "# TYPE voxgate_pacer_late_frames_total counter\nvoxgate_pacer_late_frames_total 1.0\n"
+    figures = bench_capacity.parse_product_metrics(text + gc_pauses + late)
+    assert figures["late"] == 1 and figures["full_collections"] == 0
+    with pytest.raises(KeyError, match="voxgate_gc_pause_seconds"):
+        bench_capacity.parse_product_metrics(text + late)
     with pytest.raises(KeyError, match="voxgate_pacer_late_frames_total"):
-        bench_capacity.parse_product_metrics(text)
+        bench_capacity.parse_product_metrics(text + gc_pauses)
 
 
 @pytest.fixture(scope="module")

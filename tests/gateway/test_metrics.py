@@ -1,10 +1,12 @@
 """/metrics, /healthz and /readyz as an operator sees them."""
 
 import asyncio
+import gc
 import re
 
 import aiohttp
 
+from voxgate.gateway.metrics import GatewayMetrics
 from voxgate.rtc_client import RtcClient
 
 
@@ -48,6 +50,7 @@ async def test_metrics_reflect_speech_and_cancel(server_factory):
                 await asyncio.sleep(0.05)
             assert sample(text, "voxgate_active_sessions") >= 0
         assert sample(text, "voxgate_ttfa_seconds_count") >= 2
+        assert sample(text, 'voxgate_gc_pause_seconds_count{generation="0"}') > 0  # speaking allocates
         assert sample(text, 'voxgate_engine_first_chunk_seconds_count{engine="tone"}') >= 2
         assert sample(text, "voxgate_text_aggregation_wait_seconds_count") >= 2
         assert sample(text, "voxgate_cancel_to_silence_seconds_count") == 1
@@ -68,3 +71,19 @@ async def test_metrics_reflect_speech_and_cancel(server_factory):
         assert sample(text, "voxgate_event_loop_lag_seconds_count") > 0
         assert sample(text, "voxgate_engine_rtf_count") >= 2
         assert "voxgate_engine_worker_restarts_total 0.0" in text
+
+
+def test_garbage_collection_pauses_are_timed_until_unwatched():
+    metrics = GatewayMetrics()
+    full = 'voxgate_gc_pause_seconds_count{generation="2"}'
+    metrics.watch_collections()
+    metrics.watch_collections()  # once only
+    try:
+        gc.collect()
+        text = metrics.render().decode()
+        assert sample(text, full) == 1
+        assert sample(text, 'voxgate_gc_pause_seconds_sum{generation="2"}') > 0
+    finally:
+        metrics.unwatch_collections()
+    gc.collect()
+    assert sample(metrics.render().decode(), full) == 1
