@@ -13,7 +13,11 @@ What runs (every process is started and stopped by this script):
   --opus-complexity and the like through here; repeat --product-args to
   compare several settings in one run). The tone engine makes synthesis cost
   nothing, so what is measured is the media path. Its engine worker is found
-  as its child process (multiprocessing `spawn_main`).
+  as its child process (multiprocessing `spawn_main`). With
+  --product-processes N, N such processes run side by side (one event loop
+  each, as one process per core is deployed) and generator i connects to
+  process i mod N; their CPU and counters are added together, and "at its
+  limit" means any one process's loop near a full core.
 - The baseline, `bench/baseline_aiortc.py`: a plain aiortc server written the
   way people hand-roll one (a track returning 48 kHz PCM frames paced by its
   own sleep, aiortc's built-in Opus encoder; for a microphone, aiortc's
@@ -261,6 +265,19 @@ class Server:
     def pids(self) -> list[int]:
         return [p for p in (self.pid, self.worker_pid()) if p]
 
+    processes = 1  # gateway processes, each with its own event loop
+
+    def main_pids(self) -> list[int]:
+        """The processes that run event loops (one, unless a group)."""
+        return [self.pid]
+
+    def worker_pids(self) -> list[int | None]:
+        return [self.worker_pid()]
+
+    def url_for(self, generator: int) -> str:
+        """Where generator number `generator` connects its sessions."""
+        return self.url
+
     async def get(self, path: str):
         async with self.http.get(self.url + path) as resp:
             return resp.status, await resp.text()
@@ -330,6 +347,66 @@ class ProductServer(Server):
     async def figures(self) -> dict:
         _, text = await self.get("/metrics")
         return parse_product_metrics(text)
+
+
+class ProductGroup(Server):
+    """Several gateway processes on this machine, one event loop each, as a deployment with one
+    process per core runs them (docs/scaling.md); generator i connects to process i mod N, as a
+    load balancer would spread sessions. Its figures are the processes' added together."""
+
+    kind = "product"
+
+    def __init__(self, name: str, extra: list[str], processes: int) -> None:
+        self.members = [ProductServer(f"{name}-{i + 1}", extra) for i in range(processes)]
+        self.processes = processes
+        super().__init__(name, self.members[0].cmd)
+        self.url = self.members[0].url
+
+    async def start(self, timeout: float = 60.0) -> None:
+        await asyncio.gather(*(m.start(timeout) for m in self.members))
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(m.stop() for m in self.members))
+
+    @property
+    def pid(self) -> int:
+        return self.members[0].pid
+
+    def worker_pid(self) -> int | None:
+        return self.members[0].worker_pid()
+
+    def pids(self) -> list[int]:
+        return [p for m in self.members for p in m.pids()]
+
+    def main_pids(self) -> list[int]:
+        return [m.pid for m in self.members]
+
+    def worker_pids(self) -> list[int | None]:
+        return [m.worker_pid() for m in self.members]
+
+    def url_for(self, generator: int) -> str:
+        return self.members[generator % len(self.members)].url
+
+    async def sessions(self) -> int:
+        return sum(await asyncio.gather(*(m.sessions() for m in self.members)))
+
+    async def figures(self) -> dict:
+        return add_figures(await asyncio.gather(*(m.figures() for m in self.members)))
+
+
+def add_figures(parts: list[dict]) -> dict:
+    """Several processes' cumulative figures as one: counts added, histogram buckets added bucket by bucket
+    (the bounds are the same in every process; a process without a series yet counts as zeros)."""
+    total: dict = {}
+    for key, value in parts[0].items():
+        if key.endswith("_le"):
+            total[key] = max((p[key] for p in parts), key=len)
+        elif isinstance(value, list):
+            width = max(len(p[key]) for p in parts)
+            total[key] = [sum(p[key][i] if p[key] else 0.0 for p in parts) for i in range(width)]
+        else:
+            total[key] = sum(p[key] for p in parts)
+    return total
 
 
 # What the benchmark reads from the product's GET /metrics. A missing one is an error, not a zero:
@@ -502,9 +579,10 @@ class Bench:
         busy, total, steal = machine_jiffies()
         return {
             "t": time.monotonic(),
-            "main": cpu_s(server.pid),
-            "worker": cpu_s(server.worker_pid()),
-            "worker_pid": server.worker_pid(),
+            "main": sum(cpu_s(p) for p in server.main_pids()),
+            "mains": [cpu_s(p) for p in server.main_pids()],
+            "worker": sum(cpu_s(p) for p in server.worker_pids()),
+            "worker_pid": tuple(server.worker_pids()) if all(server.worker_pids()) else None,
             "generators": [cpu_s(g.pid) for g in self.generators],
             "ours": sum(cpu_s(p) for p in self.our_pids()),
             "busy": busy,
@@ -519,7 +597,7 @@ class Bench:
         t0 = time.monotonic()
         self.seed += 1
         replies = await asyncio.gather(*(
-            g.request({"cmd": "connect", "url": server.url, "n": k, "scenario": scenario.key, "seed": self.seed * 100 + g.index})
+            g.request({"cmd": "connect", "url": server.url_for(g.index), "n": k, "scenario": scenario.key, "seed": self.seed * 100 + g.index})
             for g, k in zip(self.generators, parts) if k
         ))
         connect_s = time.monotonic() - t0
@@ -547,6 +625,7 @@ class Bench:
         dt = s1["t"] - s0["t"]
         ncores = cores()
         main = (s1["main"] - s0["main"]) / dt
+        busiest_loop = max((b - a) / dt for a, b in zip(s0["mains"], s1["mains"]))  # one process's main thread
         worker = (s1["worker"] - s0["worker"]) / dt if s0["worker_pid"] and s0["worker_pid"] == s1["worker_pid"] else 0.0
         gens = [(b - a) / dt for a, b in zip(s0["generators"], s1["generators"])]
         busy = (s1["busy"] - s0["busy"]) / max(1, s1["total"] - s0["total"]) * ncores
@@ -651,7 +730,7 @@ class Bench:
         row["machine_saturated"] = busy > 0.95 * ncores
         row["host_stealing"] = steal > STEAL_LIMIT * ncores
         # A server at its limit skips or delays work, so its CPU per session understates the cost.
-        row["server_saturated"] = bool(main >= SERVER_MAIN_LIMIT or row["server_frames"] < 0.95 * row["server_frames_expected"])
+        row["server_saturated"] = bool(busiest_loop >= SERVER_MAIN_LIMIT or row["server_frames"] < 0.95 * row["server_frames_expected"])
         return row
 
 
@@ -989,7 +1068,8 @@ async def run(args) -> dict:
     products = []
     for i, flags in enumerate(args.product_args):
         name = "product" if len(args.product_args) == 1 else f"product{i + 1}"
-        products.append(ProductServer(name, shlex.split(flags)))
+        products.append(ProductServer(name, shlex.split(flags)) if args.product_processes == 1
+                        else ProductGroup(name, shlex.split(flags), args.product_processes))
     settings = product_settings(shlex.split(args.product_args[0]))
     matched_flags = ["--opus", "matched", "--opus-bitrate", str(settings.opus_bitrate), "--opus-complexity", str(settings.opus_complexity),
                      "--opus-fec" if settings.opus_fec else "--no-opus-fec", "--opus-dtx" if settings.opus_dtx else "--no-opus-dtx",
@@ -1005,7 +1085,8 @@ async def run(args) -> dict:
         "quick": args.quick,
         "args": vars(args),
         "machine_start": info,
-        "servers": {s.name: {"kind": s.kind, "command": " ".join(shlex.quote(c) for c in s.cmd[1:])} for s in servers},
+        "servers": {s.name: {"kind": s.kind, "command": " ".join(shlex.quote(c) for c in s.cmd[1:]), "processes": s.processes}
+                    for s in servers},
         "product_opus": {"bitrate": settings.opus_bitrate, "complexity": settings.opus_complexity, "fec": settings.opus_fec,
                          "dtx": settings.opus_dtx, "signal": settings.opus_signal},
         "microphone": mic_info,
@@ -1018,17 +1099,20 @@ async def run(args) -> dict:
         await asyncio.gather(*(g.start() for g in bench.generators))
         for s in servers:
             if s.kind == "product":
-                results["servers"][s.name]["worker_pid_found"] = s.worker_pid() is not None
+                results["servers"][s.name]["worker_pid_found"] = all(s.worker_pids())
         # Idle cost, every server at once with no session: what per-session figures at small counts could carry.
         await asyncio.sleep(1.0)
-        before = {s.name: (cpu_s(s.pid), cpu_s(s.worker_pid())) for s in servers}
+        def idle_cpu(s: Server) -> tuple[float, float]:
+            return sum(cpu_s(p) for p in s.main_pids()), sum(cpu_s(p) for p in s.worker_pids())
+
+        before = {s.name: idle_cpu(s) for s in servers}
         t0 = time.monotonic()
         await asyncio.sleep(3.0)
         dt = time.monotonic() - t0
         for s in servers:
             main0, worker0 = before[s.name]
-            results["servers"][s.name]["idle_cores"] = {"main": round((cpu_s(s.pid) - main0) / dt, 4),
-                                                        "worker": round((cpu_s(s.worker_pid()) - worker0) / dt, 4)}
+            main1, worker1 = idle_cpu(s)
+            results["servers"][s.name]["idle_cores"] = {"main": round((main1 - main0) / dt, 4), "worker": round((worker1 - worker0) / dt, 4)}
         print("idle, no session (cores): " + ", ".join(
             f"{name} {v['idle_cores']['main']:.3f} + worker {v['idle_cores']['worker']:.3f}" for name, v in results["servers"].items()))
         step = 0
@@ -1108,6 +1192,8 @@ def main() -> int:
                         help="extra `voxgate serve` flags, one string (repeat to compare settings in one run)")
     parser.add_argument("--window", type=float, default=6.0, help="seconds measured per step (default 6)")
     parser.add_argument("--settle", type=float, default=2.0, help="seconds between connecting and measuring (default 2)")
+    parser.add_argument("--product-processes", type=int, default=1,
+                        help="gateway processes per product, one event loop each; generator i connects to process i mod N (default 1)")
     parser.add_argument("--generators", type=int, default=2, help="load generator processes (default 2)")
     parser.add_argument("--ramp-scenario", default="c", help="scenario of the capacity ramp (default c)")
     parser.add_argument("--ramp-steps", type=int, default=4, help="extra product windows to find the capacity (default 4)")
@@ -1118,6 +1204,8 @@ def main() -> int:
     args.scenarios = [k for k in args.scenarios if k in SCENARIOS]
     args.sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     args.product_args = args.product_args or [""]
+    if args.product_processes < 1 or args.product_processes > args.generators:
+        parser.error(f"--product-processes must be 1 to --generators ({args.generators}): each generator connects to one process")
     if args.quick:
         if args.sessions == [5, 10, 20, 40]:
             args.sessions = [5, 20]

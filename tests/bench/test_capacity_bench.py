@@ -192,3 +192,19 @@ def test_the_generators_mic_levels_are_what_aiortc_puts_in_the_header():
         frame = av.AudioFrame.from_ndarray(pcm[i * 960 : (i + 1) * 960].reshape(1, -1), format="s16", layout="mono")
         assert level == compute_audio_level_dbov(frame)
     assert levels[0] <= -55 < levels[3] and levels[5] == -127
+
+
+def test_a_group_of_processes_reads_as_one_server() -> None:
+    """--product-processes: counts and histogram buckets add up, a process with no full collection yet counts zeros,
+    and generator i connects to process i mod N."""
+    one = {"frames": 10.0, "late": 1.0, "jitter_le": [0.005, float("inf")], "jitter_cumulative": [8.0, 10.0],
+           "full_collections": 0.0, "full_collection_le": [], "full_collection_cumulative": []}
+    two = {"frames": 30.0, "late": 0.0, "jitter_le": [0.005, float("inf")], "jitter_cumulative": [29.0, 30.0],
+           "full_collections": 1.0, "full_collection_le": [0.01, float("inf")], "full_collection_cumulative": [1.0, 1.0]}
+    total = bench_capacity.add_figures([one, two])
+    assert total["frames"] == 40 and total["late"] == 1 and total["jitter_cumulative"] == [37.0, 40.0]
+    assert total["full_collections"] == 1 and total["full_collection_le"] == [0.01, float("inf")]
+    assert total["full_collection_cumulative"] == [1.0, 1.0]
+    group = bench_capacity.ProductGroup("product", [], 2)
+    assert group.processes == 2 and [group.url_for(i) for i in range(3)] == [m.url for m in group.members] + [group.members[0].url]
+    assert group.members[0].url != group.members[1].url
