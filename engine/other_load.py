@@ -144,7 +144,7 @@ class OtherLoad:
         self._lock = threading.Lock()
         # The last reading, as plain floats: a reading every 0.2 s allocates nothing the
         # garbage collector tracks, so it never frees an object of a frozen heap
-        # (signaling/server.py settle_heap; tests/gateway/test_heap.py had seen one go).
+        # (gateway/heap.py settle; tests/gateway/test_heap.py had seen one go).
         self._when: float | None = None  # None: no reading yet
         self._total = self._own = 0.0  # CPU seconds, every process and this one
         self._others = float("inf")  # busy until measured
@@ -164,7 +164,7 @@ class OtherLoad:
     def _run(self) -> None:
         # time.sleep, not Event.wait: a waiting Event holds objects the garbage
         # collector tracks, and one held while the server freezes its start-up
-        # heap (signaling/server.py settle_heap) is freed from that frozen heap
+        # heap (gateway/heap.py settle) is freed from that frozen heap
         # later (tests/gateway/test_heap.py saw it). close() takes effect within
         # one span.
         while not self._stop.is_set():

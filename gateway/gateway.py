@@ -87,6 +87,7 @@ class Gateway:
         self.tts_active = 0  # POST /v1/tts requests synthesizing; they take session slots too
         self.trusted_proxies = parse_networks(settings.trusted_proxy)
         self.accepting = True
+        self.on_session_closed: list = []  # callables(sessions still open), after a session is forgotten
         self._tasks: list[asyncio.Task] = []
 
     def _allowed_networks(self):
@@ -210,6 +211,8 @@ class Gateway:
             self.sessions.pop(s.id, None)
             self.peers.pop(s.id, None)
             self.anonymous.pop(s.id, None)
+            for callback in self.on_session_closed:
+                callback(len(self.sessions))
 
         session.on_close.append(forget)
         return session

@@ -62,7 +62,7 @@ async def test_reads_the_products_metrics(tone_server) -> None:
     assert after["jitter_le"][-1] == float("inf")
     assert after["late"] >= before["late"]
     assert bench_capacity.histogram_bound(after["jitter_le"], before["jitter_cumulative"], after["jitter_cumulative"], 0.5) is not None
-    # The server process collected its start-up heap in full (settle_heap) after the gateway began timing collections.
+    # The server process collected its start-up heap in full (gateway/heap.py settle) after the gateway began timing collections.
     assert after["full_collections"] >= 1 and after["full_collection_s"] > 0
     assert after["full_collection_cumulative"][-1] == after["full_collections"]
 

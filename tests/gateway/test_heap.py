@@ -1,19 +1,28 @@
-"""The server's heap after start-up (signaling/server.py settle_heap): out of the collector's reach."""
+"""The server's heap (gateway/heap.py): start-up objects out of the collector's reach, and full
+collections when the gateway chooses rather than in the middle of speech."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import math
+import weakref
 
-from voxgate.signaling.server import settle_heap
+import aiohttp
+import pytest
+
+from voxgate.config import ConfigError, Settings
+from voxgate.gateway.heap import FullCollections, settle
+from voxgate.rtc_client import RtcClient
 
 
 def test_start_up_objects_leave_the_collectors_walk_and_later_ones_do_not():
-    """Red if settle_heap stops freezing: every full collection would walk the start-up heap
+    """Red if settle stops freezing: every full collection would walk the start-up heap
     again, with the event loop and every session's frames stopped behind it."""
     gc.unfreeze()
     try:
         assert gc.get_freeze_count() == 0
-        settle_heap()
+        settle()
         frozen = gc.get_freeze_count()
         assert frozen > 1000  # the modules and everything else this process made so far
         gc.collect()
@@ -23,3 +32,124 @@ def test_start_up_objects_leave_the_collectors_walk_and_later_ones_do_not():
         assert frozen - 100 <= gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
+
+
+def _long_lived_churn() -> list:
+    """Enough long-lived containers that CPython's own schedule starts full collections."""
+    return [[None] for _ in range(300_000)]
+
+
+async def test_cpython_starts_no_full_collection_while_the_gateway_runs_them():
+    started: list[int] = []
+
+    def note(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(info["generation"])
+
+    gc.callbacks.append(note)
+    try:
+        collections = FullCollections(interval_s=3600.0)
+        collections.start()
+        try:
+            keep = _long_lived_churn()
+            assert 1 in started and 2 not in started, sorted(set(started))
+        finally:
+            await collections.stop()
+        del keep
+        started.clear()
+        keep = _long_lived_churn()
+        assert 2 in started  # given back: CPython's schedule runs full collections again
+        del keep
+    finally:
+        gc.callbacks.remove(note)
+
+
+class _Node:
+    pass
+
+
+def _cycle_in_the_oldest_generation() -> weakref.ref:
+    """A reference cycle that only a full collection frees: it lived through a young collection."""
+    a, b = _Node(), _Node()
+    a.other, b.other = b, a
+    ref = weakref.ref(a)
+    gc.collect(1)  # survivors of generation 1 move to generation 2
+    del a, b
+    gc.collect(1)
+    assert ref() is not None
+    return ref
+
+
+async def test_a_full_collection_follows_enough_closed_sessions():
+    collections = FullCollections(interval_s=3600.0, after_closed=3)
+    collections.start()
+    try:
+        ref = _cycle_in_the_oldest_generation()
+        collections.session_closed(5)
+        collections.session_closed(4)
+        for _ in range(5):
+            await asyncio.sleep(0)  # the collector's task gets its turns: still not due
+        assert collections.collections == 0 and ref() is not None
+        collections.session_closed(3)
+        await asyncio.wait_for(collections.collected.wait(), 10.0)
+        assert collections.collections == 1 and collections.closed == 0
+        assert ref() is None
+    finally:
+        await collections.stop()
+
+
+async def test_a_full_collection_follows_the_last_session_closing():
+    collections = FullCollections(interval_s=3600.0, after_closed=64)
+    collections.start()
+    try:
+        ref = _cycle_in_the_oldest_generation()
+        collections.session_closed(0)
+        await asyncio.wait_for(collections.collected.wait(), 10.0)
+        assert ref() is None
+    finally:
+        await collections.stop()
+
+
+async def test_a_full_collection_runs_at_the_latest_after_the_interval():
+    collections = FullCollections(interval_s=0.05)
+    collections.start()
+    try:
+        ref = _cycle_in_the_oldest_generation()
+        await asyncio.wait_for(collections.collected.wait(), 10.0)
+        assert ref() is None and collections.closed == 0
+    finally:
+        await collections.stop()
+
+
+@pytest.mark.parametrize("value", [0.5, -1.0, math.nan, math.inf, 100000.0])
+def test_the_interval_is_checked(value):
+    with pytest.raises(ConfigError, match="--full-gc-interval-s"):
+        Settings(full_gc_interval_s=value, allow_no_auth=True).check()
+
+
+@pytest.mark.parametrize("value", [0.0, 1.0, 300.0])
+def test_the_interval_accepts_seconds_or_zero(value):
+    Settings(full_gc_interval_s=value, allow_no_auth=True).check()
+
+
+async def test_a_server_collects_in_full_once_its_sessions_have_closed(server_factory):
+    """As deployed: the server runs a full collection when its last session closes."""
+    server = server_factory("tone", ["--full-gc-interval-s", "3600"])
+    full = 'voxgate_gc_pause_seconds_count{generation="2"}'
+
+    async def full_collections(http) -> float:
+        async with http.get(server.url + "/metrics") as resp:
+            text = await resp.text()
+        line = next((line for line in text.splitlines() if line.startswith(full + " ")), None)
+        return float(line.split()[-1]) if line else 0.0
+
+    async with aiohttp.ClientSession() as http:
+        async with RtcClient(server.url) as client:
+            client.send({"type": "speak", "text": "Collect after me.", "id": "g"})
+            await client.wait_for("utterance.done", id="g")
+            before = await full_collections(http)
+        for _ in range(200):  # until the server has noticed the close and collected
+            if await full_collections(http) > before:
+                break
+            await asyncio.sleep(0.05)
+        assert await full_collections(http) > before
