@@ -446,7 +446,7 @@ def parse_product_metrics(text: str) -> dict:
         raise KeyError(f"the product's /metrics has no histogram {GC_PAUSE_HISTOGRAM}; bench/bench_capacity.py reads it")
     full = (("generation", "2"),)
     gc_found = sorted((float(dict(labels)["le"]), v) for (n, labels), v in samples.items()
-                      if n == GC_PAUSE_HISTOGRAM + "_bucket" and ("generation", "2") in labels)
+                      if n == GC_PAUSE_HISTOGRAM + "_bucket" and full[0] in labels)
     return {
         "frames": value(JITTER_HISTOGRAM + "_count"),
         "late": value(LATE_COUNTER),

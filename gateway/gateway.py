@@ -10,6 +10,7 @@ import asyncio
 import ipaddress
 import logging
 import time
+from collections.abc import Callable
 
 from ..config import Settings
 from ..engine.client import EngineClient, EngineConfig
@@ -87,7 +88,8 @@ class Gateway:
         self.tts_active = 0  # POST /v1/tts requests synthesizing; they take session slots too
         self.trusted_proxies = parse_networks(settings.trusted_proxy)
         self.accepting = True
-        self.on_session_closed: list = []  # callables(sessions still open), after a session is forgotten
+        # Called with the sessions and /v1/tts requests still open, after a session is forgotten.
+        self.on_session_closed: list[Callable[[int], None]] = []
         self._tasks: list[asyncio.Task] = []
 
     def _allowed_networks(self):
@@ -212,7 +214,7 @@ class Gateway:
             self.peers.pop(s.id, None)
             self.anonymous.pop(s.id, None)
             for callback in self.on_session_closed:
-                callback(len(self.sessions))
+                callback(len(self.sessions) + self.tts_active)
 
         session.on_close.append(forget)
         return session

@@ -3,16 +3,21 @@
 A full garbage collection stops the whole process, and every speaking session's
 frames wait behind it. It walks every object the live sessions hold, most of
 them aiortc's, so its length grows with the session count. At 80 sessions one
-took 35-51 ms, and CPython's own schedule started one once or twice a minute,
-in the middle of speech (`voxgate_gc_pause_seconds`, docs/scaling.md).
+took 35-151 ms, and CPython's own schedule started one once or twice a
+minute, whatever the sessions were doing (`voxgate_gc_pause_seconds`,
+docs/scaling.md).
 
 Young collections (generations 0 and 1) stay automatic. They walk only new
 objects, take about a millisecond, and free most cyclic garbage. What they
 leave is long-lived cyclic garbage, chiefly the peer connections of sessions
 that closed. So `FullCollections` runs a full collection after
 `FULL_AFTER_CLOSED` sessions have closed, as soon as the last open session
-closes, and at the latest every `--full-gc-interval-s` seconds. The memory
-bound is the garbage of that many closed sessions, or of that interval.
+closes, and at the latest every `--full-gc-interval-s` seconds. Two of those
+can still fall while others speak, but far less often. The memory held back
+is the cyclic garbage of that many closed sessions, or of that interval.
+
+Where the Python's collector ignores a generation-2 threshold (3.14's
+incremental collector), CPython keeps its own schedule and this does nothing.
 """
 
 from __future__ import annotations
@@ -44,30 +49,50 @@ class FullCollections:
         self.after_closed = after_closed
         self.closed = 0  # sessions closed since the last full collection
         self.collections = 0
-        self.collected = asyncio.Event()  # set after each full collection this runs
+        self.collected = asyncio.Event()  # set after each full collection this runs, until the next is due
         self._due = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._thresholds: tuple[int, int, int] | None = None
 
-    def start(self) -> None:
-        """Take full collections over from CPython (process-wide, until stop())."""
+    def start(self) -> bool:
+        """Take full collections over from CPython (process-wide, until stop()); False where it cannot."""
         if self._task is not None:
-            return
+            return True
         self._thresholds = gc.get_threshold()
         young, middle, _ = self._thresholds
         gc.set_threshold(young, middle, NEVER)
+        if gc.get_threshold()[2:] != (NEVER,):
+            self._give_back()
+            log.info("this Python's collector schedules full collections itself; --full-gc-interval-s has no effect")
+            return False
         self._task = asyncio.ensure_future(self._run())
+        self._task.add_done_callback(self._ended)
+        return True
 
     async def stop(self) -> None:
         """Give full collections back to CPython."""
-        if self._task is None:
+        task, self._task = self._task, None
+        try:
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        finally:
+            self._give_back()
+
+    def _ended(self, task: asyncio.Task) -> None:
+        # Should the loop ever fail, full collections must not stay off for good. A task
+        # that stop() ended is no longer ours: stop() gave the thresholds back.
+        if task is not self._task:
             return
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
         self._task = None
+        if not task.cancelled() and task.exception() is not None:
+            log.error("full collections go back to CPython's schedule after an error", exc_info=task.exception())
+        self._give_back()
+
+    def _give_back(self) -> None:
         if self._thresholds is not None:
             gc.set_threshold(*self._thresholds)
+            self._thresholds = None
 
     def session_closed(self, still_open: int) -> None:
         """A session closed; `still_open` sessions remain. With none left, a collection costs nobody."""
@@ -80,6 +105,7 @@ class FullCollections:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._due.wait(), self.interval_s)
             self._due.clear()
+            self.collected.clear()
             self.closed = 0
             gc.collect()
             self.collections += 1

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import gc
 import time
+from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
 
 from .session_metrics import SessionMetrics, SessionMetricsFanOut
 
@@ -34,9 +36,8 @@ class GatewayMetrics:
         self.engine_rtf = Histogram("voxgate_engine_rtf", "Engine real-time factor per chunk (synthesis time / audio time)", buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0), registry=r)
         self.worker_restarts = Counter("voxgate_engine_worker_restarts_total", "Engine worker restarts", registry=r)
         self.loop_lag = Histogram("voxgate_event_loop_lag_seconds", "Event-loop lag measured by a 100 ms ticker", buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0), registry=r)
-        self.gc_pause = Histogram("voxgate_gc_pause_seconds",
-                                  "Time a garbage collection held the process, every session's frames waiting behind it, "
-                                  "by generation (2: a full collection)", ["generation"], buckets=PAUSE_BUCKETS, registry=r)
+        self.gc_pauses = CollectionPauses()
+        r.register(self.gc_pauses)
         self.rejected = Counter("voxgate_sessions_rejected_total", "Sessions refused", ["reason"], registry=r)
         self.errors = Counter("voxgate_protocol_errors_total", "Error events sent to clients", ["code"], registry=r)
         self.opus_signal = Counter("voxgate_opus_signal_switches_total",
@@ -45,24 +46,13 @@ class GatewayMetrics:
         # Whatever else wants every session's samples (a benchmark's recorder), beside Prometheus;
         # read when a session is made.
         self.observers: list[SessionMetrics] = []
-        self._collection_started: float | None = None
 
     def watch_collections(self) -> None:
-        """Observe every garbage collection's pause from now until `unwatch_collections()`."""
-        if self._on_collection not in gc.callbacks:
-            gc.callbacks.append(self._on_collection)
+        """Time every garbage collection from now until `unwatch_collections()`."""
+        self.gc_pauses.watch()
 
     def unwatch_collections(self) -> None:
-        if self._on_collection in gc.callbacks:
-            gc.callbacks.remove(self._on_collection)
-
-    def _on_collection(self, phase: str, info: dict) -> None:
-        # Collections are not reentrant, so one start time serves (any thread's collection holds the GIL).
-        if phase == "start":
-            self._collection_started = time.perf_counter()
-        elif self._collection_started is not None:
-            self.gc_pause.labels(str(info["generation"])).observe(time.perf_counter() - self._collection_started)
-            self._collection_started = None
+        self.gc_pauses.unwatch()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -70,6 +60,57 @@ class GatewayMetrics:
     def for_session(self, engine: str) -> SessionMetrics:
         prometheus = _SessionMetrics(self, engine)
         return SessionMetricsFanOut(prometheus, *self.observers) if self.observers else prometheus
+
+
+class CollectionPauses:
+    """`voxgate_gc_pause_seconds`: how long each garbage collection held the process, by generation.
+
+    A full collection (generation 2) stops every session's frames while it runs. The gc
+    callback only adds to plain lists, and the histogram is built when /metrics is read.
+    The callback must take no lock: a collection can start while this thread holds one
+    (prometheus_client's metric locks among them), and taking that lock again would hang
+    the event loop for good.
+    """
+
+    NAME = "voxgate_gc_pause_seconds"
+    HELP = "Time a garbage collection held the process, every session's frames waiting behind it, by generation (2: a full collection)"
+
+    def __init__(self) -> None:
+        self._counts = [[0] * (len(PAUSE_BUCKETS) + 1) for _ in range(3)]  # per generation; the last bucket is +Inf
+        self._sums = [0.0, 0.0, 0.0]
+        self._started: float | None = None  # collections do not nest, and any thread's holds the GIL
+
+    def watch(self) -> None:
+        if self._on_collection not in gc.callbacks:
+            gc.callbacks.append(self._on_collection)
+
+    def unwatch(self) -> None:
+        if self._on_collection in gc.callbacks:
+            gc.callbacks.remove(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        if self._started is None:
+            return
+        pause = time.perf_counter() - self._started
+        self._started = None
+        generation = min(int(info["generation"]), 2)
+        self._counts[generation][bisect_left(PAUSE_BUCKETS, pause)] += 1
+        self._sums[generation] += pause
+
+    def collect(self):
+        family = HistogramMetricFamily(self.NAME, self.HELP, labels=["generation"])
+        for generation, counts in enumerate(self._counts):
+            if not any(counts):
+                continue  # a series starts at its generation's first collection, as labelled histograms do
+            buckets, total = [], 0
+            for bound, count in zip((*(repr(b) for b in PAUSE_BUCKETS), "+Inf"), counts):
+                total += count
+                buckets.append((bound, total))
+            family.add_metric([str(generation)], buckets, self._sums[generation])
+        yield family
 
 
 class _SessionMetrics(SessionMetrics):

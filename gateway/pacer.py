@@ -151,8 +151,9 @@ class IntervalRing:
     """The last `size` intervals, as plain doubles in one array.
 
     Not a deque of floats: a full garbage collection walks every item of a deque
-    while the event loop waits, and 40 sessions' deques of 3,000 floats were most
-    of what it walked (a 5-19 ms pause, with every session's frames behind it).
+    while the event loop waits, and 40 sessions' deques of 3,000 floats were the
+    largest share of what it walked (a 5-19 ms pause, with every session's frames
+    behind it).
     An array's items are not objects, so the collector skips them.
     """
 

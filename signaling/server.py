@@ -355,9 +355,10 @@ async def serve(settings: Settings) -> None:
     site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()
     heap.settle()
+    # Here, at the process's entry, like settle: collection thresholds are the process's, and
+    # tests run several gateways in one process.
     full_collections = heap.FullCollections(settings.full_gc_interval_s) if settings.full_gc_interval_s else None
-    if full_collections is not None:
-        full_collections.start()
+    if full_collections is not None and full_collections.start():
         gw.on_session_closed.append(full_collections.session_closed)
     log.info("voxgate listening on http://%s:%d (engine %s)", settings.host, settings.port, settings.engine)
     stop = asyncio.Event()
@@ -366,10 +367,12 @@ async def serve(settings: Settings) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("shutting down: draining for up to %.0f s", settings.drain_timeout_s)
-    await gw.drain(settings.drain_timeout_s)
-    await runner.cleanup()
-    if full_collections is not None:
-        await full_collections.stop()
+    try:
+        await gw.drain(settings.drain_timeout_s)
+        await runner.cleanup()
+    finally:
+        if full_collections is not None:
+            await full_collections.stop()
     log.info("stopped")
 
 

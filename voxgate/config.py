@@ -275,7 +275,7 @@ _HELP = {
     "event loop's, at least one), for one process that must use many cores (more CPU per session and more late "
     "frames on 2 cores: docs/scaling.md)",
     "full_gc_interval_s": "the longest time between full garbage collections, which stop every session's frames while "
-    "they run (35-51 ms at 80 sessions): the gateway runs one after 64 sessions close, when the last open one closes, "
+    "they run (35-151 ms at 80 sessions): the gateway runs one after 64 sessions close, when the last open one closes, "
     "and at the latest after this many seconds, instead of when CPython's heuristic fires in the middle of speech; "
     "0 leaves them to CPython (docs/scaling.md)",
     "vad": "barge-in by voice on for new sessions",

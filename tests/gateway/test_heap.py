@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from voxgate.config import ConfigError, Settings
-from voxgate.gateway.heap import FullCollections, settle
+from voxgate.gateway.heap import NEVER, FullCollections, settle
 from voxgate.rtc_client import RtcClient
 
 
@@ -35,8 +35,9 @@ def test_start_up_objects_leave_the_collectors_walk_and_later_ones_do_not():
 
 
 def _long_lived_churn() -> list:
-    """Enough long-lived containers that CPython's own schedule starts full collections."""
-    return [[None] for _ in range(300_000)]
+    """Enough long-lived containers that CPython's own schedule starts full collections: it waits
+    until a quarter as many objects as the last full collection kept have reached generation 2."""
+    return [[None] for _ in range(max(300_000, 2 * len(gc.get_objects())))]
 
 
 async def test_cpython_starts_no_full_collection_while_the_gateway_runs_them():
@@ -119,6 +120,34 @@ async def test_a_full_collection_runs_at_the_latest_after_the_interval():
         assert ref() is None and collections.closed == 0
     finally:
         await collections.stop()
+
+
+async def test_full_collections_go_back_to_cpython_if_the_schedule_fails():
+    class Failing(FullCollections):
+        async def _run(self) -> None:
+            raise RuntimeError("broken on purpose")
+
+    before = gc.get_threshold()
+    collections = Failing(interval_s=3600.0)
+    assert collections.start() and gc.get_threshold()[2] == NEVER
+    task = collections._task
+    await asyncio.gather(task, return_exceptions=True)
+    for _ in range(5):
+        await asyncio.sleep(0)  # the task's done-callback gets its turn
+    assert gc.get_threshold() == before
+    await collections.stop()
+    assert gc.get_threshold() == before
+
+
+async def test_stop_gives_the_thresholds_back():
+    before = gc.get_threshold()
+    collections = FullCollections(interval_s=3600.0)
+    assert collections.start() and gc.get_threshold()[2] == NEVER
+    await collections.stop()
+    assert gc.get_threshold() == before
+    assert collections.start() and gc.get_threshold()[2] == NEVER  # and again, in the same process
+    await collections.stop()
+    assert gc.get_threshold() == before
 
 
 @pytest.mark.parametrize("value", [0.5, -1.0, math.nan, math.inf, 100000.0])
