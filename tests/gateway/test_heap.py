@@ -4,6 +4,7 @@ collections when the gateway chooses rather than in the middle of speech."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import math
 import weakref
@@ -81,10 +82,18 @@ def _cycle_in_the_oldest_generation() -> weakref.ref:
     return ref
 
 
-async def test_a_full_collection_follows_enough_closed_sessions():
-    collections = FullCollections(interval_s=3600.0, after_closed=3)
-    collections.start()
+@contextlib.asynccontextmanager
+async def _running(**schedule):
+    collections = FullCollections(**schedule)
+    assert collections.start()
     try:
+        yield collections
+    finally:
+        await collections.stop()
+
+
+async def test_a_full_collection_follows_enough_closed_sessions():
+    async with _running(interval_s=3600.0, after_closed=3) as collections:
         ref = _cycle_in_the_oldest_generation()
         collections.session_closed(5)
         collections.session_closed(4)
@@ -95,31 +104,21 @@ async def test_a_full_collection_follows_enough_closed_sessions():
         await asyncio.wait_for(collections.collected.wait(), 10.0)
         assert collections.collections == 1 and collections.closed == 0
         assert ref() is None
-    finally:
-        await collections.stop()
 
 
 async def test_a_full_collection_follows_the_last_session_closing():
-    collections = FullCollections(interval_s=3600.0, after_closed=64)
-    collections.start()
-    try:
+    async with _running(interval_s=3600.0, after_closed=64) as collections:
         ref = _cycle_in_the_oldest_generation()
         collections.session_closed(0)
         await asyncio.wait_for(collections.collected.wait(), 10.0)
         assert ref() is None
-    finally:
-        await collections.stop()
 
 
 async def test_a_full_collection_runs_at_the_latest_after_the_interval():
-    collections = FullCollections(interval_s=0.05)
-    collections.start()
-    try:
+    async with _running(interval_s=0.05) as collections:
         ref = _cycle_in_the_oldest_generation()
         await asyncio.wait_for(collections.collected.wait(), 10.0)
         assert ref() is None and collections.closed == 0
-    finally:
-        await collections.stop()
 
 
 async def test_full_collections_go_back_to_cpython_if_the_schedule_fails():
