@@ -444,9 +444,23 @@ def parse_product_metrics(text: str) -> dict:
     lag_le, lag_cumulative = buckets(LOOP_LAG_HISTOGRAM)
     if f"# TYPE {GC_PAUSE_HISTOGRAM} histogram" not in text:
         raise KeyError(f"the product's /metrics has no histogram {GC_PAUSE_HISTOGRAM}; bench/bench_capacity.py reads it")
-    full = (("generation", "2"),)
-    gc_found = sorted((float(dict(labels)["le"]), v) for (n, labels), v in samples.items()
-                      if n == GC_PAUSE_HISTOGRAM + "_bucket" and full[0] in labels)
+
+    def pauses(generations: tuple[str, ...]) -> tuple[float, float, list[float], list[float]]:
+        """Collections of these generations, added: count, seconds, bucket bounds, cumulative counts.
+        None yet is zeros, not an error: a generation's series starts at its first collection."""
+        labels_of = [(("generation", g),) for g in generations]
+        count = sum(samples.get((GC_PAUSE_HISTOGRAM + "_count", k), 0.0) for k in labels_of)
+        seconds = sum(samples.get((GC_PAUSE_HISTOGRAM + "_sum", k), 0.0) for k in labels_of)
+        per_bound: dict[float, float] = {}
+        for (n, labels), v in samples.items():
+            if n == GC_PAUSE_HISTOGRAM + "_bucket" and dict(labels).get("generation") in generations:
+                bound = float(dict(labels)["le"])
+                per_bound[bound] = per_bound.get(bound, 0.0) + v
+        found = sorted(per_bound.items())
+        return count, seconds, [b for b, _ in found], [v for _, v in found]
+
+    full_n, full_s, full_le, full_cumulative = pauses(("2",))
+    young_n, young_s, young_le, young_cumulative = pauses(("0", "1"))
     return {
         "frames": value(JITTER_HISTOGRAM + "_count"),
         "late": value(LATE_COUNTER),
@@ -456,11 +470,15 @@ def parse_product_metrics(text: str) -> dict:
         "jitter_cumulative": jitter_cumulative,
         "loop_lag_le": lag_le,
         "loop_lag_cumulative": lag_cumulative,
-        # Full garbage collections: none yet is zero, not an error (the series starts at the first).
-        "full_collections": samples.get((GC_PAUSE_HISTOGRAM + "_count", full), 0.0),
-        "full_collection_s": samples.get((GC_PAUSE_HISTOGRAM + "_sum", full), 0.0),
-        "full_collection_le": [b for b, _ in gc_found],
-        "full_collection_cumulative": [v for _, v in gc_found],
+        "full_collections": full_n,
+        "full_collection_s": full_s,
+        "full_collection_le": full_le,
+        "full_collection_cumulative": full_cumulative,
+        # Young collections (generations 0 and 1) walk only what is young, but that grows with the sessions.
+        "young_collections": young_n,
+        "young_collection_s": young_s,
+        "young_collection_le": young_le,
+        "young_collection_cumulative": young_cumulative,
     }
 
 
@@ -721,6 +739,15 @@ class Bench:
                 "mean_ms": round(1000.0 * (f1["full_collection_s"] - f0["full_collection_s"]) / n_full, 1) if n_full else None,
                 "longest_le_ms": round(1000.0 * longest, 1) if longest is not None else None,
             }
+            # Young ones: frequent and short, but one longer than a few ms makes a tick's frames late.
+            n_young = f1["young_collections"] - f0["young_collections"]
+            longest = (histogram_bound(f1["young_collection_le"], f0["young_collection_cumulative"] or [0.0] * len(f1["young_collection_le"]),
+                                       f1["young_collection_cumulative"], 1.0) if n_young else None)
+            row["server_young_collections"] = {
+                "count": int(n_young),
+                "total_ms": round(1000.0 * (f1["young_collection_s"] - f0["young_collection_s"]), 1),
+                "longest_le_ms": round(1000.0 * longest, 1) if longest is not None else None,
+            }
         else:
             row["baseline_barge_ins"] = f1["barge_ins"] - f0["barge_ins"]
         row["generator_saturated"] = bool(
@@ -756,6 +783,7 @@ def print_row(row: dict) -> None:
         f"bot {_f(100 * (c['bot_speaking_share'] or 0), 0)}%  gen {100 * g['cores_total']:3.0f}% "
         f"(max {100 * max(g['cores_each'], default=0):3.0f}%)  bg {100 * row['machine']['background_cores']:3.0f}%"
         f" (steal {100 * row['machine']['steal_cores']:.0f}%)"
+        + (f"  gc01 {young['count']} longest<={_f(young['longest_le_ms'])}ms" if (young := row.get("server_young_collections")) else "")
         + (f"  gc2 {full['count']}x{_f(full['mean_ms'])}ms" if (full := row.get("server_full_collections")) else "")
         + (f"  [{', '.join(flags)}]" if flags else ""),
         flush=True,

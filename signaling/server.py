@@ -357,6 +357,9 @@ async def serve(settings: Settings) -> None:
     heap.settle()
     # Here, at the process's entry, like settle: collection thresholds are the process's, and
     # tests run several gateways in one process.
+    young_collections = heap.YoungCollections(settings.gc_young_threshold) if settings.gc_young_threshold else None
+    if young_collections is not None:
+        young_collections.start()
     full_collections = heap.FullCollections(settings.full_gc_interval_s) if settings.full_gc_interval_s else None
     if full_collections is not None and full_collections.start():
         gw.on_session_closed.append(full_collections.session_closed)
@@ -373,6 +376,8 @@ async def serve(settings: Settings) -> None:
     finally:
         if full_collections is not None:
             await full_collections.stop()
+        if young_collections is not None:
+            young_collections.stop()
     log.info("stopped")
 
 

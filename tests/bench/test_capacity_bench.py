@@ -65,6 +65,9 @@ async def test_reads_the_products_metrics(tone_server) -> None:
     # The server process collected its start-up heap in full (gateway/heap.py settle) after the gateway began timing collections.
     assert after["full_collections"] >= 1 and after["full_collection_s"] > 0
     assert after["full_collection_cumulative"][-1] == after["full_collections"]
+    # Young collections: generations 0 and 1 added, bucket by bucket.
+    assert after["young_collections"] > before["young_collections"]
+    assert after["young_collection_cumulative"][-1] == after["young_collections"]
 
 
 def test_a_renamed_product_metric_is_an_error() -> None:
@@ -87,7 +90,21 @@ def test_a_renamed_product_metric_is_an_error() -> None:
     gc_pauses = "# TYPE voxgate_gc_pause_seconds histogram\n"  # no collection yet: no series, and not an error
     late = "# TYPE voxgate_pacer_late_frames_total counter\nvoxgate_pacer_late_frames_total 1.0\n"
     figures = bench_capacity.parse_product_metrics(text + gc_pauses + late)
-    assert figures["late"] == 1 and figures["full_collections"] == 0
+    assert figures["late"] == 1 and figures["full_collections"] == 0 and figures["young_collections"] == 0
+    young = (
+        'voxgate_gc_pause_seconds_bucket{generation="0",le="0.001"} 5.0\n'
+        'voxgate_gc_pause_seconds_bucket{generation="0",le="+Inf"} 6.0\n'
+        'voxgate_gc_pause_seconds_count{generation="0"} 6.0\n'
+        'voxgate_gc_pause_seconds_sum{generation="0"} 0.004\n'
+        'voxgate_gc_pause_seconds_bucket{generation="1",le="0.001"} 0.0\n'
+        'voxgate_gc_pause_seconds_bucket{generation="1",le="+Inf"} 2.0\n'
+        'voxgate_gc_pause_seconds_count{generation="1"} 2.0\n'
+        'voxgate_gc_pause_seconds_sum{generation="1"} 0.006\n'
+    )
+    figures = bench_capacity.parse_product_metrics(text + gc_pauses + young + late)
+    assert figures["young_collections"] == 8 and figures["young_collection_s"] == pytest.approx(0.01)
+    assert figures["young_collection_le"] == [0.001, float("inf")] and figures["young_collection_cumulative"] == [5.0, 8.0]
+    assert figures["full_collections"] == 0
     with pytest.raises(KeyError, match="voxgate_gc_pause_seconds"):
         bench_capacity.parse_product_metrics(text + late)
     with pytest.raises(KeyError, match="voxgate_pacer_late_frames_total"):
