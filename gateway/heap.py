@@ -12,12 +12,13 @@ Young collections (generations 0 and 1) stay automatic, but come more often
 (`YoungCollections`). Each walks every young object that is still alive, and
 CPython starts one after 700 more container objects were made than freed.
 Objects of the sessions' steady churn that die in an older generation count as
-freed, so the young generation grows far past 700 between collections: at 220
-conversations it held up to 18,000 live objects (coroutines and futures
-awaiting the next frame, word timings, RTCP reports), and a young collection
-took up to 4-5 ms, one of generation 1 up to 6-7 ms, enough to push a tick's
-frames past 5 ms late. With `--gc-young-threshold 200` and generation 1 every
-5th, the longest took about 1.5 and 2.5 ms, for about the same total time.
+freed, so the young generation grows far past 700 between collections (a probe
+counted up to 18,000 live young objects at 220 conversations: coroutines and
+futures awaiting the next frame, word timings, RTCP reports). In the capacity
+benchmark at 200-280 conversations, the longest young collection of a window
+took up to 7.5-10 ms with CPython's 700 (bucket bounds), enough to push a tick's
+frames past 5 ms late, and at most 3 ms with 200 and generation 1 every 5th, for
+about the same total time (docs/scaling.md).
 
 Young collections free most cyclic garbage. What they
 leave is long-lived cyclic garbage, chiefly the peer connections of sessions
