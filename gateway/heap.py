@@ -10,15 +10,15 @@ docs/scaling.md).
 
 Young collections (generations 0 and 1) stay automatic, but come more often
 (`YoungCollections`). Each walks every young object that is still alive, and
-CPython starts one after 700 more container objects were made than freed.
-Objects of the sessions' steady churn that die in an older generation count as
-freed, so the young generation grows far past 700 between collections (a probe
-counted up to 18,000 live young objects at 220 conversations: coroutines and
-futures awaiting the next frame, word timings, RTCP reports). In the capacity
-benchmark at 200-280 conversations, the longest young collection of a window
-took up to 7.5-10 ms with CPython's 700 (bucket bounds), enough to push a tick's
-frames past 5 ms late, and at most 3 ms with 200 and generation 1 every 5th, for
-about the same total time (docs/scaling.md).
+CPython starts one after 700 more container objects were made than freed
+(2000 from Python 3.13). Objects of the sessions' steady churn that die in an
+older generation count as freed, so the young generation grows far past that
+between collections (a probe, not committed, counted up to 18,000 live young
+objects at 220 conversations: coroutines and futures awaiting the next frame,
+word timings, RTCP reports). With `--media-priority realtime` on 2 cores
+(Python 3.11), the longest young collection of a capacity-benchmark window
+reached the 5-7.5 ms bucket with CPython's 700, enough to push a tick's frames
+past 5 ms late, and stayed under 3 ms with 200 (docs/scaling.md).
 
 Young collections free most cyclic garbage. What they
 leave is long-lived cyclic garbage, chiefly the peer connections of sessions
@@ -29,7 +29,8 @@ can still fall while others speak, but far less often. The memory held back
 is the cyclic garbage of that many closed sessions, or of that interval.
 
 Where the Python's collector ignores a generation-2 threshold (3.14's
-incremental collector), CPython keeps its own schedule and this does nothing.
+incremental collector), CPython keeps its own schedule and `FullCollections`
+does nothing. Young collections were measured on Python 3.11 only.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ log = logging.getLogger("voxgate.heap")
 
 FULL_AFTER_CLOSED = 64  # sessions closed since the last full collection: collect now
 NEVER = 1 << 30  # a generation-2 threshold CPython never reaches: it starts no full collection itself
-MIDDLE_EVERY = 5  # a generation-1 collection every this many young ones (CPython: 10)
 # --gc-young-threshold: below 50 a young collection runs every few frames' worth of objects; above
 # 100,000 the young set, and so each pause, grows past anything measured.
 YOUNG_THRESHOLD_RANGE = (50, 100000)
@@ -58,32 +58,37 @@ def settle() -> None:
 
 
 class YoungCollections:
-    """Young collections after `threshold` new container objects instead of CPython's 700, so each is short.
+    """Young collections after `threshold` new container objects instead of CPython's default, so each is short.
 
-    Owns generations 0 and 1 of the thresholds; `FullCollections` owns generation 2.
+    Owns generation 0's threshold only. Generation 1 keeps CPython's ratio (a collection of it every
+    10th young one), so objects reach generation 2 after as many young collections as before; and
+    `FullCollections` owns generation 2's.
     """
 
     def __init__(self, threshold: int) -> None:
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
+            # 0 would turn automatic collection off for the whole process.
+            raise ValueError(f"a young-collection threshold must be a positive count, not {threshold!r}")
         self.threshold = threshold
-        self._saved: tuple[int, int] | None = None
+        self._saved: int | None = None  # CPython's generation-0 threshold, while this holds it
 
     def start(self) -> bool:
-        """Set the young thresholds (process-wide, until stop()); False where this Python ignores them."""
+        """Set generation 0's threshold (process-wide, until stop()); False where this Python ignores it."""
         if self._saved is not None:
             return True
         young, middle, full = gc.get_threshold()
-        gc.set_threshold(self.threshold, MIDDLE_EVERY, full)
-        if gc.get_threshold()[:2] != (self.threshold, MIDDLE_EVERY):
+        gc.set_threshold(self.threshold, middle, full)
+        if gc.get_threshold()[0] != self.threshold:
             gc.set_threshold(young, middle, full)
             log.info("this Python's collector sizes young collections itself; --gc-young-threshold has no effect")
             return False
-        self._saved = (young, middle)
+        self._saved = young
         return True
 
     def stop(self) -> None:
-        """Give CPython's young thresholds back, leaving generation 2's as they are."""
+        """Give CPython's generation-0 threshold back, leaving the others as they are."""
         if self._saved is not None:
-            gc.set_threshold(*self._saved, gc.get_threshold()[2])
+            gc.set_threshold(self._saved, *gc.get_threshold()[1:])
             self._saved = None
 
 

@@ -358,26 +358,27 @@ async def serve(settings: Settings) -> None:
     # Here, at the process's entry, like settle: collection thresholds are the process's, and
     # tests run several gateways in one process.
     young_collections = heap.YoungCollections(settings.gc_young_threshold) if settings.gc_young_threshold else None
-    if young_collections is not None:
-        young_collections.start()
     full_collections = heap.FullCollections(settings.full_gc_interval_s) if settings.full_gc_interval_s else None
-    if full_collections is not None and full_collections.start():
-        gw.on_session_closed.append(full_collections.session_closed)
-    log.info("voxgate listening on http://%s:%d (engine %s)", settings.host, settings.port, settings.engine)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("shutting down: draining for up to %.0f s", settings.drain_timeout_s)
     try:
+        if young_collections is not None:
+            young_collections.start()
+        if full_collections is not None and full_collections.start():
+            gw.on_session_closed.append(full_collections.session_closed)
+        log.info("voxgate listening on http://%s:%d (engine %s)", settings.host, settings.port, settings.engine)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("shutting down: draining for up to %.0f s", settings.drain_timeout_s)
         await gw.drain(settings.drain_timeout_s)
         await runner.cleanup()
     finally:
-        if full_collections is not None:
-            await full_collections.stop()
+        # The young one first: it cannot raise, and the full one awaits.
         if young_collections is not None:
             young_collections.stop()
+        if full_collections is not None:
+            await full_collections.stop()
     log.info("stopped")
 
 

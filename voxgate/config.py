@@ -72,7 +72,7 @@ class Settings:
     encode_threads: str = "0"
     # At the latest, seconds between full garbage collections; 0: CPython's own schedule (gateway/heap.py).
     full_gc_interval_s: float = 300.0
-    # New container objects between young garbage collections; 0: CPython's 700 (gateway/heap.py).
+    # New container objects between young garbage collections; 0: CPython's default (gateway/heap.py).
     gc_young_threshold: int = 200
     # Barge-in defaults for new sessions
     vad: bool = True
@@ -177,7 +177,7 @@ class Settings:
                 f"--full-gc-interval-s {self.full_gc_interval_s!r}: give seconds from 1 to 86400, or 0 to leave full "
                 "garbage collections to CPython's own schedule"
             )
-        if isinstance(self.gc_young_threshold, bool) or not (
+        if not isinstance(self.gc_young_threshold, int) or isinstance(self.gc_young_threshold, bool) or not (
                 self.gc_young_threshold == 0 or YOUNG_THRESHOLD_RANGE[0] <= self.gc_young_threshold <= YOUNG_THRESHOLD_RANGE[1]):
             raise ConfigError(
                 f"--gc-young-threshold {self.gc_young_threshold!r}: give a count of new objects from "
@@ -287,11 +287,10 @@ _HELP = {
     "they run (35-151 ms at 80 sessions): the gateway runs one after 64 sessions close, when the last open one closes, "
     "and at the latest after this many seconds, instead of when CPython's heuristic fires in the middle of speech; "
     "0 leaves them to CPython (docs/scaling.md)",
-    "gc_young_threshold": "young garbage collections (generation 0; generation 1 every 5th) after this many more "
-    "container objects were made than freed: each walks every young object still alive, and the sessions' churn grows "
-    "that set far past the count, so with CPython's 700 one took up to several ms with a tick's frames behind it at "
-    "200+ sessions; smaller is shorter and more often, for about the same total; 0 keeps CPython's 700 and 10 "
-    "(docs/scaling.md)",
+    "gc_young_threshold": "a young garbage collection (generation 0) after this many more container objects were "
+    "made than freed: each walks every young object still alive, and the sessions' churn grows that set far past the "
+    "count, so with CPython's 700 one took 5-7.5 ms with a tick's frames behind it at 200+ conversations on 2 cores; "
+    "smaller is shorter and more often; 0 keeps CPython's default (700, or 2000 from Python 3.13) (docs/scaling.md)",
     "vad": "barge-in by voice on for new sessions",
     "vad_aggressiveness": "webrtcvad mode 0..3 for new sessions",
     "vad_min_speech_ms": "speech needed before a barge-in fires",
