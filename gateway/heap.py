@@ -18,7 +18,8 @@ objects at 220 conversations: coroutines and futures awaiting the next frame,
 word timings, RTCP reports). With `--media-priority realtime` on 2 cores
 (Python 3.11), the longest young collection of a capacity-benchmark window
 reached the 5-7.5 ms bucket with CPython's 700, enough to push a tick's frames
-past 5 ms late, and stayed under 3 ms with 200 (docs/scaling.md).
+past 5 ms late, and stayed under 3 ms with 200 and generation 1 every 5th
+(docs/scaling.md).
 
 Young collections free most cyclic garbage. What they
 leave is long-lived cyclic garbage, chiefly the peer connections of sessions
@@ -39,11 +40,15 @@ import asyncio
 import contextlib
 import gc
 import logging
+import sys
 
 log = logging.getLogger("voxgate.heap")
 
 FULL_AFTER_CLOSED = 64  # sessions closed since the last full collection: collect now
 NEVER = 1 << 30  # a generation-2 threshold CPython never reaches: it starts no full collection itself
+MIDDLE_EVERY = 5  # a generation-1 collection every this many young ones (CPython: 10)
+# From 3.14 the collector is incremental, and the second threshold means something else: left alone there.
+MIDDLE_IS_RATIO = sys.version_info < (3, 14)
 # --gc-young-threshold: below 50 a young collection runs every few frames' worth of objects; above
 # 100,000 the young set, and so each pause, grows past anything measured.
 YOUNG_THRESHOLD_RANGE = (50, 100000)
@@ -60,9 +65,13 @@ def settle() -> None:
 class YoungCollections:
     """Young collections after `threshold` new container objects instead of CPython's default, so each is short.
 
-    Owns generation 0's threshold only. Generation 1 keeps CPython's ratio (a collection of it every
-    10th young one), so objects reach generation 2 after as many young collections as before; and
-    `FullCollections` owns generation 2's.
+    Owns generations 0 and 1 of the thresholds; `FullCollections` owns generation 2's. Generation 1
+    comes every `MIDDLE_EVERY`th young collection rather than every 10th, so it too walks fewer
+    objects (with 10, the longest young collection at 200-280 conversations reached the 3-5 ms
+    bucket rather than 2-3 ms: docs/scaling.md). An object that survives one generation-1
+    collection moves to generation 2, and with collections this frequent that happens within a
+    second or so of its birth rather than several: a cycle it ends in then waits for the next full
+    collection. What that holds back between full collections was not measured.
     """
 
     def __init__(self, threshold: int) -> None:
@@ -70,25 +79,26 @@ class YoungCollections:
             # 0 would turn automatic collection off for the whole process.
             raise ValueError(f"a young-collection threshold must be a positive count, not {threshold!r}")
         self.threshold = threshold
-        self._saved: int | None = None  # CPython's generation-0 threshold, while this holds it
+        self._saved: tuple[int, int] | None = None  # CPython's generation-0 and -1 thresholds, while this holds them
 
     def start(self) -> bool:
-        """Set generation 0's threshold (process-wide, until stop()); False where this Python ignores it."""
+        """Set the young thresholds (process-wide, until stop()); False where this Python ignores them."""
         if self._saved is not None:
             return True
         young, middle, full = gc.get_threshold()
-        gc.set_threshold(self.threshold, middle, full)
-        if gc.get_threshold()[0] != self.threshold:
+        wanted = (self.threshold, MIDDLE_EVERY if MIDDLE_IS_RATIO else middle)
+        gc.set_threshold(*wanted, full)
+        if gc.get_threshold()[:2] != wanted:
             gc.set_threshold(young, middle, full)
             log.info("this Python's collector sizes young collections itself; --gc-young-threshold has no effect")
             return False
-        self._saved = young
+        self._saved = (young, middle)
         return True
 
     def stop(self) -> None:
-        """Give CPython's generation-0 threshold back, leaving the others as they are."""
+        """Give CPython's young thresholds back, leaving generation 2's as it is."""
         if self._saved is not None:
-            gc.set_threshold(self._saved, *gc.get_threshold()[1:])
+            gc.set_threshold(*self._saved, gc.get_threshold()[2])
             self._saved = None
 
 
