@@ -17,9 +17,10 @@ between collections (a probe, not committed, counted up to 18,000 live young
 objects at 220 conversations: coroutines and futures awaiting the next frame,
 word timings, RTCP reports). With `--media-priority realtime` on 2 cores
 (Python 3.11), the longest young collection of a capacity-benchmark window
-reached the 5-7.5 ms bucket with CPython's 700, enough to push a tick's frames
-past 5 ms late, and stayed under 3 ms with 200 and generation 1 every 5th
-(docs/scaling.md).
+reached the 5-7.5 ms bucket at 200-240 conversations (7.5-10 ms at 280) with
+CPython's 700, enough to push a tick's frames past 5 ms late, and mostly stayed
+under 3 ms with 200 and generation 1 every 5th (3-5 ms at 280 in one run;
+docs/scaling.md).
 
 Young collections free most cyclic garbage. What they
 leave is long-lived cyclic garbage, chiefly the peer connections of sessions
@@ -68,7 +69,7 @@ class YoungCollections:
     Owns generations 0 and 1 of the thresholds; `FullCollections` owns generation 2's. Generation 1
     comes every `MIDDLE_EVERY`th young collection rather than every 10th, so it too walks fewer
     objects (with 10, the longest young collection at 200-280 conversations reached the 3-5 ms
-    bucket rather than 2-3 ms: docs/scaling.md). An object that survives one generation-1
+    bucket in one run, where every 5th mostly stayed at 2-3 ms: docs/scaling.md). An object that survives one generation-1
     collection moves to generation 2, and with collections this frequent that happens within a
     second or so of its birth rather than several: a cycle it ends in then waits for the next full
     collection. What that holds back between full collections was not measured.

@@ -289,8 +289,8 @@ _HELP = {
     "0 leaves them to CPython (docs/scaling.md)",
     "gc_young_threshold": "a young garbage collection (generation 0; generation 1 every 5th, before Python 3.14) "
     "after this many more container objects were made than freed: each walks every young object still alive, and the "
-    "sessions' churn grows that set far past the count, so with CPython's 700 one took 5-7.5 ms with a tick's frames "
-    "behind it at 200+ conversations on 2 cores; smaller is shorter and more often; 0 keeps CPython's thresholds "
+    "sessions' churn grows that set far past the count, so with CPython's 700 one took 5-10 ms with a tick's frames "
+    "behind it at 200-280 conversations on 2 cores with --media-priority realtime; smaller is shorter and more often; 0 keeps CPython's thresholds "
     "(700 and 10, or 2000 and 10 from Python 3.13) (docs/scaling.md)",
     "vad": "barge-in by voice on for new sessions",
     "vad_aggressiveness": "webrtcvad mode 0..3 for new sessions",
