@@ -564,6 +564,23 @@ def histogram_bound(le: list[float], before: list[float], after: list[float], q:
     return le[-1]
 
 
+def collections_in_window(f0: dict, f1: dict, kind: str) -> dict:
+    """The window's garbage collections of `kind` ("full" or "young") from two /metrics readings:
+    how many, their total and mean pause, and the bucket bound the longest fell under."""
+    n = f1[f"{kind}_collections"] - f0[f"{kind}_collections"]
+    le = f1[f"{kind}_collection_le"]
+    # A series that had no collection yet at the first reading has no buckets there.
+    longest = histogram_bound(le, f0[f"{kind}_collection_cumulative"] or [0.0] * len(le),
+                              f1[f"{kind}_collection_cumulative"], 1.0) if n else None
+    total_s = f1[f"{kind}_collection_s"] - f0[f"{kind}_collection_s"]
+    return {
+        "count": int(n),
+        "total_ms": round(1000.0 * total_s, 1),
+        "mean_ms": round(1000.0 * total_s / n, 1) if n else None,
+        "longest_le_ms": round(1000.0 * longest, 1) if longest is not None else None,
+    }
+
+
 def over_bound(le: list[float], before: list[float], after: list[float], bound: float) -> float:
     """Samples in the window above `bound` (which must be a bucket bound)."""
     deltas = [a - b for a, b in zip(after, before)]
@@ -730,24 +747,10 @@ class Bench:
         if server.kind == "product":
             lag_p99 = histogram_bound(f1["loop_lag_le"], f0["loop_lag_cumulative"], f1["loop_lag_cumulative"], 0.99)
             row["server_loop_lag_p99_le_ms"] = round(lag_p99 * 1000.0, 1) if lag_p99 is not None else None
-            # Each full collection stops the loop with every session's frames behind it.
-            n_full = f1["full_collections"] - f0["full_collections"]
-            longest = (histogram_bound(f1["full_collection_le"], f0["full_collection_cumulative"] or [0.0] * len(f1["full_collection_le"]),
-                                       f1["full_collection_cumulative"], 1.0) if n_full else None)
-            row["server_full_collections"] = {
-                "count": int(n_full),
-                "mean_ms": round(1000.0 * (f1["full_collection_s"] - f0["full_collection_s"]) / n_full, 1) if n_full else None,
-                "longest_le_ms": round(1000.0 * longest, 1) if longest is not None else None,
-            }
-            # Young ones: frequent and short, but one longer than a few ms makes a tick's frames late.
-            n_young = f1["young_collections"] - f0["young_collections"]
-            longest = (histogram_bound(f1["young_collection_le"], f0["young_collection_cumulative"] or [0.0] * len(f1["young_collection_le"]),
-                                       f1["young_collection_cumulative"], 1.0) if n_young else None)
-            row["server_young_collections"] = {
-                "count": int(n_young),
-                "total_ms": round(1000.0 * (f1["young_collection_s"] - f0["young_collection_s"]), 1),
-                "longest_le_ms": round(1000.0 * longest, 1) if longest is not None else None,
-            }
+            # Each full collection stops the loop with every session's frames behind it; young ones are
+            # frequent and short, but one longer than a few ms makes a tick's frames late.
+            row["server_full_collections"] = collections_in_window(f0, f1, "full")
+            row["server_young_collections"] = collections_in_window(f0, f1, "young")
         else:
             row["baseline_barge_ins"] = f1["barge_ins"] - f0["barge_ins"]
         row["generator_saturated"] = bool(

@@ -55,6 +55,18 @@ MIDDLE_IS_RATIO = sys.version_info < (3, 14)
 YOUNG_THRESHOLD_RANGE = (50, 100000)
 
 
+def _swap_thresholds(first: int, values: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Set the collection thresholds of generations `first`, first + 1, ... to `values`, keeping the
+    others. Returns what they were, or None, having changed nothing, where this Python ignores them."""
+    before = gc.get_threshold()
+    upto = first + len(values)
+    gc.set_threshold(*before[:first], *values, *before[upto:])
+    if gc.get_threshold()[first:upto] != values:
+        gc.set_threshold(*before)
+        return None
+    return before[first:upto]
+
+
 def settle() -> None:
     """Put what start-up made (modules, the app, the engine client) out of the collector's reach,
     so that a full collection walks only what sessions made since. At 40 speaking sessions a
@@ -80,26 +92,23 @@ class YoungCollections:
             # 0 would turn automatic collection off for the whole process.
             raise ValueError(f"a young-collection threshold must be a positive count, not {threshold!r}")
         self.threshold = threshold
-        self._saved: tuple[int, int] | None = None  # CPython's generation-0 and -1 thresholds, while this holds them
+        self._saved: tuple[int, ...] | None = None  # CPython's young thresholds, while this holds them
 
     def start(self) -> bool:
         """Set the young thresholds (process-wide, until stop()); False where this Python ignores them."""
         if self._saved is not None:
             return True
-        young, middle, full = gc.get_threshold()
-        wanted = (self.threshold, MIDDLE_EVERY if MIDDLE_IS_RATIO else middle)
-        gc.set_threshold(*wanted, full)
-        if gc.get_threshold()[:2] != wanted:
-            gc.set_threshold(young, middle, full)
+        wanted = (self.threshold, MIDDLE_EVERY) if MIDDLE_IS_RATIO else (self.threshold,)
+        self._saved = _swap_thresholds(0, wanted)
+        if self._saved is None:
             log.info("this Python's collector sizes young collections itself; --gc-young-threshold has no effect")
             return False
-        self._saved = (young, middle)
         return True
 
     def stop(self) -> None:
         """Give CPython's young thresholds back, leaving generation 2's as it is."""
         if self._saved is not None:
-            gc.set_threshold(*self._saved, gc.get_threshold()[2])
+            _swap_thresholds(0, self._saved)
             self._saved = None
 
 
@@ -120,12 +129,11 @@ class FullCollections:
         """Take full collections over from CPython (process-wide, until stop()); False where it cannot."""
         if self._task is not None:
             return True
-        young, middle, self._full_threshold = gc.get_threshold()
-        gc.set_threshold(young, middle, NEVER)
-        if gc.get_threshold()[2:] != (NEVER,):
-            self._give_back()
+        saved = _swap_thresholds(2, (NEVER,))
+        if saved is None:
             log.info("this Python's collector schedules full collections itself; --full-gc-interval-s has no effect")
             return False
+        (self._full_threshold,) = saved
         self._task = asyncio.ensure_future(self._run())
         self._task.add_done_callback(self._ended)
         return True
@@ -153,7 +161,7 @@ class FullCollections:
     def _give_back(self) -> None:
         # Generation 2's threshold only: the young ones may have changed since (YoungCollections).
         if self._full_threshold is not None:
-            gc.set_threshold(*gc.get_threshold()[:2], self._full_threshold)
+            _swap_thresholds(2, (self._full_threshold,))
             self._full_threshold = None
 
     def session_closed(self, still_open: int) -> None:

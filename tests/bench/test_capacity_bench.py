@@ -225,3 +225,15 @@ def test_a_group_of_processes_reads_as_one_server() -> None:
     group = bench_capacity.ProductGroup("product", [], 2)
     assert group.processes == 2 and [group.url_for(i) for i in range(3)] == [m.url for m in group.members] + [group.members[0].url]
     assert group.members[0].url != group.members[1].url
+
+
+def test_a_windows_collections_from_two_readings() -> None:
+    """Counts and pauses are the window's (the second reading less the first); a series with no
+    collection yet at the first reading counts as zeros; no collection has no mean or longest."""
+    before = {"full_collections": 0.0, "full_collection_s": 0.0, "full_collection_le": [], "full_collection_cumulative": []}
+    after = {"full_collections": 2.0, "full_collection_s": 0.05,
+             "full_collection_le": [0.01, 0.05, float("inf")], "full_collection_cumulative": [0.0, 2.0, 2.0]}
+    assert bench_capacity.collections_in_window(before, after, "full") == {
+        "count": 2, "total_ms": 50.0, "mean_ms": 25.0, "longest_le_ms": 50.0}
+    assert bench_capacity.collections_in_window(after, after, "full") == {
+        "count": 0, "total_ms": 0.0, "mean_ms": None, "longest_le_ms": None}
