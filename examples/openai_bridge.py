@@ -4,7 +4,8 @@ Works with any server that streams chat completions as server-sent events
 (OpenAI, vLLM, llama.cpp, Ollama's /v1, LM Studio): lines of
 `data: {"choices": [{"delta": {"content": "..."}}]}` ending with `data: [DONE]`.
 
-    # A session made here; open the printed offer URL's page with the token:
+    # A session made here: open the page address it prints to hear the replies
+    # (each reply waits in the session until a listener joins):
     python examples/openai_bridge.py --gateway http://127.0.0.1:8080 \\
         --llm-url http://127.0.0.1:11434/v1 --model llama3.2 "Tell me a joke."
 
@@ -79,8 +80,10 @@ async def main(argv: list[str] | None = None) -> int:
 
     history = [{"role": "system", "content": args.system}]
     async with VoxgateSession(args.gateway, api_key=args.api_key, session_id=args.session_id) as session, aiohttp.ClientSession() as http:
-        if session.client_token:
-            print(f"session {session.session_id}: connect a browser with token {session.client_token}", flush=True)
+        if session.join_url:
+            # Speech waits in the session for a listener: without one, every reply waits.
+            print(f"open {session.join_url} in a browser to hear the replies; "
+                  "each one waits until a listener joins", flush=True)
         prompts = args.prompt or (line.strip() for line in sys.stdin)
         for prompt in prompts:
             if not prompt:

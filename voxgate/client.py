@@ -21,6 +21,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from typing import AsyncIterable, AsyncIterator, Iterable
+from urllib.parse import urlencode
 
 import aiohttp
 
@@ -148,6 +149,13 @@ class VoxgateSession:
     @property
     def client_token(self) -> str | None:
         return self.info.get("client_token")
+
+    @property
+    def join_url(self) -> str | None:
+        """The bundled page's address that joins this session (docs/web.md), when this client made it."""
+        if not self.client_token or not self.session_id:
+            return None
+        return f"{self.base_url}/?{urlencode({'session_id': self.session_id, 'token': self.client_token})}"
 
     async def __aenter__(self) -> "VoxgateSession":
         await self.open()

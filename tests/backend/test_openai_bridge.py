@@ -76,3 +76,40 @@ async def test_bridge_speaks_the_streamed_reply(tone_server):
         assert req["body"]["messages"][-1] == {"role": "user", "content": "When does the store open?"}
     finally:
         await runner.cleanup()
+
+
+async def test_bridge_prints_the_page_address_that_hears_it(tone_server):
+    """A session the bridge makes itself: it prints the page's join address (its speech waits for
+    a listener), and a listener that joins through that address's session id and token hears it."""
+    from urllib.parse import parse_qs, urlsplit
+
+    requests: list = []
+    runner, llm_url = await start_llm(requests)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, os.path.join(ROOT, "examples", "openai_bridge.py"),
+        "--gateway", tone_server.url, "--llm-url", llm_url, "--model", "stand-in-model",
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    # The prompt on stdin, which stays open, so the bridge's session outlives the reply's last frames.
+    proc.stdin.write(b"Hello?\n")
+    await proc.stdin.drain()
+    try:
+        first = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+        assert "in a browser" in first and "waits until a listener joins" in first, first
+        url = urlsplit(next(word for word in first.split() if word.startswith("http")))
+        assert f"{url.scheme}://{url.netloc}" == tone_server.url and url.path == "/"
+        query = {k: v[0] for k, v in parse_qs(url.query).items()}
+        async with RtcClient(tone_server.url, session_id=query["session_id"], token=query["token"]) as listener:
+            done = await listener.wait_for("utterance.done", timeout=30)
+            await listener.wait_tail(done)
+            spoken = tone.decode(listener.audio.pcm(), listener.audio.sample_rate)
+            proc.stdin.close()
+            out, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0, err.decode()[-2000:]
+        assert spoken == "".join(TOKENS)
+        assert json.loads(out.decode().strip().splitlines()[-1])["status"] == "done"
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await runner.cleanup()
