@@ -186,6 +186,22 @@ SCHEMAS: dict[str, dict] = {
             "rate": {"type": "number", "minimum": 0.25, "maximum": 4.0, "default": 1.0},
         },
     },
+    "OpenAISpeechRequest": {
+        "type": "object",
+        "required": ["input", "voice"],
+        "properties": {
+            "model": {"type": "string", "maxLength": 256, "description": "any model name (tts-1, gpt-4o-mini-tts...): Voxgate has one engine"},
+            "input": {"type": "string", "minLength": 1, "description": "at most --max-utterance-chars; speech tags allowed"},
+            "voice": {
+                "oneOf": [{"type": "string"}, {"type": "object", "required": ["id"], "properties": {"id": _string}}],
+                "description": "one of the server's voice names; OpenAI's built-in names (alloy, echo...) mean the default voice",
+            },
+            "instructions": {"type": "string", "description": "accepted and not used"},
+            "response_format": {"enum": ["mp3", "opus", "aac", "flac", "wav", "pcm"], "default": "mp3"},
+            "speed": {"type": "number", "minimum": 0.25, "maximum": 4.0, "default": 1.0},
+            "stream_format": {"enum": ["audio", "sse"], "default": "audio"},
+        },
+    },
 }
 
 _error_json = {"content": {JSON: {"schema": _ref("Error")}}}
@@ -316,6 +332,25 @@ PATHS: dict[str, dict] = {
                 **_errors(400, 401, 408, 413, 429, 503),
             },
             body=_ref("TtsRequest"), security=KEYED,
+        )
+    },
+    "/v1/audio/speech": {
+        "post": _op(
+            "OpenAI's speech API: audio streamed back as it is synthesized, with the keys, limits and errors of /v1/tts",
+            {
+                "200": {
+                    "description": "audio, chunked; or server-sent events (speech.audio.delta, speech.audio.done) with stream_format sse",
+                    "headers": {
+                        "X-Sample-Rate": {"schema": _string},
+                        "X-Audio-Format": {"schema": _string},
+                        "X-Max-Audio-S": {"schema": _string},
+                    },
+                    "content": {m: {"schema": {"type": "string", "format": "binary"}} for m in
+                                ("audio/mpeg", "audio/ogg", "audio/aac", "audio/flac", "audio/wav", "audio/L16", "text/event-stream")},
+                },
+                **_errors(400, 401, 408, 413, 429, 503),
+            },
+            body=_ref("OpenAISpeechRequest"), security=KEYED,
         )
     },
     "/": {"get": _op("the bundled page", {"200": {"description": "HTML", "content": {"text/html": {"schema": _string}}}, **_errors(404)})},

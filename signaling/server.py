@@ -22,7 +22,7 @@ from ..gateway.encode_pool import encode_pool, parse_threads
 from ..gateway.gateway import Gateway
 from ..gateway.peer import PeerConnection
 from .errors import error_response, read_json_object
-from . import openapi, sessions_api, tts_http, twilio_stream
+from . import openai_speech, openapi, sessions_api, tts_http, twilio_stream
 
 log = logging.getLogger(__name__)
 
@@ -314,6 +314,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
     sessions_api.add_routes(app)
     twilio_stream.add_routes(app)
     tts_http.add_routes(app)
+    openai_speech.add_routes(app)
     if settings.web:
         app.router.add_get("/", handle_index)
         app.router.add_get("/static/{path:.+}", handle_static)

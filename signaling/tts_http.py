@@ -7,15 +7,24 @@ The response is chunked and its first bytes leave once the first unit of text
 is synthesized, not when the whole text is. The same text limits, engine and
 speech tags apply as on the data channel; with API keys configured, one is
 required here too. See docs/http-tts.md.
+
+`serve_speech` is the one way a request becomes streamed audio: OpenAI's
+`POST /v1/audio/speech` (signaling/openai_speech.py) goes through it too, with
+its own parsing of the body, and the formatters here serve the TTS WebSocket
+(signaling/tts_ws.py) as well.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import logging
 import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
 
 import av
 import numpy as np
@@ -76,9 +85,25 @@ class WavFormatter(Formatter):
 
 
 class PcmFormatter(Formatter):
+    """Raw 16-bit little-endian mono, at the engine's rate or resampled to `rate`."""
+
+    def __init__(self, engine_rate: int, rate: int | None = None) -> None:
+        super().__init__(engine_rate)
+        self.resampler = StreamResampler(engine_rate, rate or engine_rate)
+
+    @property
+    def sample_rate(self) -> int:
+        return self.resampler.out_rate
+
     @property
     def content_type(self) -> str:  # type: ignore[override]
-        return f"audio/L16; rate={self.engine_rate}; channels=1"
+        return f"audio/L16; rate={self.sample_rate}; channels=1"
+
+    def feed(self, pcm: np.ndarray) -> bytes:
+        return self.resampler.process(pcm).astype("<i2").tobytes()
+
+    def finish(self) -> bytes:
+        return self.resampler.process(np.zeros(0, dtype=np.int16), last=True).astype("<i2").tobytes()
 
 
 class MulawFormatter(Formatter):
@@ -114,50 +139,52 @@ class _Sink:
         return out
 
 
-class OpusFormatter(Formatter):
-    content_type = "audio/ogg; codecs=opus"
-    FRAME = 960  # 20 ms at 48 kHz
+class EncodedFormatter(Formatter):
+    """A codec in a streamable container, encoded by PyAV's bundled FFmpeg.
+
+    PyAV cuts what it is fed into the codec's frame size itself, so chunks of any
+    length go in, and the muxer writes each packet out as it is made (the sink
+    cannot seek), so bytes leave with the audio rather than at the end.
+    """
+
+    container_format = "ogg"
+    codec = "libopus"
+    rate: int | None = None  # None: the engine's rate
+    options: dict[str, str] = {}
 
     def __init__(self, engine_rate: int) -> None:
         super().__init__(engine_rate)
-        self.resampler = StreamResampler(engine_rate, 48000)
+        self._rate = self.rate or engine_rate
+        self.resampler = StreamResampler(engine_rate, self._rate)
         self.sink = _Sink()
-        # Short Ogg pages, so audio leaves as it is encoded rather than once a second.
-        self.container = av.open(self.sink, "w", format="ogg", options={"page_duration": "100000"})
-        self.stream = self.container.add_stream("libopus", rate=48000)
+        self.container = av.open(self.sink, "w", format=self.container_format, options=dict(self.options))
+        self.stream = self.container.add_stream(self.codec, rate=self._rate)
         self.stream.layout = "mono"
-        self.pending = np.zeros(0, dtype=np.int16)
         self.pts = 0
 
     @property
     def sample_rate(self) -> int:
-        return 48000
+        return self._rate
 
-    def _encode(self, pcm: np.ndarray) -> None:
-        frame = av.AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
-        frame.sample_rate = 48000
-        frame.pts = self.pts
-        self.pts += len(pcm)
+    def _encode(self, pcm: np.ndarray | None) -> None:
+        frame = None
+        if pcm is not None:
+            if not len(pcm):
+                return
+            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm, dtype=np.int16).reshape(1, -1), format="s16", layout="mono")
+            frame.sample_rate = self._rate
+            frame.pts = self.pts
+            self.pts += len(pcm)
         for packet in self.stream.encode(frame):
             self.container.mux(packet)
 
     def feed(self, pcm: np.ndarray) -> bytes:
-        samples = np.concatenate([self.pending, self.resampler.process(pcm)])
-        whole = len(samples) // self.FRAME * self.FRAME
-        for i in range(0, whole, self.FRAME):
-            self._encode(samples[i : i + self.FRAME])
-        self.pending = samples[whole:]
+        self._encode(self.resampler.process(pcm))
         return self.sink.take()
 
     def finish(self) -> bytes:
-        rest = np.concatenate([self.pending, self.resampler.process(np.zeros(0, dtype=np.int16), last=True)])
-        if len(rest):
-            padded = np.zeros(-(-len(rest) // self.FRAME) * self.FRAME, dtype=np.int16)
-            padded[: len(rest)] = rest
-            for i in range(0, len(padded), self.FRAME):
-                self._encode(padded[i : i + self.FRAME])
-        for packet in self.stream.encode(None):
-            self.container.mux(packet)
+        self._encode(self.resampler.process(np.zeros(0, dtype=np.int16), last=True))
+        self._encode(None)
         self.container.close()
         return self.sink.take()
 
@@ -166,6 +193,31 @@ class OpusFormatter(Formatter):
             self.container.close()
         except Exception:
             pass
+
+
+class OpusFormatter(EncodedFormatter):
+    content_type = "audio/ogg; codecs=opus"
+    rate = 48000
+    # Short Ogg pages, so audio leaves as it is encoded rather than once a second.
+    options = {"page_duration": "100000"}
+
+
+class Mp3Formatter(EncodedFormatter):
+    content_type = "audio/mpeg"
+    container_format = "mp3"
+    codec = "libmp3lame"
+
+
+class AacFormatter(EncodedFormatter):
+    content_type = "audio/aac"
+    container_format = "adts"
+    codec = "aac"
+
+
+class FlacFormatter(EncodedFormatter):
+    content_type = "audio/flac"
+    container_format = "flac"
+    codec = "flac"
 
 
 FORMATTERS: dict[str, type[Formatter]] = {
@@ -177,30 +229,47 @@ FORMATTERS: dict[str, type[Formatter]] = {
 
 
 # The request
-def _body_limit(settings) -> int:
+def body_limit(settings) -> int:
     # A whole utterance fits, at up to 4 UTF-8 bytes a character, plus the JSON around it.
     return max(settings.max_message_bytes, settings.max_utterance_chars * 4 + 4096)
 
 
-def _options(request: web.Request, body: dict) -> tuple[str, str, SynthesisOptions]:
-    gw = request.app["gateway"]
-    settings = gw.settings
-    text = body.get("text")
+def checked_text(text: object, name: str, limit: int) -> str:
+    """A text to speak: a non-empty string of at most `limit` characters, with no unpaired surrogates."""
     if not isinstance(text, str) or not text.strip():
-        raise GatewayError("invalid_field", "'text' must be a non-empty string")
-    limit = settings.max_utterance_chars
+        raise GatewayError("invalid_field", f"'{name}' must be a non-empty string")
     if len(text) > limit:
-        raise GatewayError("text_too_long", f"text has {len(text)} characters; the limit is {limit}")
+        raise GatewayError("text_too_long", f"{name} has {len(text)} characters; the limit is {limit}")
     if any(0xD800 <= ord(c) <= 0xDFFF for c in text):
-        raise GatewayError("invalid_utf8", "text holds unpaired surrogates")
+        raise GatewayError("invalid_utf8", f"{name} holds unpaired surrogates")
+    return text
+
+
+def checked_rate(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.25 <= value <= 4.0:
+        raise GatewayError("invalid_field", f"'{name}' must be a number from 0.25 to 4.0")
+    return float(value)
+
+
+@dataclass
+class SpeechRequest:
+    """What one HTTP request asks to hear, however its body spelled it."""
+
+    text: str
+    fmt: str  # the format's name, for X-Audio-Format and the log
+    options: SynthesisOptions
+    formatter: Callable[[int], Formatter]  # the engine's rate -> a formatter (made in the pool)
+    sse: bool = False  # the audio as server-sent events (OpenAI's stream_format "sse")
+
+
+def _tts_request(gw, body: dict) -> SpeechRequest:
+    text = checked_text(body.get("text"), "text", gw.settings.max_utterance_chars)
     fmt = body.get("format", "wav")
     if fmt not in FORMATS:
         raise GatewayError("invalid_field", f"'format' must be one of {', '.join(FORMATS)}")
     voice = checked_voice(gw.engine, body.get("voice"))
-    rate = body.get("rate", 1.0)
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.25 <= rate <= 4.0:
-        raise GatewayError("invalid_field", "'rate' must be a number from 0.25 to 4.0")
-    return text, fmt, SynthesisOptions(voice=voice, rate=float(rate))
+    rate = checked_rate(body.get("rate", 1.0), "rate")
+    return SpeechRequest(text, fmt, SynthesisOptions(voice=voice, rate=rate), FORMATTERS[fmt])
 
 
 async def push_in_slices(stream: TTSStream, text: str) -> None:
@@ -284,7 +353,9 @@ class TtsSlots:
 TTS_SLOTS = web.AppKey("tts_slots", TtsSlots)
 
 
-async def handle_tts(request: web.Request) -> web.StreamResponse:
+async def serve_speech(request: web.Request, parse: Callable[..., SpeechRequest], hint: str) -> web.StreamResponse:
+    """Key, body, limits, synthesis and streaming for one speech request; `parse`
+    turns the body into a SpeechRequest (raising GatewayError for a bad field)."""
     timeline = _Timeline()
     key = check_api_key(request)  # raises a JSON 401
     gw = request.app["gateway"]
@@ -293,8 +364,8 @@ async def handle_tts(request: web.Request) -> web.StreamResponse:
     caller = key if key is not None else client_address(request, gw.trusted_proxies)
     slots = request.app[TTS_SLOTS]
     try:
-        body = await read_json_object(request, _body_limit(gw.settings), 'send {"text": "...", "format": "wav"}')
-        text, fmt, options = _options(request, body)
+        body = await read_json_object(request, body_limit(gw.settings), hint)
+        job = parse(gw, body)
         slots.acquire(gw, caller)
     except GatewayError as exc:
         response = error_response(exc)
@@ -302,16 +373,46 @@ async def handle_tts(request: web.Request) -> web.StreamResponse:
             response.headers["Retry-After"] = "1"
         return response
     try:
-        return await _synthesize(request, gw, text, fmt, options, timeline)
+        return await _synthesize(request, gw, job, timeline)
     finally:
         slots.release(gw, caller)
 
 
-async def _synthesize(
-    request: web.Request, gw, text: str, fmt: str, options: SynthesisOptions, timeline: _Timeline
-) -> web.StreamResponse:
+async def handle_tts(request: web.Request) -> web.StreamResponse:
+    return await serve_speech(request, _tts_request, 'send {"text": "...", "format": "wav"}')
+
+
+class _Body:
+    """The response body: the formatter's bytes as they are, or each piece as a
+    server-sent event carrying it in base64 (OpenAI's `speech.audio.delta`)."""
+
+    def __init__(self, response: web.StreamResponse, sse: bool) -> None:
+        self.response = response
+        self.sse = sse
+
+    async def write(self, data: bytes) -> None:
+        if not data:
+            return
+        if self.sse:
+            data = _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
+        await self.response.write(data)
+
+    async def end(self, audio_s: float) -> None:
+        if self.sse:
+            # No tokenizer runs here, so the usage OpenAI's event carries is zero;
+            # audio_ms says what was sent.
+            usage = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
+            await self.response.write(_event({"type": "speech.audio.done", "usage": usage, "audio_ms": round(audio_s * 1000)}))
+        await self.response.write_eof()
+
+
+def _event(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode("utf-8") + b"\n\n"
+
+
+async def _synthesize(request: web.Request, gw, job: SpeechRequest, timeline: _Timeline) -> web.StreamResponse:
     try:
-        stream = gw.engine.stream(options)
+        stream = gw.engine.stream(job.options)
     except EngineUnavailable as exc:
         return error_response(GatewayError("engine_unavailable", str(exc), 503))
     # Audio is capped per request: text that expands into hours of audio (breaks,
@@ -323,7 +424,7 @@ async def _synthesize(
     response: web.StreamResponse | None = None
     try:
         try:
-            await push_in_slices(stream, text)
+            await push_in_slices(stream, job.text)
             stream.end_input()
             # Headers wait for the first chunk: an engine error can still be a JSON error,
             # and the WAV header needs the engine's rate.
@@ -331,18 +432,19 @@ async def _synthesize(
         except GatewayError as exc:
             return error_response(exc)
         rate = first.sample_rate if first is not None else int(gw.engine.info.get("sample_rate") or 16000)
-        formatter = await loop.run_in_executor(_pool, FORMATTERS[fmt], rate)
+        formatter = await loop.run_in_executor(_pool, job.formatter, rate)
         response = web.StreamResponse(
             headers={
-                "Content-Type": formatter.content_type,
+                "Content-Type": "text/event-stream" if job.sse else formatter.content_type,
                 "X-Sample-Rate": str(formatter.sample_rate),
-                "X-Audio-Format": fmt,
+                "X-Audio-Format": job.fmt,
                 "X-Max-Audio-S": f"{gw.settings.tts_max_audio_s:g}",
                 "Cache-Control": "no-store",
             }
         )
         response.enable_chunked_encoding()
         await response.prepare(request)
+        body = _Body(response, job.sse)
         head = await loop.run_in_executor(_pool, formatter.start)
         max_samples = int(gw.settings.tts_max_audio_s * rate)
         if first is not None:
@@ -350,7 +452,7 @@ async def _synthesize(
             pcm = first.pcm[:max_samples]
             sent_samples += len(pcm)
             head += await loop.run_in_executor(_pool, formatter.feed, pcm)
-        await response.write(head)
+        await body.write(head)
         timeline.first_bytes_at = time.monotonic()
         try:
             async for chunk in stream:
@@ -360,19 +462,15 @@ async def _synthesize(
                     break
                 pcm = chunk.pcm[: max_samples - sent_samples]
                 sent_samples += len(pcm)
-                data = await loop.run_in_executor(_pool, formatter.feed, pcm)
-                if data:
-                    await response.write(data)
+                await body.write(await loop.run_in_executor(_pool, formatter.feed, pcm))
         except (EngineStreamError, EngineCrashed, EngineUnavailable) as exc:
             # Headers are gone: cut the body short so the client sees it incomplete.
             log.warning("tts: engine failed mid-response: %s", exc)
             request.transport and request.transport.close()
             return response
-        tail = await loop.run_in_executor(_pool, formatter.finish)
-        if tail:
-            await response.write(tail)
-        await response.write_eof()
-        timeline.log(fmt, len(text))
+        await body.write(await loop.run_in_executor(_pool, formatter.finish))
+        await body.end(sent_samples / rate)
+        timeline.log(job.fmt, len(job.text))
         return response
     except ConnectionResetError:
         # The client went away mid-body: nothing to answer, and nothing for
@@ -383,7 +481,7 @@ async def _synthesize(
         return response
     finally:
         stream.cancel()
-        if isinstance(formatter, OpusFormatter):
+        if isinstance(formatter, EncodedFormatter):
             formatter.close()
 
 
