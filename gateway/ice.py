@@ -17,14 +17,30 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import time
 from dataclasses import dataclass, field
+from typing import Callable
 
+import aioice
 import aioice.ice
+import aioice.stun
 from aiortc import RTCConfiguration, RTCIceServer
 
 from .turn import turn_credentials
 
 log = logging.getLogger(__name__)
+
+# A peer's remote candidates: those its offer and trickle signal, and those learned from its
+# checks (peer-reflexive). A browser has a few; one per address and transport it can be reached
+# on (host, server-reflexive, relayed), each over IPv4 and IPv6, stays well under this.
+MAX_REMOTE_CANDIDATES = 32
+# Binding requests a connection passes to aioice each second (and in one burst): a browser
+# checks each candidate pair every 50 ms or so while connecting, then asks for consent every 5 s.
+MAX_STUN_REQUESTS_PER_S = 200
+# Checks the gateway sends to an address that has never answered one, then one per
+# CHECK_REFILL_S: a lost check or two is retried, a spoofed source gets no amplification.
+MAX_CHECKS_PER_SOURCE = 3
+CHECK_REFILL_S = 10.0
 
 _original_get_host_addresses = aioice.ice.get_host_addresses
 _host_addresses: list[str] | None = None
@@ -123,14 +139,21 @@ class IcePolicy:
         return self.allow_public and ip.is_global
 
     def filter_sdp(self, sdp: str) -> tuple[str, int]:
-        """Drop candidate lines from disallowed networks; returns (sdp, dropped count)."""
+        """Drop candidate lines from disallowed networks, and those past MAX_REMOTE_CANDIDATES
+        addresses (bundled sections may list the same ones); returns (sdp, dropped count)."""
         kept, dropped = [], 0
+        addresses: set[tuple[str, str]] = set()
         for line in sdp.splitlines():
             if line.startswith("a=candidate:"):
                 parts = line.split()
-                if len(parts) < 5 or not self.allows(parts[4]):
+                if len(parts) < 6 or not self.allows(parts[4]):
                     dropped += 1
                     continue
+                address = (parts[4], parts[5])
+                if address not in addresses and len(addresses) >= MAX_REMOTE_CANDIDATES:
+                    dropped += 1
+                    continue
+                addresses.add(address)
             kept.append(line)
         return "\r\n".join(kept) + "\r\n", dropped
 
@@ -145,26 +168,33 @@ def parse_networks(values: list[str]) -> list[ipaddress._BaseNetwork]:
     return nets
 
 
-def contain_datagram_errors(pc) -> int:
-    """Keep a malformed datagram's exception inside the session it was sent to.
+def guard_ice(pc, on_drop: Callable[[str], None] | None = None) -> list["IceGuard"]:
+    """Put an `IceGuard` in front of each of the peer connection's ICE connections.
 
-    aioice parses each datagram on a session's ports as STUN first and expects
-    only ValueError from that; a crafted one (an attribute of the wrong length)
-    raises struct.error out of asyncio's datagram callback, and the event loop
-    logs a traceback for every such datagram, which anyone who can reach a
-    port may send as fast as they like. Here each of the peer connection's
-    ICE protocols drops what raises, counts it, and logs once per connection.
     Called once gathering is over (setLocalDescription): aioice makes no
-    protocols after it. Returns how many protocols it wrapped.
+    protocols after it. `on_drop(reason)` hears about each datagram or check
+    the guard drops ("candidate_limit", "stun_rate", "check_budget").
     """
-    wrapped = 0
+    guards = []
     for connection in _ice_connections(pc):
-        dropped = [0]
-        for protocol in getattr(connection, "_protocols", ()):
-            if hasattr(protocol, "datagram_received"):
-                protocol.datagram_received = _contained(protocol.datagram_received, dropped)
-                wrapped += 1
-    return wrapped
+        if not all(hasattr(connection, name) for name in ("_remote_candidates", "_check_list", "_protocols")):
+            global _warned_unguarded
+            if not _warned_unguarded:
+                _warned_unguarded = True
+                log.warning("this aioice (%s) lacks what the ICE flood guard reads; remote candidates and checks "
+                            "are not bounded (pyproject.toml pins the versions it was tested with)",
+                            getattr(aioice, "__version__", "?"))
+            continue
+        guards.append(IceGuard(connection, on_drop))
+    return guards
+
+
+_warned_unguarded = False
+
+
+def remote_candidate_count(pc) -> int:
+    """How many remote candidates the peer connection's ICE holds (signalled and learned)."""
+    return max((len(connection._remote_candidates) for connection in _ice_connections(pc)), default=0)
 
 
 def _ice_connections(pc) -> list:
@@ -180,14 +210,132 @@ def _ice_connections(pc) -> list:
     return list(found.values())
 
 
-def _contained(datagram_received, dropped: list[int]):
-    def contained(data: bytes, addr) -> None:
-        try:
-            datagram_received(data, addr)
-        except Exception as exc:
-            dropped[0] += 1
-            if dropped[0] == 1:
-                log.warning("dropped a datagram aioice could not handle (%s: %s); logged once per session",
-                            type(exc).__name__, exc)
+class IceGuard:
+    """What one aioice connection takes from the network, bounded before aioice sees it.
 
-    return contained
+    aioice keeps a peer's remote candidates in a list it scans for every
+    incoming check and re-sorts with every addition, learns a new
+    peer-reflexive candidate from every authenticated check that comes from a
+    new source address, never forgets one, and sends up to 7 checks of its
+    own to each (a reflection with amplification, when the source is
+    spoofed). A peer holding its own session's ICE password could so grow
+    that list without end and slow every session on the event loop. Here:
+
+    - the list holds at most `MAX_REMOTE_CANDIDATES`: a binding request from
+      a source outside it is dropped once it is full;
+    - binding requests reach aioice at most `MAX_STUN_REQUESTS_PER_S` a second
+      per connection (bursts of as many);
+    - aioice sends at most `MAX_CHECKS_PER_SOURCE` checks to an address that
+      has not yet answered one, then one every `CHECK_REFILL_S`.
+
+    Every datagram also has its exceptions kept here: aioice expects only
+    ValueError from its STUN parser, and a crafted datagram (an attribute of
+    the wrong length) raises struct.error out of asyncio's datagram callback,
+    a traceback in the log per datagram. Those are dropped, counted, and
+    logged once per connection.
+    """
+
+    def __init__(self, connection, on_drop: Callable[[str], None] | None = None) -> None:
+        self.connection = connection
+        self._remote = connection._remote_candidates  # aioice only appends to this list
+        self._known: set[tuple[str, int]] = set()
+        self._known_len = -1
+        self._on_drop = on_drop or (lambda reason: None)
+        self.dropped: dict[str, int] = {"candidate_limit": 0, "stun_rate": 0, "check_budget": 0, "error": 0}
+        self._requests = TokenBucket(MAX_STUN_REQUESTS_PER_S, MAX_STUN_REQUESTS_PER_S)
+        self._check_budgets: dict[tuple[str, int], TokenBucket] = {}
+        self._answered: set[tuple[str, int]] = set()
+        for protocol in getattr(connection, "_protocols", ()):
+            if hasattr(protocol, "datagram_received"):
+                protocol.datagram_received = self._receiver(protocol.datagram_received)
+            if hasattr(protocol, "send_stun"):
+                protocol.send_stun = self._sender(protocol.send_stun)
+
+    def _drop(self, reason: str) -> None:
+        self.dropped[reason] += 1
+        if self.dropped[reason] == 1 and reason != "error":
+            log.info("ICE: dropped %s (%s); logged once per connection", _DROP_WHY[reason], reason)
+        self._on_drop(reason)
+
+    def admit(self, data: bytes, addr) -> bool:
+        """Whether a datagram may reach aioice: anything but a STUN binding request does."""
+        if len(data) < 20 or data[0] != 0 or data[1] != 1:
+            return True
+        remote = self._remote
+        if len(remote) != self._known_len:
+            self._known = {(c._network_host, c.port) for c in remote}
+            self._known_len = len(remote)
+        if len(remote) >= MAX_REMOTE_CANDIDATES and (addr[0], addr[1]) not in self._known:
+            self._drop("candidate_limit")
+            return False
+        if not self._requests.take():
+            self._drop("stun_rate")
+            return False
+        return True
+
+    def may_check(self, addr) -> bool:
+        """Whether aioice may send a check (a binding request) to `addr` now."""
+        key = (addr[0], addr[1])
+        if key in self._answered:
+            return True
+        budget = self._check_budgets.get(key)
+        if budget is None:
+            # One per remote candidate: bounded like the candidates themselves.
+            budget = self._check_budgets[key] = TokenBucket(MAX_CHECKS_PER_SOURCE, 1 / CHECK_REFILL_S)
+        if budget.take():
+            return True
+        if any(p.remote_addr == key and p.state == aioice.ice.CandidatePair.State.SUCCEEDED for p in self.connection._check_list):
+            self._answered.add(key)
+            self._check_budgets.pop(key, None)
+            return True
+        self._drop("check_budget")
+        return False
+
+    def _receiver(self, datagram_received):
+        def guarded(data: bytes, addr) -> None:
+            try:
+                if self.admit(data, addr):
+                    datagram_received(data, addr)
+            except Exception as exc:
+                self._drop("error")
+                if self.dropped["error"] == 1:
+                    log.warning("dropped a datagram aioice could not handle (%s: %s); logged once per session",
+                                type(exc).__name__, exc)
+
+        return guarded
+
+    def _sender(self, send_stun):
+        def guarded(message, addr) -> None:
+            if message.message_class == aioice.stun.Class.REQUEST and not self.may_check(addr):
+                return  # as if lost: aioice's transaction retransmits or times out as it would
+            send_stun(message, addr)
+
+        return guarded
+
+
+_DROP_WHY = {
+    "candidate_limit": f"a binding request from a new address: the peer already has {MAX_REMOTE_CANDIDATES} remote candidates",
+    "stun_rate": f"binding requests beyond {MAX_STUN_REQUESTS_PER_S} a second",
+    "check_budget": f"a check to an address that has not answered {MAX_CHECKS_PER_SOURCE} before it",
+}
+
+
+class TokenBucket:
+    """`capacity` at once, refilled at `rate` a second."""
+
+    __slots__ = ("capacity", "rate", "tokens", "at")
+
+    def __init__(self, capacity: float, rate: float) -> None:
+        self.capacity = capacity
+        self.rate = rate
+        self.tokens = float(capacity)
+        self.at = time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.capacity, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False

@@ -43,6 +43,9 @@ class GatewayMetrics:
         self.opus_signal = Counter("voxgate_opus_signal_switches_total",
                                    "Sessions' Opus signal switches on their listeners' loss: to voice (in-band FEC on) or music",
                                    ["to"], registry=r)
+        self.ice_dropped = Counter("voxgate_ice_dropped_total",
+                                   "STUN datagrams and checks the sessions' ICE guards dropped (gateway/ice.py): "
+                                   "candidate_limit, stun_rate, check_budget, error", ["reason"], registry=r)
         # Whatever else wants every session's samples (a benchmark's recorder), beside Prometheus;
         # read when a session is made.
         self.observers: list[SessionMetrics] = []
@@ -149,3 +152,6 @@ class _SessionMetrics(SessionMetrics):
 
     def opus_signal_switch(self, signal: str) -> None:
         self.m.opus_signal.labels(signal).inc()
+
+    def ice_dropped(self, reason: str) -> None:
+        self.m.ice_dropped.labels(reason).inc()

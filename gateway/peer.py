@@ -9,7 +9,7 @@ import re
 from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.sdp import SessionDescription, candidate_from_sdp
 
-from .ice import IcePolicy, contain_datagram_errors
+from .ice import MAX_REMOTE_CANDIDATES, IcePolicy, guard_ice, remote_candidate_count
 from . import fec, rtp_send
 from .mic import Microphone
 from .session import Session
@@ -100,6 +100,7 @@ class PeerConnection:
         self.silent: SilentOutput | None = None
         self.channel = None
         self.dropped_candidates = 0
+        self.ice_guards: list = []
         self.pc.on("datachannel", self._on_datachannel)
         self.pc.on("connectionstatechange", self._on_state)
         session.on_close.append(self._on_session_close)
@@ -130,7 +131,7 @@ class PeerConnection:
             await self.pc.setLocalDescription(answer)
         except Exception as exc:
             raise GatewayError("negotiation_failed", f"could not answer the offer: {exc}") from None
-        contain_datagram_errors(self.pc)
+        self.ice_guards = guard_ice(self.pc, self.session.metrics.ice_dropped)
         local = self.pc.localDescription.sdp
         if has_audio:
             codec, payload_type = negotiated_codec(local) or ("", -1)
@@ -166,6 +167,10 @@ class PeerConnection:
         if not self.ice.allows(parsed.ip):
             self.dropped_candidates += 1
             return False
+        if remote_candidate_count(self.pc) >= MAX_REMOTE_CANDIDATES:
+            self.dropped_candidates += 1
+            raise GatewayError("too_many_candidates", f"this session already has {MAX_REMOTE_CANDIDATES} remote "
+                               "candidates, the most it takes", 409)
         parsed.sdpMid = candidate.get("sdpMid")
         parsed.sdpMLineIndex = candidate.get("sdpMLineIndex")
         await self.pc.addIceCandidate(parsed)

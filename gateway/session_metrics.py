@@ -38,6 +38,9 @@ class SessionMetrics:
     def opus_signal_switch(self, signal: str) -> None:
         """With --opus-signal auto, the listener's loss turned in-band FEC on (voice) or off (music)."""
 
+    def ice_dropped(self, reason: str) -> None:
+        """The session's ICE guard dropped a datagram or a check (gateway/ice.py's IceGuard)."""
+
 
 HOOKS = tuple(name for name in vars(SessionMetrics) if not name.startswith("_"))
 
