@@ -263,7 +263,7 @@ PATHS: dict[str, dict] = {
     "/v1/sessions/{session_id}/candidates": {
         "post": _op(
             "trickle ICE from the peer; needs the session's client token",
-            {"200": _json(_ref("Ok"), "the candidate was added"), **_errors(400, 401, 404, 408, 413, 502, 503)},
+            {"200": _json(_ref("Ok"), "the candidate was added"), **_errors(400, 401, 404, 408, 409, 413, 502, 503)},
             body=_ref("Candidate"),
             params=[_session_id],
         )
