@@ -39,6 +39,7 @@ Figures go to stdout and to artifacts/bench-engine.json.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import re
 import sys
@@ -60,6 +61,7 @@ from _common import (  # noqa: E402
 )
 
 from voxgate.engine.base import SynthesisOptions  # noqa: E402
+from voxgate.gateway.frames import FRAME_S  # noqa: E402
 from voxgate.engine.client import EngineClient, EngineConfig  # noqa: E402
 from voxgate.engine.piper_engine import PiperEngine  # noqa: E402
 from voxgate.engine.segmenter import Segmenter  # noqa: E402
@@ -255,6 +257,25 @@ async def token_stream(client: EngineClient, reps: int) -> dict:
     return out
 
 
+def frame_underruns(arrivals: list[tuple[float, float]], frame_s: float = FRAME_S) -> int:
+    """Underruns of a listener whose pacer takes a frame of `frame_s` every `frame_s`
+    from the first chunk's arrival: one for each time a frame's audio was not there by its
+    tick. The pacer then sends silence frames until it is, and the ticks after shift."""
+    ticks_late = 0  # silence frames inserted so far
+    played = 0.0  # audio seconds before this chunk
+    first = arrivals[0][0] if arrivals else 0.0
+    underruns = 0
+    for at, duration in arrivals:
+        # The first frame that holds any of this chunk's audio, and its tick.
+        frame = math.floor(played / frame_s + 1e-9)
+        tick = first + (frame + ticks_late) * frame_s
+        if at > tick + 1e-9:
+            underruns += 1
+            ticks_late += math.ceil((at - tick) / frame_s - 1e-9)
+        played += duration
+    return underruns
+
+
 def _least_ms(values: list) -> float | None:
     known = [v for v in values if v is not None]
     return round(min(known) * 1000.0, 1) if known else None
@@ -284,7 +305,8 @@ async def concurrent(client: EngineClient, n: int, text: str = REPLY) -> dict:
                 headroom = due - at if headroom is None else min(headroom, due - at)
             worst_gap = max(worst_gap, at - due)
             due = max(due, at) + d
-        return {"first": first, "wall": arrivals[-1][0], "audio": audio, "gap": worst_gap, "headroom": headroom}
+        return {"first": first, "wall": arrivals[-1][0], "audio": audio, "gap": worst_gap, "headroom": headroom,
+                "underruns_20ms": frame_underruns(arrivals)}
 
     t0 = time.perf_counter()
     results = await asyncio.gather(*(one() for _ in range(n)))
@@ -307,6 +329,10 @@ async def concurrent(client: EngineClient, n: int, text: str = REPLY) -> dict:
         "least_headroom_ms": _least_ms([r["headroom"] for r in results]),
         "throughput_audio_s_per_s": round(audio / wall, 2),
         "wall_s": round(wall, 2),
+        # Per stream, in start order: the pacer's 20 ms frames whose audio was late (frame_underruns).
+        "underruns_20ms_per_stream": [r["underruns_20ms"] for r in results],
+        "first_chunk_s_per_stream": [round(r["first"], 4) for r in results],
+        "audio_s": round(audio, 2),
     }
 
 

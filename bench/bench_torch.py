@@ -88,7 +88,12 @@ SETTLE_S = 0.2
 
 
 def first_chunk(engines, text: str, repeats: int) -> list[tuple[float, float, int]]:
-    """Per engine: median seconds to the first chunk, audio seconds, chunks per unit.
+    """Per engine: median seconds to the first chunk, audio seconds, chunks per unit."""
+    return [(statistics.median(t), a, c) for t, a, c in first_chunk_times(engines, text, repeats)]
+
+
+def first_chunk_times(engines, text: str, repeats: int) -> list[tuple[list[float], float, int]]:
+    """Per engine: every run's seconds to the first chunk, audio seconds, chunks per unit.
 
     The engines take turns run by run, so a load spike on a shared machine
     hits both rather than one.
@@ -106,7 +111,7 @@ def first_chunk(engines, text: str, repeats: int) -> list[tuple[float, float, in
             rest = list(gen)
             audio[i] = first.duration + sum(c.duration for c in rest)
             chunks[i] = 1 + len(rest)
-    return [(statistics.median(t), a, c) for t, a, c in zip(times, audio, chunks)]
+    return list(zip(times, audio, chunks))
 
 
 def whole_time(engine, text: str, repeats: int) -> float:
@@ -118,6 +123,13 @@ def whole_time(engine, text: str, repeats: int) -> float:
             pass
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def snr_db(ref: np.ndarray, out: np.ndarray) -> float:
+    """Signal-to-noise ratio of `out` against `ref` (same length), in dB."""
+    ref = np.asarray(ref, dtype=np.float64).reshape(-1)
+    out = np.asarray(out, dtype=np.float64).reshape(-1)
+    return float(10 * np.log10((ref**2).sum() / max(((ref - out) ** 2).sum(), 1e-20)))
 
 
 def parity_snr_db(torch_engine: TorchEngine) -> dict:
@@ -135,9 +147,8 @@ def parity_snr_db(torch_engine: TorchEngine) -> dict:
     })[0].reshape(-1).astype(np.float64)
     with torch.inference_mode():
         out = torch_engine._voice(None).model.synthesize(ids, noise_scale=0.0, length_scale=1.0, noise_w=0.0).numpy()
-    out = out.reshape(-1).astype(np.float64)
-    same = out.shape == ref.shape
-    snr = float(10 * np.log10((ref**2).sum() / max(((ref - out) ** 2).sum(), 1e-20))) if same else float("nan")
+    same = out.size == ref.size
+    snr = snr_db(ref, out) if same else float("nan")
     return {"text": PARITY_TEXT, "same_length": same, "samples": int(ref.size), "snr_db": round(snr, 1)}
 
 

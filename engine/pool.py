@@ -421,20 +421,21 @@ def app_builder(args: dict):
 
 def start_local(config: PoolConfig, host: str, port: int, num_cpus: int | None = None,
                 name: str = APP_NAME, route_prefix: str = "/", direct_ingress: bool = True,
-                grpc_port: int | None = None) -> None:
+                grpc_port: int | None = None, num_gpus: int | None = None) -> None:
     """Start (or join) a local Ray, start Serve's HTTP proxy on host:port and deploy the pool.
 
     With `direct_ingress`, each replica also listens on host (Serve picks ports
     from 30000 up) and gateways reach it without the proxy's hop. Ray's processes
     read the switch when they start, so it applies only to a Ray this call starts.
     With `grpc_port`, Serve's gRPC proxy listens there too (and each replica on a
-    port from 40000 up, with direct ingress); bench/bench_pool.py compares the two."""
+    port from 40000 up, with direct ingress); bench/bench_pool.py compares the two.
+    `num_gpus` tells a Ray this call starts how many GPUs it has (None: Ray detects them)."""
     ray, serve = require_ray()
     if not ray.is_initialized():
         os.environ[DIRECT_INGRESS_ENV] = "1" if direct_ingress else "0"
         os.environ.setdefault(DRAIN_ENV, str(DRAIN_S))
         os.environ.setdefault(GRPC_MAX_MESSAGE_ENV, str(GRPC_MAX_MESSAGE_BYTES))
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False)
     grpc_options = {"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]} if grpc_port else None
     serve.start(http_options={"host": host, "port": port}, grpc_options=grpc_options)
     serve.run(build_app(config), name=name, route_prefix=route_prefix)

@@ -74,7 +74,7 @@ def choose_device(device: str) -> "torch.device":
 class _TorchVoice:
     """A Piper voice: the torch model plus Piper's phonemizer for its config."""
 
-    def __init__(self, path: Path, device: "torch.device") -> None:
+    def __init__(self, path: Path, device: "torch.device", half: bool) -> None:
         import json
 
         from piper import PiperVoice
@@ -91,7 +91,7 @@ class _TorchVoice:
         except (ValueError, KeyError, RuntimeError) as exc:
             raise EngineError(f"cannot load {path} into the torch VITS model: {exc}") from exc
         model.to(device)
-        if device.type == "cuda":
+        if half:
             model.half_decoder()
         self.model = model
         # No onnxruntime session: only phonemize() and phonemes_to_ids() are used.
@@ -191,6 +191,7 @@ class TorchEngine(Engine):
         first_window: int = FIRST_WINDOW_FRAMES,
         max_window: int = BATCH_WINDOW_FRAMES,
         max_batch: int | None = None,
+        half: bool | None = None,
         **_: object,
     ) -> None:
         self.default_voice = voice or DEFAULT_VOICE
@@ -200,6 +201,9 @@ class TorchEngine(Engine):
         self.max_window = max(self.first_window, int(max_window))
         self.schedule = WindowSchedule(self.first_window, self.max_window)
         self.max_batch = max_batch
+        # Flow and vocoder in fp16: None picks it on CUDA only (bench/gpu_check.py
+        # compares both there; on a CPU fp16 convolutions run, but several times slower).
+        self.half = half
         self.device: torch.device | None = None
         self._voices: dict[str, _TorchVoice] = {}
         self._load_lock = threading.Lock()
@@ -243,6 +247,9 @@ class TorchEngine(Engine):
         info["first_window_frames"] = self.first_window
         info["max_window_frames"] = self.max_window
         info["max_batch"] = self.max_batch or MAX_BATCH.get(self.device.type if self.device else "cpu", 4)
+        voice = self._voices.get(self._names.resolve_voice(None)[0])
+        if voice is not None:
+            info["decoder_dtype"] = str(voice.model.decoder_dtype).removeprefix("torch.")
         return info
 
     # Batched API
@@ -327,7 +334,8 @@ class TorchEngine(Engine):
                 if loaded is None:
                     if self.device is None:
                         self.device = choose_device(self.device_name)
-                    loaded = _TorchVoice(path, self.device)
+                    half = self.device.type == "cuda" if self.half is None else self.half
+                    loaded = _TorchVoice(path, self.device, half)
                     self._voices[name] = loaded
         return loaded
 
