@@ -128,7 +128,7 @@ def _tree_mib() -> float:
     return sum((ROOT / p).stat().st_size for p in out.decode().split("\0") if p and (ROOT / p).is_file()) / 2**20
 
 
-def make_part(part: str, out: Path, python_version: str, skip: tuple[str, ...]) -> dict:
+def make_part(part: str, out: Path, python_version: str, skip: tuple[str, ...], preset: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         site = Path(tmp) / "site"
         if part == "core":
@@ -140,7 +140,7 @@ def make_part(part: str, out: Path, python_version: str, skip: tuple[str, ...]) 
             for name in skip:
                 _drop_dist(site, name)
         _prune(site, part)
-        return pack(site, out / part, part, python_version)
+        return pack(site, out / part, part, python_version, preset)
 
 
 def pack(site: Path, dest: Path, part: str, python_version: str, preset: int = 9 | lzma.PRESET_EXTREME) -> dict:
@@ -201,6 +201,7 @@ def main() -> int:
     m.add_argument("--parts", default="core,ray")
     m.add_argument("--out", default=str(ROOT / ".whl"), help="default .whl/ (git ignores it)")
     m.add_argument("--skip", default=",".join(DEVICE_HAS), help="distributions the device has, left out of the ray bundle")
+    m.add_argument("--fast", action="store_true", help="xz preset 6 instead of 9e: a few MiB larger, minutes sooner (trials)")
     u = sub.add_parser("unpack", help="unpack one bundle folder into a site folder (gpu_check.sh does this)")
     u.add_argument("part_dir")
     u.add_argument("site")
@@ -213,7 +214,8 @@ def main() -> int:
     print(f"the tree a call sends: {tree:.1f} MiB; room beside it: {room:.1f} MiB")
     status = 0
     for part in [x for x in args.parts.split(",") if x]:
-        manifest = make_part(part, Path(args.out), args.python_version, tuple(s for s in args.skip.split(",") if s))
+        preset = 6 if args.fast else 9 | lzma.PRESET_EXTREME
+        manifest = make_part(part, Path(args.out), args.python_version, tuple(s for s in args.skip.split(",") if s), preset)
         fits = manifest["mib"] < room - 0.5
         status |= 0 if fits else 1
         print(f"{part}: {manifest['mib']} MiB ({manifest['unpacked_mib']} MiB unpacked, {len(manifest['packages'])} packages)"
