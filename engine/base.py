@@ -19,11 +19,12 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-
 # What the piper engine's prior (text encoder and duration predictor) runs in on the CPU
 # (engine/graph_quant.py): its convolutions as int8 products, or all of it as exported.
-PRIOR_PRECISIONS = ("int8", "float32")
-DEFAULT_PRIOR_PRECISION = "int8"
+# The choices and the default are the setting's (--engine-prior-precision).
+from ..config import PRIOR_PRECISIONS as PRIOR_PRECISIONS, Settings
+
+DEFAULT_PRIOR_PRECISION = Settings.engine_prior_precision
 
 @dataclass(frozen=True)
 class WordTiming:

@@ -12,13 +12,13 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
+from ..config import Settings, threads_or_every_core
 from . import proto, wire
 from .base import SynthesisOptions
 from .errors import EngineCrashed, EngineStreamError, EngineUnavailable
@@ -36,14 +36,19 @@ STREAM_WINDOW = 3
 
 @dataclass(kw_only=True)
 class EngineConfig:
-    engine: str = "piper"
-    voice: str | None = None
-    voice_dir: str | None = None  # more voices, chosen by the operator; clients see their names
-    device: str = "auto"
-    # Synthesis steps run at once in the worker.
-    parallel: int = field(default_factory=lambda: os.cpu_count() or 1)
-    # The most intra-op threads one step may use; 0: the engine's choice (every core).
-    threads: int = 0
+    """The worker's settings; the defaults are the flags' (voxgate/config.py)."""
+
+    engine: str = Settings.engine
+    voice: str | None = Settings.voice
+    voice_dir: str | None = Settings.voice_dir  # more voices, chosen by the operator; clients see their names
+    device: str = Settings.device
+    # Synthesis steps run at once in the worker: one per core unless told.
+    parallel: int = field(default_factory=threads_or_every_core)
+    # The most intra-op threads one step may use; 0: every core.
+    threads: int = Settings.engine_threads
+    # The worker logs as the gateway does (--log-level, --log-json).
+    log_level: str = Settings.log_level
+    log_json: bool = Settings.log_json
     # More keyword arguments for the engine's constructor (PiperEngine(split=False), say).
     engine_options: dict = field(default_factory=dict)
     start_timeout: float = 60.0
@@ -100,7 +105,7 @@ class EngineClient:
         }
         process = ctx.Process(
             target=run_worker,
-            args=(child, self.config.engine, options, self.config.parallel),
+            args=(child, self.config.engine, options, self.config.parallel, self.config.log_level, self.config.log_json),
             name=f"voxgate-engine-{self.config.engine}",
             daemon=True,
         )

@@ -7,16 +7,15 @@ speaker), and 24 kHz chunks come out as they are made.
 Not exercised against the real model in CI: the tests run it against a
 stand-in module implementing the documented `CosyVoice2` API surface.
 
-Configuration (environment, since the worker process reads it):
-- VOXGATE_COSYVOICE_MODEL: the model directory (required)
-- VOXGATE_COSYVOICE_PROMPT_WAV and VOXGATE_COSYVOICE_PROMPT_TEXT: a zero-shot
-  voice prompt (16 kHz speech and its transcript); or
-- VOXGATE_COSYVOICE_SPEAKER: a built-in speaker id for SFT models.
+Configuration (settings, so flags or VOXGATE_* variables; voxgate/config.py):
+- --cosyvoice-model (VOXGATE_COSYVOICE_MODEL): the model directory (required)
+- --cosyvoice-prompt-wav and --cosyvoice-prompt-text: a zero-shot voice prompt
+  (16 kHz speech and its transcript); or
+- --cosyvoice-speaker: a built-in speaker id for SFT models.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Iterator
 
 import numpy as np
@@ -27,18 +26,29 @@ from .base import AudioChunk, Engine, EngineError, SynthesisOptions, WordTiming,
 class CosyVoice2Engine(Engine):
     name = "cosyvoice2"
 
-    def __init__(self, voice: str | None = None, device: str = "auto", model_dir: str | None = None, **_: object) -> None:
-        self.model_dir = model_dir or os.environ.get("VOXGATE_COSYVOICE_MODEL")
-        self.default_voice = voice
+    def __init__(
+        self,
+        voice: str | None = None,
+        device: str = "auto",
+        model_dir: str | None = None,
+        prompt_wav: str | None = None,
+        prompt_text: str = "",
+        speaker: str | None = None,
+        **_: object,
+    ) -> None:
+        self.model_dir = model_dir
+        self.default_voice = voice or speaker
         self.device = device
         self.model = None
+        self.prompt_wav = prompt_wav
         self.prompt_speech = None
-        self.prompt_text = os.environ.get("VOXGATE_COSYVOICE_PROMPT_TEXT", "")
+        self.prompt_text = prompt_text
         self._rate = 24000
 
     def load(self) -> None:
         if not self.model_dir:
-            raise EngineError("the cosyvoice2 engine needs a model directory: set VOXGATE_COSYVOICE_MODEL")
+            raise EngineError("the cosyvoice2 engine needs a model directory: give --cosyvoice-model DIR "
+                              "(or VOXGATE_COSYVOICE_MODEL)")
         try:
             from cosyvoice.cli.cosyvoice import CosyVoice2
         except ImportError:
@@ -49,11 +59,10 @@ class CosyVoice2Engine(Engine):
         fp16 = self.device in ("auto", "cuda") and _cuda_available()
         self.model = CosyVoice2(self.model_dir, load_jit=False, load_trt=False, fp16=fp16)
         self._rate = int(getattr(self.model, "sample_rate", 24000))
-        prompt_wav = os.environ.get("VOXGATE_COSYVOICE_PROMPT_WAV")
-        if prompt_wav:
+        if self.prompt_wav:
             from cosyvoice.utils.file_utils import load_wav
 
-            self.prompt_speech = load_wav(prompt_wav, 16000)
+            self.prompt_speech = load_wav(self.prompt_wav, 16000)
 
     def voices(self) -> list[str]:
         speakers = []
@@ -68,7 +77,7 @@ class CosyVoice2Engine(Engine):
 
     def synthesize(self, text: str, options: SynthesisOptions) -> Iterator[AudioChunk]:
         assert self.model is not None
-        voice = options.voice or self.default_voice or os.environ.get("VOXGATE_COSYVOICE_SPEAKER")
+        voice = options.voice or self.default_voice
 
         def text_pieces() -> Iterator[str]:
             # CosyVoice 2 takes text as a generator; it starts on the first piece.

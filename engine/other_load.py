@@ -23,10 +23,6 @@ import threading
 import time
 from typing import Callable
 
-# When onnxruntime's pool threads may spin between the ops of an every-core
-# step: while the rest of the machine is quiet (the default), always, or never
-# (--engine-spin; engine/piper_voice.py says why).
-SPIN_POLICIES = ("auto", "always", "never")
 # Busy cores of other processes above which the machine is not quiet: the
 # gateway's event loop and Opus encoding for a few sessions stay below it, one
 # busy-looping process does not.

@@ -20,7 +20,6 @@ one thread each when steps run side by side.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -42,7 +41,8 @@ from .base import (
     WordTiming,
     words_by_length,
 )
-from .other_load import SPIN_POLICIES, OtherLoad, shared_other_load, usable_cores
+from ..config import SPIN_POLICIES, threads_or_every_core
+from .other_load import OtherLoad, shared_other_load, usable_cores
 from .piper_voice import (
     DEFAULT_VOICE,
     EMBEDDED_NAMES,
@@ -187,7 +187,7 @@ class PiperEngine(Engine):
         self.device = device
         # The most intra-op threads one step may use: every core by default; the
         # worker asks for that when a step runs alone and for one thread under load.
-        self.threads = threads or (os.cpu_count() or 1)  # callers pass Settings.threads (--engine-threads, VOXGATE_ENGINE_THREADS)
+        self.threads = threads_or_every_core(threads)  # --engine-threads
         self.max_loaded_voices = max(1, max_loaded_voices)
         self._voices: OrderedDict[str, LoadedVoice] = OrderedDict()
         self._voices_lock = threading.Lock()

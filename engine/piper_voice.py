@@ -107,7 +107,7 @@ def choose_providers(device: str) -> list[str]:
 
 # Whether onnxruntime's pool threads may spin between the ops of a run on
 # every core: "auto" (when the step runs alone and the rest of the machine is
-# quiet, `other_load`), "always" or "never" (other_load.SPIN_POLICIES).
+# quiet, `other_load`), "always" or "never" (config.SPIN_POLICIES, --engine-spin).
 # Spinning threads always stop when the run returns
 # ("session.force_spinning_stop"): without that stop each stage's pool (prior,
 # flow, decoder) spun on after its run and fought the next stage's threads for
@@ -208,7 +208,7 @@ class LoadedVoice:
         else:
             model = self._rewrite_prior(model)
         whole = b"" if self.graphs is not None else model.SerializeToString()
-        self.spin = spin  # one of other_load.SPIN_POLICIES, checked by PiperEngine
+        self.spin = spin  # one of config.SPIN_POLICIES, checked by PiperEngine
         self.sessions, self.spinning = self._sessions(whole, threads, providers)
         if self.graphs is not None:
             try:

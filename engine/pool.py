@@ -36,8 +36,10 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
+from ..config import PoolSettings, threads_or_every_core
+from ..logs import setup_logging
 from . import proto
 from .base import SynthesisOptions
 from .pool_protocol import (
@@ -85,19 +87,24 @@ def require_ray():
 
 @dataclass
 class PoolConfig:
-    engine: str = "piper"
-    voice: str | None = None
-    voice_dir: str | None = None
-    device: str = "auto"
+    """A deployment's settings; the defaults are `voxgate engine serve`'s (voxgate/config.py)."""
+
+    engine: str = PoolSettings.engine
+    voice: str | None = PoolSettings.voice
+    voice_dir: str | None = PoolSettings.voice_dir
+    device: str = PoolSettings.device
     parallel: int = 0  # synthesis steps at once per replica; 0: one per CPU the replica has
     threads: int = 0  # intra-op threads per step; 0: every CPU the replica has
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0  # a fraction shares one GPU between replicas
-    min_replicas: int = 1
-    max_replicas: int = 1
+    num_cpus: float = PoolSettings.replica_cpus
+    num_gpus: float = PoolSettings.num_gpus  # a fraction shares one GPU between replicas
+    min_replicas: int = PoolSettings.min_replicas
+    max_replicas: int = PoolSettings.max_replicas
     # Streams a replica aims to serve at once (autoscaling) and takes at most.
-    target_ongoing_requests: int = 16
-    max_ongoing_requests: int = 64
+    target_ongoing_requests: int = PoolSettings.target_ongoing_requests
+    max_ongoing_requests: int = PoolSettings.max_ongoing_requests
+    log_level: str = PoolSettings.log_level
+    # More keyword arguments for the engine's constructor (the cosyvoice2 model, say).
+    engine_options: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -130,8 +137,8 @@ class EngineHost:
 
     def __init__(self, config: PoolConfig) -> None:
         self.config = config
-        cores = max(1, int(config.num_cpus) or (os.cpu_count() or 1))
-        options = {"voice": config.voice, "device": config.device, "voice_dir": config.voice_dir,
+        cores = threads_or_every_core(config.num_cpus)  # the replica's CPUs; under one: every core
+        options = {**config.engine_options, "voice": config.voice, "device": config.device, "voice_dir": config.voice_dir,
                    "threads": config.threads or cores}
         self.engine = create_engine(config.engine, **options)
         t0 = time.perf_counter()
@@ -291,7 +298,7 @@ class PoolIngress:
     """The Serve deployment's class: HTTP in, a streamed body of frames out."""
 
     def __init__(self, config: PoolConfig) -> None:
-        logging.basicConfig(level=os.environ.get("VOXGATE_LOG_LEVEL", "INFO"))
+        setup_logging(config.log_level)
         self.host = EngineHost(config)
         self.listing = ReplicaListing()
 

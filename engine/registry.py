@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+from ..config import ENGINES
 from .base import Engine, EngineError
-
-ENGINES = ("piper", "tone", "torch", "cosyvoice2")
 
 
 def create_engine(name: str, **options: object) -> Engine:

@@ -7,12 +7,13 @@ caller can pass another segmenter policy (bench/bench_streaming.py compares two)
 
 from __future__ import annotations
 
+from ..config import Settings
 from .proto import UnitPayload
 from .segmenter import Segmenter, SegmenterConfig, Unit
 from .tags import Speech, TagState, to_wire
 
 # The first unit is sent after this long even without a clause boundary.
-FIRST_UNIT_TIMEOUT_S = 0.35
+FIRST_UNIT_TIMEOUT_S = Settings.first_unit_timeout_ms / 1000.0  # --first-unit-timeout-ms
 
 
 class TextPipeline:

@@ -19,7 +19,6 @@ torch is imported only when this engine is created.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from ..config import threads_or_every_core
 from .base import AudioChunk, Engine, EngineError, SynthesisJob, SynthesisOptions, WordTiming
 from .piper_engine import DEFAULT_VOICE, PiperEngine, split_words_over, word_timings
 from .units import cap_phonemes, cap_text
@@ -196,7 +196,7 @@ class TorchEngine(Engine):
     ) -> None:
         self.default_voice = voice or DEFAULT_VOICE
         self.device_name = device
-        self.threads = threads or (os.cpu_count() or 1)  # callers pass Settings.threads (--engine-threads, VOXGATE_ENGINE_THREADS)
+        self.threads = threads_or_every_core(threads)  # --engine-threads
         self.first_window = max(1, int(first_window))
         self.max_window = max(self.first_window, int(max_window))
         self.schedule = WindowSchedule(self.first_window, self.max_window)

@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from ..logs import setup_logging
 from . import proto, wire
 from .base import (
     AudioChunk, Engine, EngineError, StepStopped, StopSignal, SynthesisJob, SynthesisOptions, WordTiming,
@@ -464,9 +465,11 @@ def _close(job: object) -> None:
             pass
 
 
-def run_worker(conn, engine_name: str, engine_options: dict, parallel: int) -> None:
-    """Entry point of the spawned process."""
-    logging.basicConfig(level=os.environ.get("VOXGATE_LOG_LEVEL", "INFO"))
+def run_worker(
+    conn, engine_name: str, engine_options: dict, parallel: int, log_level: str = "INFO", log_json: bool = False
+) -> None:
+    """Entry point of the spawned process; it logs as the gateway that started it (--log-level, --log-json)."""
+    setup_logging(log_level, log_json)
     send_lock = threading.Lock()
 
     def send(message: proto.FromWorker, pcm=None) -> None:

@@ -44,11 +44,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..config import MAX_ENCODE_THREADS
 from . import priority
 
 FIRST = 0  # priority of an utterance's first slice
 LATER = 1
-MAX_THREADS = 64
+MAX_THREADS = MAX_ENCODE_THREADS
 LOOP_BUDGET_S = 0.001  # encoding on the loop: at most this long per turn, then one more job
 MAX_YIELD_S = 0.005  # encoding on the loop gives way to other callbacks for at most this long
 

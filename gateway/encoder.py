@@ -14,29 +14,31 @@ from functools import lru_cache
 import av
 import numpy as np
 
+from ..config import Settings
 from . import opus
 from .frames import frame_samples
 
 
 @dataclass(frozen=True)
 class OpusSettings:
-    bitrate: int = 32000
-    fec: bool = True
+    """The encoder's settings; the defaults are the --opus-* flags' (voxgate/config.py)."""
+
+    bitrate: int = Settings.opus_bitrate
+    fec: bool = Settings.opus_fec
     # Between utterances, send a silent keep-alive packet every 400 ms instead of
     # a silent packet every 20 ms (Opus DTX; receivers fill the gap with silence).
-    dtx: bool = False
+    dtx: bool = Settings.opus_dtx
     # Between utterances only: DTX for a listener whose offer asks for it (usedtx=1,
     # RFC 7587), the way a listener says its decoder fills gaps; see peer.py.
-    dtx_when_asked: bool = True
-    # 0 costs about a third of 5 per frame on speech with the same pocketsphinx
-    # WER (bench/bench_opus_quality.py, bench/results/opus-quality.json).
-    complexity: int = 0
+    dtx_when_asked: bool = Settings.opus_dtx_when_asked
+    # The cost per frame against speech quality is measured by bench/bench_opus_quality.py.
+    complexity: int = Settings.opus_complexity
     packet_loss_pct: int = 5
     application: str = "voip"
     # What libopus is told the signal is: "voice" (SILK or hybrid, with in-band
-    # FEC), "music" (CELT alone: a third of the cost, no in-band FEC), or "auto":
-    # music until the listener reports loss (gateway/fec.py).
-    signal: str = "auto"
+    # FEC), "music" (CELT alone, without in-band FEC), or "auto": music until the
+    # listener reports loss (gateway/fec.py).
+    signal: str = Settings.opus_signal
     # Rate the encoder is fed at. The RTP clock is 48 kHz whatever this is; 24 kHz
     # keeps all of a 22.05 kHz voice and costs less to resample and encode.
     input_rate: int = 24000

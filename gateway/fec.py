@@ -26,7 +26,6 @@ from typing import Callable
 
 log = logging.getLogger(__name__)
 
-SIGNAL_POLICIES = ("auto", "voice", "music")
 # One receiver report's fraction lost (RFC 3550: lost / expected since the
 # sender's previous report, an 8-bit count of 256ths, so 1 % means 3/256 or
 # more) from which the listener gets FEC. Reports come every 0.5-1.5 s from

@@ -53,10 +53,9 @@ def _engine_client(settings: Settings) -> EngineClient:
         threads=settings.threads,
         first_unit_timeout=settings.first_unit_timeout_ms / 1000.0,
         reader_setup=priority.enter_media_thread,
-        engine_options=(
-            {"spin": settings.engine_spin, "prior_precision": settings.engine_prior_precision}
-            if settings.engine == "piper" else {}
-        ),
+        engine_options=settings.engine_options,
+        log_level=settings.log_level,
+        log_json=settings.log_json,
     )
     if settings.engine_url:
         from ..engine.remote import RemoteEngineClient
@@ -98,12 +97,12 @@ class Gateway:
             return parse_networks(explicit)
         # Default: the networks our own host candidates live in.
         nets = []
-        for host in self.settings.ice_host:
+        for host in self.settings.ice_hosts:
             nets.append(host + ("/8" if host.startswith("127.") else "/32" if ":" not in host else "/128"))
         return parse_networks(nets)
 
     async def start(self) -> None:
-        restrict_host_addresses(self.settings.ice_host or None)
+        restrict_host_addresses(self.settings.ice_hosts or None)
         await self.engine.start()
         self.engine.listeners.append(self._on_engine_event)
         self._tasks.append(asyncio.ensure_future(self._watch_loop_lag()))

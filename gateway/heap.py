@@ -50,9 +50,6 @@ NEVER = 1 << 30  # a generation-2 threshold CPython never reaches: it starts no 
 MIDDLE_EVERY = 5  # a generation-1 collection every this many young ones (CPython: 10)
 # From 3.14 the collector is incremental, and the second threshold means something else: left alone there.
 MIDDLE_IS_RATIO = sys.version_info < (3, 14)
-# --gc-young-threshold: below 50 a young collection runs every few frames' worth of objects; above
-# 100,000 the young set, and so each pause, grows past anything measured.
-YOUNG_THRESHOLD_RANGE = (50, 100000)
 
 
 def _swap_thresholds(first: int, values: tuple[int, ...]) -> tuple[int, ...] | None:

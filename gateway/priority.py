@@ -43,7 +43,8 @@ import logging
 import os
 import resource
 
-MEDIA_PRIORITIES = ("normal", "realtime")
+from ..config import MEDIA_PRIORITIES
+
 # Low on purpose: above every normal thread, below the threaded interrupt
 # handlers (priority 50) on kernels that have them.
 RT_PRIORITY = 10

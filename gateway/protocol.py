@@ -11,6 +11,7 @@ import json
 import time
 from dataclasses import dataclass
 
+from ..config import RATE_RANGE, Settings
 from .errors import GatewayError
 
 CLIENT_TYPES = ("speak", "text.delta", "text.end", "cancel", "session.update", "ping")
@@ -19,9 +20,11 @@ MAX_DEPTH = 8
 
 @dataclass
 class Limits:
-    max_message_bytes: int = 65536
-    max_text_chars: int = 4000
-    max_messages_per_s: float = 200.0
+    """Per-message limits; the defaults are the flags' (voxgate/config.py)."""
+
+    max_message_bytes: int = Settings.max_message_bytes
+    max_text_chars: int = Settings.max_text_chars
+    max_messages_per_s: float = Settings.max_messages_per_s
 
 
 class RateLimiter:
@@ -99,8 +102,8 @@ def parse(raw: str | bytes, limits: Limits) -> dict:
                 raise GatewayError("invalid_field", f"'{key}' must be a string", id=mid)
         if "rate" in msg:
             rate = msg["rate"]
-            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.25 <= rate <= 4.0:
-                raise GatewayError("invalid_field", "'rate' must be a number from 0.25 to 4.0", id=mid)
+            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not RATE_RANGE[0] <= rate <= RATE_RANGE[1]:
+                raise GatewayError("invalid_field", f"'rate' must be a number from {RATE_RANGE[0]} to {RATE_RANGE[1]}", id=mid)
         vad = msg.get("vad")
         if vad is not None and not isinstance(vad, dict):
             raise GatewayError("invalid_field", "'vad' must be an object such as {\"enabled\": true}", id=mid)

@@ -22,6 +22,7 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
+from ..config import Settings
 from ..engine.base import SynthesisOptions
 from ..engine.client import EngineClient
 from ..engine.errors import EngineUnavailable
@@ -43,13 +44,15 @@ Listener = Callable[[dict], None]
 
 @dataclass(kw_only=True)
 class SessionOptions:
-    voice: str | None = None
+    """A session's settings; the defaults are the flags' (voxgate/config.py)."""
+
+    voice: str | None = Settings.voice  # None: the engine's own
     rate: float = 1.0
     vad: VadSettings = field(default_factory=VadSettings)
     opus: OpusSettings = field(default_factory=OpusSettings)
     limits: Limits = field(default_factory=Limits)
-    max_utterance_chars: int = 20000
-    max_queued_utterances: int = 32
+    max_utterance_chars: int = Settings.max_utterance_chars
+    max_queued_utterances: int = Settings.max_queued_utterances
 
 
 @dataclass

@@ -15,15 +15,20 @@ from dataclasses import dataclass
 import numpy as np
 import webrtcvad
 
+from ..config import Settings, bounds
+
 VAD_RATE = 16000
 FRAME_SAMPLES = VAD_RATE // 50
 
 
 @dataclass
 class VadSettings:
-    enabled: bool = True
-    aggressiveness: int = 2  # webrtcvad mode 0..3
-    min_speech_ms: int = 200
+    """Barge-in by voice; the defaults are the --vad* flags' (voxgate/config.py), and a client's
+    `vad` object is held to the same ranges."""
+
+    enabled: bool = Settings.vad
+    aggressiveness: int = Settings.vad_aggressiveness  # webrtcvad mode
+    min_speech_ms: int = Settings.vad_min_speech_ms
     hangover_ms: int = 500
     # Decibels above the tracked noise floor a frame needs to count as speech.
     floor_margin_db: float = 9.0
@@ -35,9 +40,9 @@ class VadSettings:
                 raise ValueError("vad 'enabled' must be true or false")
             self.enabled = data["enabled"]
         if "aggressiveness" in data:
-            self.aggressiveness = _int_in(data["aggressiveness"], "aggressiveness", 0, 3)
+            self.aggressiveness = _int_in(data["aggressiveness"], "aggressiveness", *bounds(Settings, "vad_aggressiveness"))
         if "min_speech_ms" in data:
-            self.min_speech_ms = _int_in(data["min_speech_ms"], "min_speech_ms", 20, 5000)
+            self.min_speech_ms = _int_in(data["min_speech_ms"], "min_speech_ms", *bounds(Settings, "vad_min_speech_ms"))
         if "hangover_ms" in data:
             self.hangover_ms = _int_in(data["hangover_ms"], "hangover_ms", 100, 10000)
 

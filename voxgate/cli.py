@@ -13,23 +13,27 @@ if not __package__:
     # Run as a file (`python voxgate/cli.py`): the imports below are the package's own.
     sys.exit("voxgate: this is part of the voxgate package; run `pip install -e .` in the clone, then `voxgate ...`")
 
-from .config import ConfigError, PoolSettings, add_arguments, secrets_on_command_line, settings_from
+from .config import (
+    DEVICES, ENGINES, RATE_RANGE, ConfigError, PoolSettings, Settings, add_arguments, check_ranges, secrets_on_command_line,
+    settings_from,
+)
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # Every setting is read and checked before anything loads (aiortc, the engine, the voice).
+    try:
+        settings = settings_from(args)
+        settings.check()
+    except ConfigError as exc:
+        print(f"voxgate: {exc}", file=sys.stderr)
+        return 2
     from .logs import setup_logging
     from .signaling.server import run
 
     from .engine.errors import EngineUnavailable
     from .gateway.priority import PriorityError
 
-    settings = settings_from(args)
     setup_logging(settings.log_level, settings.log_json)
-    try:
-        settings.check()
-    except ConfigError as exc:
-        print(f"voxgate: {exc}", file=sys.stderr)
-        return 2
     shown = secrets_on_command_line(sys.argv[1:])
     if shown:
         logging.getLogger("voxgate").warning(
@@ -52,18 +56,30 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 async def _say_async(args: argparse.Namespace) -> int:
+    # The rest of the engine's settings (threads, parallel steps, the engine's own) come from
+    # VOXGATE_* variables, as for `serve`.
+    try:
+        settings = settings_from()
+        settings.engine, settings.voice, settings.device = args.engine, args.voice, args.device
+        check_ranges(settings)
+        if not RATE_RANGE[0] <= args.rate <= RATE_RANGE[1]:
+            raise ConfigError(f"--rate {args.rate:g}: give {RATE_RANGE[0]:g} to {RATE_RANGE[1]:g}")
+        if not 0.5 <= args.tokens_per_s <= 1000:
+            raise ConfigError(f"--tokens-per-s {args.tokens_per_s:g}: give 0.5 to 1000")
+    except ConfigError as exc:
+        print(f"voxgate: {exc}", file=sys.stderr)
+        return 2
     import numpy as np
 
     from .engine.base import SynthesisOptions
     from .engine.client import EngineClient, EngineConfig
     from .engine.errors import EngineUnavailable
 
-    # The engine's settings (threads, parallel steps) come from VOXGATE_* variables, as for `serve`.
-    defaults = settings_from()
-    defaults.engine = args.engine
     client = EngineClient(
         EngineConfig(
-            engine=args.engine, voice=args.voice, device=args.device, parallel=defaults.parallel, threads=defaults.threads
+            engine=args.engine, voice=args.voice, device=args.device, parallel=settings.parallel,
+            threads=settings.threads, engine_options=settings.engine_options,
+            log_level=settings.log_level, log_json=settings.log_json,
         )
     )
     t_start = time.perf_counter()
@@ -119,8 +135,8 @@ async def _say_async(args: argparse.Namespace) -> int:
 
 def _engine_serve(args: argparse.Namespace) -> int:
     """A local engine pool on Ray Serve, for development; in production, deploy/k8s/rayservice.yaml."""
-    settings = settings_from(args, kind=PoolSettings)
     try:
+        settings = settings_from(args, kind=PoolSettings)
         settings.check()
     except ConfigError as exc:
         print(f"voxgate: {exc}", file=sys.stderr)
@@ -131,7 +147,7 @@ def _engine_serve(args: argparse.Namespace) -> int:
         engine=settings.engine, voice=settings.voice, voice_dir=settings.voice_dir, device=settings.device,
         num_cpus=settings.replica_cpus, num_gpus=settings.num_gpus, min_replicas=settings.min_replicas,
         max_replicas=settings.max_replicas, target_ongoing_requests=settings.target_ongoing_requests,
-        max_ongoing_requests=settings.max_ongoing_requests,
+        max_ongoing_requests=settings.max_ongoing_requests, log_level=settings.log_level,
     )
     try:
         serve_forever(config, settings.host, settings.port, settings.ray_cpus or None, settings.direct_ingress)
@@ -149,15 +165,24 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(serve)
     serve.set_defaults(func=_serve)
 
-    say = sub.add_parser("say", help="synthesize text to a WAV file through the engine worker")
-    say.add_argument("text")
-    say.add_argument("-o", "--output", default="out.wav")
-    say.add_argument("--engine", default="piper")
-    say.add_argument("--voice", default=None)
-    say.add_argument("--device", default="auto")
-    say.add_argument("--rate", type=float, default=1.0, help="speaking rate (2.0 is twice as fast)")
+    say = sub.add_parser(
+        "say", help="synthesize text to a WAV file through the engine worker",
+        description="Synthesize text to a WAV file through the engine worker, and print the time to the first "
+        "chunk and the real-time factor. The engine's other settings come from VOXGATE_* variables, as for serve.",
+    )
+    say.add_argument("text", help="what to say")
+    say.add_argument("-o", "--output", default="out.wav", metavar="FILE", help="the WAV file to write (default out.wav)")
+    say.add_argument("--engine", default=Settings.engine, choices=ENGINES,
+                     help=f"speech engine; tone is a test engine (default {Settings.engine})")
+    say.add_argument("--voice", default=Settings.voice, metavar="NAME",
+                     help="a voice of the engine, or a Piper .onnx path (default the engine's: joe for piper)")
+    say.add_argument("--device", default=Settings.device, choices=DEVICES,
+                     help=f"where the engine runs (default {Settings.device})")
+    say.add_argument("--rate", type=float, default=1.0, metavar="X",
+                     help=f"speaking rate, {RATE_RANGE[0]:g} to {RATE_RANGE[1]:g}; 2 is twice as fast (default 1)")
     say.add_argument("--stream", action="store_true", help="feed the text word by word, like LLM tokens")
-    say.add_argument("--tokens-per-s", type=float, default=30.0)
+    say.add_argument("--tokens-per-s", type=float, default=30.0, metavar="N",
+                     help="with --stream: words per second, 0.5 to 1000 (default 30)")
     say.set_defaults(func=lambda a: asyncio.run(_say_async(a)))
 
     engine = sub.add_parser("engine", help="the engine pool on Ray Serve (needs pip install 'voxgate[scale]')")

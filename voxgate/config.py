@@ -1,8 +1,15 @@
-"""Gateway settings: one dataclass, filled from CLI flags and VOXGATE_* environment variables.
+"""Voxgate's settings: the one place every setting is defined, and the only module that reads the environment.
 
-Every flag `--some-name` also reads `VOXGATE_SOME_NAME`; a flag given on the
-command line wins over the environment. Repeatable flags take a
-comma-separated list from the environment.
+Each setting is a field of `Settings` (or `PoolSettings`), written once: its
+default, where `--help` lists it, its one-line help, and the values it may
+take. Every flag `--some-name` also reads `VOXGATE_SOME_NAME` (the pool's,
+`VOXGATE_POOL_SOME_NAME`); a flag given on the command line wins over the
+environment, and repeatable flags take a comma-separated list from it.
+`check()` refuses any value outside its range before anything loads; the
+command line exits with status 2, naming the flag and its range.
+
+The modules that act on a setting take their defaults and choices from here,
+so this module imports nothing of the product: configuration is a leaf.
 
 Secrets (API keys, the token and TURN secrets, the Twilio auth token) can come
 from a file too (`--api-key-file`, ...), so they never show in `ps`; a secret
@@ -15,111 +22,280 @@ import argparse
 import ipaddress
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any
 from urllib.parse import urlsplit
 
-from .engine.base import DEFAULT_PRIOR_PRECISION, PRIOR_PRECISIONS  # light: numpy only
-from .engine.other_load import SPIN_POLICIES  # light: imports nothing of onnxruntime
-from .gateway.fec import SIGNAL_POLICIES  # light: imports no aiortc
-from .gateway.heap import YOUNG_THRESHOLD_RANGE  # light: the standard library
-from .gateway.encode_pool import parse_threads  # light: the standard library
-from .gateway.priority import MEDIA_PRIORITIES  # light: os and logging
-
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-RTP_SENDERS = ("voxgate", "aiortc")  # gateway/rtp_send.py
 # Settings that hold secrets: each also has a `<name>_file` setting.
 SECRETS = ("api_key", "token_secret", "turn_secret", "twilio_auth_token")
+
+# The values some settings choose among; the modules that act on them import these.
+ENGINES = ("piper", "tone", "torch", "cosyvoice2")  # engine/registry.py
+DEVICES = ("auto", "cpu", "cuda")
+SPIN_POLICIES = ("auto", "always", "never")  # engine/other_load.py
+PRIOR_PRECISIONS = ("int8", "float32")  # engine/graph_quant.py
+SIGNAL_POLICIES = ("auto", "voice", "music")  # gateway/fec.py
+RTP_SENDERS = ("voxgate", "aiortc")  # gateway/rtp_send.py
+MEDIA_PRIORITIES = ("normal", "realtime")  # gateway/priority.py
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+MAX_ENCODE_THREADS = 64  # gateway/encode_pool.py
+RATE_RANGE = (0.25, 4.0)  # speaking rates a client (session.update) or `voxgate say --rate` may ask for
+# --gc-young-threshold (gateway/heap.py): below 50 a young collection runs every few frames' worth of
+# objects; above 100,000 the young set, and so each pause, grows past anything measured.
+YOUNG_THRESHOLD_RANGE = (50, 100000)
+
+# Where `voxgate serve --help` lists a setting, in this order.
+LISTENING = "listening"
+ACCESS = "access"
+VOICE = "voice"
+MEDIA = "media"
+LIMITS = "limits"
+FLEET = "fleet"
+TUNING = "tuning"
+LOGGING = "logging"
+GROUPS = {
+    LISTENING: "where HTTP and media listen",
+    ACCESS: "who may use the server",
+    VOICE: "the engine and its voices",
+    MEDIA: "outbound Opus and barge-in",
+    LIMITS: "sessions, messages and time",
+    FLEET: "several gateways sharing sessions through Redis",
+    TUNING: "threads, scheduling and memory; the defaults suit most machines",
+    LOGGING: "log lines",
+}
+SETTINGS_DOC = "docs/settings.md"
+# --help fits each flag on one line of this many columns.
+HELP_WIDTH = 120
 
 
 class ConfigError(ValueError):
     """A setting that cannot work; the message says what to do."""
 
 
+def threads_or_every_core(threads: int | float | None = 0) -> int:
+    """A thread count where 0 (or None) means every core: the one place that rule is resolved."""
+    count = int(threads or 0)
+    return count if count > 0 else (os.cpu_count() or 1)
+
+
+def setting(
+    default: Any,
+    group: str,
+    help: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    zero: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    shown: str | None = None,
+    metavar: str | None = None,
+) -> Any:
+    """One setting: its default (written only here), its --help group and one line of help, and its range.
+
+    `low`..`high` bound a number; `zero` says what 0 means where 0 is allowed outside that range;
+    `choices` lists the allowed words (with `low`/`high` too: a word or a number); `shown` is how
+    --help and the README show a default that is not a plain value.
+    """
+    meta = {"group": group, "help": help, "low": low, "high": high, "zero": zero, "choices": choices,
+            "shown": shown, "metavar": metavar}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def default_of(f: Field) -> Any:
+    return f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+
+
+def shown_default(f: Field) -> str:
+    """A setting's default the way --help and the README show it."""
+    if f.metadata.get("shown"):
+        return f.metadata["shown"]
+    value = default_of(f)
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None or value == []:
+        return "none"
+    return _number(value)
+
+
+def _number(value: float) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def allowed_values(f: Field) -> str | None:
+    """What a setting may be, in words: '1 to 65535', 'auto, always or never', '0, or 50 to 100000'."""
+    m = f.metadata
+    parts = []
+    if m.get("choices"):
+        parts.append(", ".join(m["choices"]))
+    if m.get("low") is not None:
+        span = f"{_number(m['low'])} to {_number(m['high'])}"
+        parts.append(f"0 ({m['zero']}), or {span}" if m.get("zero") else span)
+    return " or ".join(parts) or None
+
+
+def _check_field(f: Field, value: Any) -> None:
+    m = f.metadata
+    choices, low = m.get("choices"), m.get("low")
+    if choices is None and low is None:
+        return
+    flag = flag_of(f.name)
+    if isinstance(value, str) and choices is not None:
+        word = value.upper() if choices is LOG_LEVELS else value
+        if word in choices:
+            return
+        if low is None:
+            raise ConfigError(f"{flag} {value!r}: choose one of {', '.join(choices)}")
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise ConfigError(f"{flag} {value!r}: give {allowed_values(f)}") from None
+    number_ok = (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        and (isinstance(value, int) or isinstance(default_of(f), float))
+    )
+    if not number_ok or not ((value == 0 and m.get("zero")) or low <= value <= m["high"]):
+        raise ConfigError(f"{flag} {value!r}: give {allowed_values(f)}")
+
+
+def check_ranges(settings: Any) -> None:
+    """Every setting inside its range, before anything loads; raises ConfigError naming the flag and the range."""
+    for f in fields(settings):
+        _check_field(f, getattr(settings, f.name))
+
+
+def bounds(kind: type, name: str) -> tuple[float, float]:
+    """A number setting's range, for the modules that check the same quantity from clients."""
+    meta = next(f for f in fields(kind) if f.name == name).metadata
+    return meta["low"], meta["high"]
+
+
 @dataclass
 class Settings:
-    host: str = "127.0.0.1"
-    port: int = 8080
-    # ICE
-    ice_host: list[str] = field(default_factory=list)
-    ice_server: list[str] = field(default_factory=list)
-    ice_allow: list[str] = field(default_factory=list)
+    """`voxgate serve`. Each field: setting(default, group, one line of help, range); details in docs/settings.md."""
+
+    host: str = setting("127.0.0.1", LISTENING, "address HTTP listens on (beyond loopback: needs an API key)", metavar="ADDR")
+    port: int = setting(8080, LISTENING, "port HTTP listens on", low=1, high=65535, zero="a free one")
+    ice_host: list[str] = setting([], LISTENING, "offer only this address for media (repeatable)",
+                                  shown="loopback if --host is", metavar="ADDR")
+    ice_server: list[str] = setting([], LISTENING, "STUN/TURN URL, e.g. turn:user:pass@host:3478 (repeatable)",
+                                    metavar="URL")
+    ice_allow: list[str] = setting([], LISTENING, "remote candidates' network: CIDR, public (repeatable)",
+                                   shown="public, --ice-host's", metavar="CIDR")
+    public_url: str | None = setting(None, LISTENING, "the URL clients reach this server at (Twilio signatures)", metavar="URL")
+    web: bool = setting(True, LISTENING, "serve the bundled page at /")
     # Speech
-    engine: str = "piper"
-    voice: str | None = None
-    voice_dir: str | None = None
-    device: str = "auto"
-    engine_parallel: int = 0  # 0: chosen per engine
-    engine_threads: int = 0  # 0: chosen per engine
-    engine_spin: str = "auto"
-    engine_prior_precision: str = DEFAULT_PRIOR_PRECISION
-    first_unit_timeout_ms: int = 350
+    engine: str = setting("piper", VOICE, "speech engine; tone is a test engine", choices=ENGINES)
+    voice: str | None = setting(None, VOICE, "default voice: a name, or a Piper .onnx path",
+                                shown="the engine's: joe for piper", metavar="NAME")
+    voice_dir: str | None = setting(None, VOICE, "folder of Piper .onnx voices clients may choose by name", metavar="DIR")
+    device: str = setting("auto", VOICE, "where the engine runs", choices=DEVICES)
+    first_unit_timeout_ms: int = setting(350, VOICE, "speak first words after this long without a clause end",
+                                         low=20, high=10000)
     # An engine pool (engine/pool.py) to synthesize on instead of a local worker.
-    engine_url: str | None = None
+    engine_url: str | None = setting(None, VOICE, "an engine pool on Ray Serve to synthesize on",
+                                     shown="a local worker", metavar="URL")
     # Send streams straight to the pool's replicas when it lists them (Serve's direct ingress).
-    engine_direct: bool = True
+    engine_direct: bool = setting(True, VOICE, "with --engine-url: streams go straight to the replicas")
+    # The cosyvoice2 engine (engine/cosyvoice2.py): a model directory and a zero-shot prompt or a built-in speaker.
+    cosyvoice_model: str | None = setting(None, VOICE, "cosyvoice2: the model directory", metavar="DIR")
+    cosyvoice_prompt_wav: str | None = setting(None, VOICE, "cosyvoice2: a zero-shot prompt, 16 kHz speech", metavar="FILE")
+    cosyvoice_prompt_text: str = setting("", VOICE, "cosyvoice2: the prompt's transcript", metavar="TEXT")
+    cosyvoice_speaker: str | None = setting(None, VOICE, "cosyvoice2: a built-in speaker of an SFT model", metavar="NAME")
     # Outbound Opus
-    opus_bitrate: int = 32000
-    opus_fec: bool = True
-    opus_dtx: bool = False
-    opus_dtx_when_asked: bool = True
-    opus_complexity: int = 0
-    opus_signal: str = "auto"
-    # Who builds the speech track's RTP packets (gateway/rtp_send.py).
-    rtp_sender: str = "voxgate"
-    # How the OS schedules the event loop and the threads it waits on (gateway/priority.py).
-    media_priority: str = "normal"
-    # Threads that resample and encode speech; 0, the default: on the event loop (gateway/encode_pool.py).
-    encode_threads: str = "0"
-    # At the latest, seconds between full garbage collections; 0: CPython's own schedule (gateway/heap.py).
-    full_gc_interval_s: float = 300.0
-    # New container objects between young garbage collections; 0: CPython's default (gateway/heap.py).
-    gc_young_threshold: int = 200
+    opus_bitrate: int = setting(32000, MEDIA, "outbound Opus bitrate, bit/s", low=6000, high=510000)
+    opus_fec: bool = setting(True, MEDIA, "Opus in-band forward error correction (when coded as voice)")
+    opus_dtx: bool = setting(False, MEDIA, "libopus DTX for every listener, inside utterances too")
+    opus_dtx_when_asked: bool = setting(True, MEDIA, "keep-alives between utterances to listeners asking for DTX")
+    opus_complexity: int = setting(0, MEDIA, "Opus encoder complexity", low=0, high=10)
+    opus_signal: str = setting("auto", MEDIA, "code speech as music, voice (FEC), or auto: by loss",
+                               choices=SIGNAL_POLICIES)
     # Barge-in defaults for new sessions
-    vad: bool = True
-    vad_aggressiveness: int = 2
-    vad_min_speech_ms: int = 200
+    vad: bool = setting(True, MEDIA, "barge-in by voice for new sessions")
+    vad_aggressiveness: int = setting(2, MEDIA, "webrtcvad mode for new sessions", low=0, high=3)
+    vad_min_speech_ms: int = setting(200, MEDIA, "speech heard before a barge-in fires", low=20, high=5000)
     # Sessions and limits
-    max_sessions: int = 200
-    max_sessions_per_key: int = 50
-    idle_timeout_s: float = 300.0
-    session_lifetime_s: float = 3600.0
-    max_text_chars: int = 4000  # per message
-    max_utterance_chars: int = 20000
-    max_message_bytes: int = 65536
-    max_messages_per_s: float = 200.0
-    max_queued_utterances: int = 32
-    drain_timeout_s: float = 10.0
-    connect_timeout_s: float = 20.0
-    max_sessions_per_address: int = 10
-    max_anonymous_sessions: int = 0  # 0: half of --max-sessions with API keys, all without
-    trusted_proxy: list[str] = field(default_factory=list)
-    tts_max_concurrent: int = 4
-    tts_max_concurrent_per_key: int = 2
-    tts_max_audio_s: float = 300.0
-    telephony_start_timeout_s: float = 10.0
+    max_sessions: int = setting(200, LIMITS, "sessions at once, in total; more get 503", low=1, high=100000)
+    max_sessions_per_key: int = setting(50, LIMITS, "sessions at once per API key", low=1, high=100000)
+    max_anonymous_sessions: int = setting(0, LIMITS, "sessions made without key or token", low=1, high=100000,
+                                          zero="half with keys")
+    max_sessions_per_address: int = setting(10, LIMITS, "sessions one address may make without a token",
+                                            low=1, high=100000, zero="no limit")
+    idle_timeout_s: float = setting(300.0, LIMITS, "close a session after this long without activity",
+                                    low=1.0, high=86400.0)
+    session_lifetime_s: float = setting(3600.0, LIMITS, "close a session after this long in any case", low=1.0, high=604800.0)
+    connect_timeout_s: float = setting(20.0, LIMITS, "close a WebRTC session not connected by then",
+                                       low=1.0, high=3600.0)
+    drain_timeout_s: float = setting(10.0, LIMITS, "on SIGTERM, time current utterances may take to finish", low=0.0, high=3600.0)
+    max_text_chars: int = setting(4000, LIMITS, "characters of text per message", low=1, high=1000000)
+    max_utterance_chars: int = setting(20000, LIMITS, "characters of text per utterance", low=1, high=10000000)
+    max_message_bytes: int = setting(65536, LIMITS, "bytes per data-channel or WebSocket message", low=1024, high=16777216)
+    max_messages_per_s: float = setting(200.0, LIMITS, "messages per second per connection", low=1.0, high=100000.0)
+    max_queued_utterances: int = setting(32, LIMITS, "utterances waiting per session", low=1, high=10000)
+    tts_max_concurrent: int = setting(4, LIMITS, "POST /v1/tts requests synthesizing at once", low=1, high=10000)
+    tts_max_concurrent_per_key: int = setting(2, LIMITS, "POST /v1/tts requests at once per key or address",
+                                              low=1, high=10000)
+    tts_max_audio_s: float = setting(300.0, LIMITS, "audio seconds one POST /v1/tts request may make", low=1.0, high=86400.0)
+    telephony_start_timeout_s: float = setting(10.0, LIMITS, "close a Twilio stream without 'start' by then",
+                                               low=1.0, high=600.0)
     # Access
-    api_key: list[str] = field(default_factory=list)
-    api_key_file: str | None = None
-    allow_no_auth: bool = False
-    allowed_host: list[str] = field(default_factory=list)
-    public_url: str | None = None
-    token_secret: str | None = None
-    token_secret_file: str | None = None
-    require_token: bool = False
-    token_ttl_s: int = 300
-    cors_origin: list[str] = field(default_factory=list)
-    turn_secret: str | None = None
-    turn_secret_file: str | None = None
-    turn_ttl_s: int = 600
-    twilio_auth_token: str | None = None
-    twilio_auth_token_file: str | None = None
-    web: bool = True
+    api_key: list[str] = setting([], ACCESS, "API key for backends (repeatable; ps shows it: use the file)",
+                                 metavar="KEY")
+    api_key_file: str | None = setting(None, ACCESS, "file with one API key per line", metavar="FILE")
+    allow_no_auth: bool = setting(False, ACCESS, "listen beyond loopback without an API key")
+    allowed_host: list[str] = setting([], ACCESS, "host name the server answers to (repeatable)",
+                                      shown="loopback's if --host is", metavar="NAME")
+    trusted_proxy: list[str] = setting([], ACCESS, "proxy whose X-Forwarded-For names the client (repeatable)",
+                                       metavar="CIDR")
+    cors_origin: list[str] = setting([], ACCESS, "browser Origin allowed to call the API (repeatable)",
+                                     shown="same origin", metavar="ORIGIN")
+    require_token: bool = setting(False, ACCESS, "browsers need a client token from POST /v1/sessions")
+    token_secret: str | None = setting(None, ACCESS, "secret that signs client tokens", shown="random per process",
+                                       metavar="SECRET")
+    token_secret_file: str | None = setting(None, ACCESS, "file holding --token-secret", metavar="FILE")
+    token_ttl_s: int = setting(300, ACCESS, "lifetime of client tokens, s", low=10, high=604800)
+    turn_secret: str | None = setting(None, ACCESS, "coturn REST secret: short-lived TURN credentials", metavar="SECRET")
+    turn_secret_file: str | None = setting(None, ACCESS, "file holding --turn-secret", metavar="FILE")
+    turn_ttl_s: int = setting(600, ACCESS, "lifetime of TURN credentials, s", low=60, high=604800)
+    twilio_auth_token: str | None = setting(None, ACCESS, "Twilio auth token: check X-Twilio-Signature", metavar="SECRET")
+    twilio_auth_token_file: str | None = setting(None, ACCESS, "file holding --twilio-auth-token", metavar="FILE")
     # Fleet: the session directory in Redis (signaling/fleet.py); off without --redis-url.
-    redis_url: str | None = None
-    advertise_url: str | None = None
-    directory_ttl_s: float = 15.0
-    log_level: str = "INFO"
-    log_json: bool = False
+    redis_url: str | None = setting(None, FLEET, "Redis holding the fleet's session directory (none: standalone)",
+                                    metavar="URL")
+    advertise_url: str | None = setting(None, FLEET, "this gateway's URL as others reach it (with --redis-url)",
+                                        metavar="URL")
+    directory_ttl_s: float = setting(15.0, FLEET, "a directory record outlives its gateway by at most this",
+                                     low=1.0, high=3600.0)
+    # Tuning
+    engine_parallel: int = setting(0, TUNING, "synthesis steps the worker runs at once", low=1, high=1024,
+                                   zero="a core each, torch 1")
+    engine_threads: int = setting(0, TUNING, "most threads one synthesis step may use", low=1, high=1024, zero="every core")
+    engine_spin: str = setting("auto", TUNING, "piper: spin between ops on an idle machine",
+                               choices=SPIN_POLICIES)
+    engine_prior_precision: str = setting("int8", TUNING, "piper on the CPU: the prior's precision",
+                                          choices=PRIOR_PRECISIONS)
+    # Who builds the speech track's RTP packets (gateway/rtp_send.py).
+    rtp_sender: str = setting("voxgate", TUNING, "who builds the speech RTP packets", choices=RTP_SENDERS)
+    # How the OS schedules the event loop and the threads it waits on (gateway/priority.py).
+    media_priority: str = setting("normal", TUNING, "realtime: SCHED_FIFO for the event loop",
+                                  choices=MEDIA_PRIORITIES)
+    # Threads that resample and encode speech; 0: on the event loop (gateway/encode_pool.py).
+    encode_threads: str = setting("0", TUNING, "threads encoding speech (0: on the event loop)",
+                                  choices=("auto",), low=0, high=MAX_ENCODE_THREADS, metavar="N")
+    # At the latest, seconds between full garbage collections; 0: CPython's own schedule (gateway/heap.py).
+    full_gc_interval_s: float = setting(300.0, TUNING, "longest time between full garbage collections",
+                                        low=1.0, high=86400.0, zero="CPython's")
+    # New container objects between young garbage collections; 0: CPython's default (gateway/heap.py).
+    gc_young_threshold: int = setting(200, TUNING, "new objects between young garbage collections",
+                                      low=YOUNG_THRESHOLD_RANGE[0], high=YOUNG_THRESHOLD_RANGE[1], zero="CPython's")
+    log_level: str = setting("INFO", LOGGING, "log level, here and in the engine worker", choices=LOG_LEVELS)
+    log_json: bool = setting(False, LOGGING, "one JSON object per log line")
 
     @property
     def loopback(self) -> bool:
@@ -130,6 +306,16 @@ class Settings:
             return ipaddress.ip_address(self.host).is_loopback
         except ValueError:
             return False
+
+    @property
+    def ice_hosts(self) -> list[str]:
+        """The addresses offered for media: --ice-host, else loopback on a loopback bind (only local
+        clients can reach the signaling, and aioice never offers loopback itself), else every interface ([])."""
+        if self.ice_host:
+            return list(self.ice_host)
+        if self.loopback:
+            return ["::1"] if self.host == "::1" else ["127.0.0.1"]
+        return []
 
     @property
     def anonymous_budget(self) -> int:
@@ -148,40 +334,14 @@ class Settings:
         return ["*"]
 
     def check(self) -> None:
-        """Refuse settings that would expose the server; raises ConfigError saying what to do."""
+        """Refuse settings out of range or that would expose the server; raises ConfigError saying what to do."""
+        check_ranges(self)
         if not self.loopback and not self.api_key and not self.allow_no_auth:
             raise ConfigError(
                 f"refusing to listen on {self.host} without an API key: anyone who reaches that address "
                 "could create sessions, read them and use the engine. Set keys with --api-key-file FILE "
                 "or VOXGATE_API_KEY (and consider --require-token), or pass --allow-no-auth to serve "
                 "it open on purpose."
-            )
-        if self.engine_spin not in SPIN_POLICIES:
-            raise ConfigError(f"--engine-spin {self.engine_spin!r}: choose one of {', '.join(SPIN_POLICIES)}")
-        if self.engine_prior_precision not in PRIOR_PRECISIONS:
-            raise ConfigError(
-                f"--engine-prior-precision {self.engine_prior_precision!r}: choose one of {', '.join(PRIOR_PRECISIONS)}"
-            )
-        if self.opus_signal not in SIGNAL_POLICIES:
-            raise ConfigError(f"--opus-signal {self.opus_signal!r}: choose one of {', '.join(SIGNAL_POLICIES)}")
-        if self.rtp_sender not in RTP_SENDERS:
-            raise ConfigError(f"--rtp-sender {self.rtp_sender!r}: choose one of {', '.join(RTP_SENDERS)}")
-        if self.media_priority not in MEDIA_PRIORITIES:
-            raise ConfigError(f"--media-priority {self.media_priority!r}: choose one of {', '.join(MEDIA_PRIORITIES)}")
-        try:
-            parse_threads(self.encode_threads)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        if not (math.isfinite(self.full_gc_interval_s) and (self.full_gc_interval_s == 0 or 1.0 <= self.full_gc_interval_s <= 86400.0)):
-            raise ConfigError(
-                f"--full-gc-interval-s {self.full_gc_interval_s!r}: give seconds from 1 to 86400, or 0 to leave full "
-                "garbage collections to CPython's own schedule"
-            )
-        if not isinstance(self.gc_young_threshold, int) or isinstance(self.gc_young_threshold, bool) or not (
-                self.gc_young_threshold == 0 or YOUNG_THRESHOLD_RANGE[0] <= self.gc_young_threshold <= YOUNG_THRESHOLD_RANGE[1]):
-            raise ConfigError(
-                f"--gc-young-threshold {self.gc_young_threshold!r}: give a count of new objects from "
-                f"{YOUNG_THRESHOLD_RANGE[0]} to {YOUNG_THRESHOLD_RANGE[1]}, or 0 to keep CPython's young collections"
             )
         self._check_fleet()
         if self.engine_url is not None:
@@ -191,11 +351,25 @@ class Settings:
                     f"--engine-url {self.engine_url!r} is not an http(s) URL; give the pool's Serve ingress, "
                     "e.g. http://pool:8000/"
                 )
-        for value in self.trusted_proxy:
+        for value in self.ice_host:
             try:
-                ipaddress.ip_network(value, strict=False)
+                ipaddress.ip_address(value)
             except ValueError:
-                raise ConfigError(f"--trusted-proxy {value!r} is not a network; use CIDR such as 10.0.0.0/8") from None
+                raise ConfigError(f"--ice-host {value!r} is not an IP address; give one of this machine's, e.g. 127.0.0.1") from None
+        for name in ("ice_allow", "trusted_proxy"):
+            for value in getattr(self, name):
+                if name == "ice_allow" and value == "public":
+                    continue
+                try:
+                    ipaddress.ip_network(value, strict=False)
+                except ValueError:
+                    raise ConfigError(
+                        f"{flag_of(name)} {value!r} is not a network; use CIDR such as 10.0.0.0/8"
+                        + (" or 'public'" if name == "ice_allow" else "")
+                    ) from None
+        for value in self.ice_server:
+            if value.partition(":")[0] not in ("stun", "turn", "turns"):
+                raise ConfigError(f"--ice-server {value!r} must start with stun:, turn: or turns:")
 
     def _check_fleet(self) -> None:
         if not self.redis_url:
@@ -213,8 +387,16 @@ class Settings:
                 f"--advertise-url {self.advertise_url!r} must be this gateway's own base URL, http(s)://HOST:PORT, "
                 "with no path; the other gateways send it the requests about its sessions"
             )
-        if not (math.isfinite(self.directory_ttl_s) and self.directory_ttl_s >= 1.0):
-            raise ConfigError("--directory-ttl-s must be at least 1 second; records are refreshed every third of it")
+
+    @property
+    def engine_options(self) -> dict:
+        """The engine constructor's keyword arguments that settings of that engine alone give."""
+        if self.engine == "piper":
+            return {"spin": self.engine_spin, "prior_precision": self.engine_prior_precision}
+        if self.engine == "cosyvoice2":
+            return {"model_dir": self.cosyvoice_model, "prompt_wav": self.cosyvoice_prompt_wav,
+                    "prompt_text": self.cosyvoice_prompt_text, "speaker": self.cosyvoice_speaker}
+        return {}
 
     @property
     def parallel(self) -> int:
@@ -222,125 +404,49 @@ class Settings:
         # a time with every core; onnxruntime voices run one synthesis per core.
         if self.engine_parallel:
             return self.engine_parallel
-        return 1 if self.engine == "torch" else (os.cpu_count() or 1)
+        return 1 if self.engine == "torch" else threads_or_every_core(0)
 
     @property
     def threads(self) -> int:
         # The most threads one synthesis step may use. Every core: torch runs each
         # batched pass on all of them; piper uses all of them for a step that runs
         # alone and urgent (a first window) and one per step under load.
-        if self.engine_threads:
-            return self.engine_threads
-        return os.cpu_count() or 1
+        return threads_or_every_core(self.engine_threads)
 
 
-_HELP = {
-    "host": "address the HTTP server listens on",
-    "port": "port the HTTP server listens on",
-    "ice_host": "offer only this local address as ICE host candidate (repeatable; default: every interface)",
-    "ice_server": "STUN/TURN server URL, e.g. turn:user:pass@turn.example.com:3478 (repeatable; default none)",
-    "ice_allow": "network remote ICE candidates may come from, CIDR or 'public' (repeatable; default: public "
-    "addresses plus the networks of --ice-host)",
-    "engine": "speech engine: piper (embedded voice), tone (test engine), torch, cosyvoice2",
-    "voice": "default voice: 'joe' (embedded), a voice of --voice-dir, or the path of a Piper .onnx voice",
-    "voice_dir": "directory of Piper .onnx voices (with their .onnx.json) clients may choose by name",
-    "device": "where the engine runs: auto, cpu or cuda",
-    "engine_parallel": "synthesis steps the worker runs at once (0: one per core; 1 for torch, which batches)",
-    "engine_threads": "most intra-op threads one synthesis step may use (0: every core; piper gives them to a "
-    "step that runs alone and one each to steps under load)",
-    "engine_spin": "piper, in the local worker: whether onnxruntime's threads spin between the ops of a step on every "
-    "core: auto (when that step runs alone and other processes keep at most 0.35 of a core busy: about a tenth off a "
-    "long sentence's first chunk on an idle machine, where spinning beside a busy process made it 1.5x slower; costs "
-    "a second copy of the every-core sessions' memory), always, or never (an engine pool, --engine-url, runs auto)",
-    "engine_prior_precision": "piper on the CPU, in the local worker: int8 runs the prior's convolutions as "
-    "8-bit integer products (the prior, which a sentence's first audio waits for; the flow and decoder that make the "
-    "audio stay float32), checked against float32 when a voice loads, which adds under a second to it; float32 keeps "
-    "the prior in float32 (an engine pool, --engine-url, runs int8)",
-    "first_unit_timeout_ms": "speak the first words after this long even without a clause boundary",
-    "engine_url": "URL of an engine pool on Ray Serve (`voxgate engine serve`, a KubeRay RayService), e.g. "
-    "http://pool:8000/: synthesis runs there instead of in a local worker process (--engine, --voice and "
-    "--device are then the pool's settings)",
-    "engine_direct": "with --engine-url: send each stream straight to a pool replica that listens itself (Serve's "
-    "direct ingress, which `voxgate engine serve` turns on), skipping the proxy's hop; the proxy still serves "
-    "when the pool lists no replicas or one cannot be reached",
-    "opus_bitrate": "outbound Opus bitrate in bit/s",
-    "opus_fec": "Opus in-band forward error correction",
-    "opus_dtx": "Opus discontinuous transmission for every listener, inside utterances too (libopus DTX)",
-    "opus_dtx_when_asked": "between utterances, send a silent keep-alive every 400 ms instead of silence every 20 ms "
-    "to listeners whose offer asks for DTX (usedtx=1 on its Opus format line, as the bundled page's does)",
-    "opus_complexity": "Opus encoder complexity 0..10 (0 costs a third of 5 with the same speech WER: bench/bench_opus_quality.py)",
-    "opus_signal": "what libopus codes speech as: music (CELT alone, a third of voice's cost per frame, the same speech "
-    "WER, no in-band FEC), voice (SILK or hybrid, with in-band FEC), or auto: music while the listener's RTCP reports "
-    "show no loss, voice from a report of 1 %% or more until 30 s after the last (with --no-opus-fec, auto is music)",
-    "rtp_sender": "who builds the speech track's RTP packets: voxgate (a header template per sender, a "
-    "fraction of aiortc's cost per frame) or aiortc (aiortc's own sender loop)",
-    "media_priority": "how the OS schedules the event loop and the threads it waits on (the engine "
-    "reader, /v1/tts formatting, and encoding threads with --encode-threads N): normal, or realtime (SCHED_FIFO at a low priority, so a woken loop gets a core at "
-    "once while other threads keep the cores busy; the engine worker stays normal; needs a real-time limit of 10, "
-    "e.g. docker run --ulimit rtprio=10 or ulimit -r 10, or CAP_SYS_NICE; keep --max-sessions within capacity, "
-    "since these threads come before synthesis)",
-    "encode_threads": "where speech is resampled and Opus-encoded: 0 (the default) on the event loop, whenever no "
-    "other callback waits; or on threads shared by every session: a count up to 64, or auto (one per core beyond the "
-    "event loop's, at least one), for one process that must use many cores (more CPU per session and more late "
-    "frames on 2 cores: docs/scaling.md)",
-    "full_gc_interval_s": "the longest time between full garbage collections, which stop every session's frames while "
-    "they run (35-151 ms at 80 sessions): the gateway runs one after 64 sessions close, when the last open one closes, "
-    "and at the latest after this many seconds, instead of when CPython's heuristic fires in the middle of speech; "
-    "0 leaves them to CPython (docs/scaling.md)",
-    "gc_young_threshold": "a young garbage collection (generation 0; generation 1 every 5th, before Python 3.14) "
-    "after this many more container objects were made than freed: each walks every young object still alive, and the "
-    "sessions' churn grows that set far past the count, so with CPython's 700 one took 5-10 ms with a tick's frames "
-    "behind it at 200-280 conversations on 2 cores with --media-priority realtime; smaller is shorter and more often; 0 keeps CPython's thresholds "
-    "(700 and 10, or 2000 and 10 from Python 3.13) (docs/scaling.md)",
-    "vad": "barge-in by voice on for new sessions",
-    "vad_aggressiveness": "webrtcvad mode 0..3 for new sessions",
-    "vad_min_speech_ms": "speech needed before a barge-in fires",
-    "max_sessions": "concurrent sessions in total; more are refused with 503",
-    "max_sessions_per_key": "concurrent sessions per API key",
-    "idle_timeout_s": "close a session after this long without messages or audio",
-    "session_lifetime_s": "close a session after this long in any case",
-    "max_text_chars": "characters of text per message",
-    "max_utterance_chars": "characters of text per utterance",
-    "max_message_bytes": "bytes per data-channel or WebSocket message",
-    "max_messages_per_s": "messages per second per connection",
-    "max_queued_utterances": "utterances waiting per session",
-    "drain_timeout_s": "on SIGTERM, how long current utterances may finish",
-    "connect_timeout_s": "close a WebRTC session whose peer has not connected after this long",
-    "max_sessions_per_address": "sessions one client address may make without a key or token (0: no limit; "
-    "loopback clients are not limited: behind a local proxy, set --trusted-proxy)",
-    "max_anonymous_sessions": "sessions made without a key or token, in total (0: half of --max-sessions "
-    "when API keys are set, else all)",
-    "trusted_proxy": "network of a reverse proxy whose X-Forwarded-For names the client (repeatable)",
-    "tts_max_concurrent": "POST /v1/tts requests synthesizing at once, in total",
-    "tts_max_concurrent_per_key": "POST /v1/tts requests at once per API key (per client address without keys)",
-    "tts_max_audio_s": "seconds of audio one POST /v1/tts request may produce",
-    "telephony_start_timeout_s": "close a Twilio stream that has not sent 'start' after this long",
-    "api_key": "API key for backend endpoints (repeatable); prefer VOXGATE_API_KEY or --api-key-file, "
-    "since flags show in ps",
-    "api_key_file": "file with one API key per line",
-    "allow_no_auth": "allow listening on a non-loopback address without an API key",
-    "allowed_host": "host name the server answers to (repeatable; default: loopback names when bound to "
-    "loopback, else any)",
-    "public_url": "the URL clients reach this server at, e.g. https://voice.example.com (Twilio signatures)",
-    "token_secret": "secret that signs browser tokens (default: random per process)",
-    "token_secret_file": "file holding --token-secret",
-    "require_token": "browsers need a token from POST /v1/sessions to connect",
-    "token_ttl_s": "lifetime of browser tokens",
-    "cors_origin": "Origin allowed to call the HTTP API from a browser (repeatable; default: same origin)",
-    "turn_secret": "coturn REST-auth shared secret; enables short-lived TURN credentials",
-    "turn_secret_file": "file holding --turn-secret",
-    "twilio_auth_token": "Twilio auth token: when set, X-Twilio-Signature is verified on telephony streams",
-    "twilio_auth_token_file": "file holding --twilio-auth-token",
-    "turn_ttl_s": "lifetime of issued TURN credentials",
-    "web": "serve the bundled page at /",
-    "redis_url": "Redis holding the fleet's session directory, redis://HOST:PORT/DB; any gateway then answers "
-    "about any session (default: none, a standalone gateway)",
-    "advertise_url": "this gateway's base URL as the other gateways reach it, e.g. http://10.0.0.5:8080 "
-    "(required with --redis-url)",
-    "directory_ttl_s": "a directory record outlives its gateway by at most this long; refreshed every third of it",
-    "log_level": "DEBUG, INFO, WARNING or ERROR",
-    "log_json": "structured JSON log lines",
-}
+@dataclass
+class PoolSettings:
+    """`voxgate engine serve`: a local engine pool on Ray Serve (engine/pool.py)."""
+
+    host: str = setting("127.0.0.1", LISTENING, "address Serve's HTTP ingress listens on (0.0.0.0 in a container)",
+                        metavar="ADDR")
+    port: int = setting(8000, LISTENING, "port of Serve's HTTP ingress (gateways' --engine-url)",
+                        low=1, high=65535)
+    direct_ingress: bool = setting(True, LISTENING, "each replica also listens itself, so gateways skip the proxy's hop")
+    engine: str = setting(Settings.engine, VOICE, "speech engine each replica hosts", choices=ENGINES)
+    voice: str | None = setting(Settings.voice, VOICE, "default voice of each replica", shown="the engine's own: joe for piper",
+                                metavar="NAME")
+    voice_dir: str | None = setting(Settings.voice_dir, VOICE, "folder of Piper .onnx voices the replicas offer by name",
+                                    metavar="DIR")
+    device: str = setting(Settings.device, VOICE, "where each replica's engine runs", choices=DEVICES)
+    replica_cpus: float = setting(1.0, TUNING, "CPUs each replica reserves (one synthesis step per CPU)", low=0.01, high=1024.0)
+    num_gpus: float = setting(0.0, TUNING, "GPU each replica reserves; a fraction shares one GPU", low=0.0, high=64.0)
+    min_replicas: int = setting(1, TUNING, "replicas kept running", low=1, high=1000)
+    max_replicas: int = setting(1, TUNING, "most replicas the autoscaler starts", low=1, high=1000)
+    target_ongoing_requests: int = setting(16, TUNING, "streams per replica the autoscaler aims for", low=1, high=100000)
+    max_ongoing_requests: int = setting(64, TUNING, "most streams one replica takes at once", low=1, high=100000)
+    ray_cpus: int = setting(0, TUNING, "CPUs of the local Ray this command starts", low=1, high=4096, zero="every core")
+    log_level: str = setting(Settings.log_level, LOGGING, "log level of the replicas", choices=LOG_LEVELS)
+
+    def check(self) -> None:
+        check_ranges(self)
+        if not self.min_replicas <= self.max_replicas:
+            raise ConfigError("need 1 <= --min-replicas <= --max-replicas")
+        if not self.target_ongoing_requests <= self.max_ongoing_requests:
+            raise ConfigError("need 1 <= --target-ongoing-requests <= --max-ongoing-requests")
+
+
+_PREFIXES = {Settings: "VOXGATE_", PoolSettings: "VOXGATE_POOL_"}
 
 
 def _env_name(name: str, prefix: str = "VOXGATE_") -> str:
@@ -356,26 +462,75 @@ def _parse_bool(value: str) -> bool:
     raise ValueError(f"{value!r} is not a boolean; use true or false")
 
 
+def _parse_number(raw: str, kind: type) -> float:
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError("not a whole number" if kind is int else "not a number") from None
+
+
+def _metavar(f: Field) -> str:
+    if f.metadata.get("metavar"):
+        return f.metadata["metavar"]
+    if f.metadata.get("choices") and f.metadata.get("low") is None:
+        return "WORD"
+    return "S" if f.name.endswith("_s") else "MS" if f.name.endswith("_ms") else "N"
+
+
+def help_line(f: Field) -> str:
+    """One line of --help: what it does, its range, its default."""
+    m = f.metadata
+    if m.get("choices") and m.get("low") is None:
+        tail = f"{'|'.join(m['choices'])}; default {shown_default(f)}"
+    elif m.get("low") is not None:
+        tail = f"{_number(m['low'])}-{_number(m['high'])}{', 0: ' + m['zero'] if m.get('zero') else ''}; default {shown_default(f)}"
+    else:
+        tail = f"default {shown_default(f)}"
+    return f"{m['help']} [{tail}]".replace("%", "%%")
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """One line per flag: a wide help column, and `--[no-]name` for a switch."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=34, width=HELP_WIDTH)
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return "--[no-]" + action.option_strings[0][2:]
+        return super()._format_action_invocation(action)
+
+
 def add_arguments(parser: argparse.ArgumentParser, kind: type = None) -> None:
+    """The settings of `kind` as flags, grouped as GROUPS says, one line each."""
     kind = kind or Settings
-    helps, prefix = _SCHEMES[kind]
-    defaults = kind()
-    for f in fields(kind):
-        flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
-        help_text = helps.get(f.name, "") + f" [env {_env_name(f.name, prefix)}]"
+    prefix = _PREFIXES[kind]
+    parser.formatter_class = _HelpFormatter
+    parser.usage = "%(prog)s [flags]"
+    parser.description = (
+        f"Every flag --some-name is also read from the environment as {prefix}SOME_NAME (lists comma-separated); "
+        f"a flag wins. Values out of range stop the command with status 2. Details: {SETTINGS_DOC}."
+    )
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    by_group = sorted(fields(kind), key=lambda f: list(GROUPS).index(f.metadata["group"]))
+    for f in by_group:
+        name = f.metadata["group"]
+        if name not in groups:
+            groups[name] = parser.add_argument_group(f"{name} ({GROUPS[name]})")
+        group, flag, default = groups[name], flag_of(f.name), default_of(f)
         if isinstance(default, bool):
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_line(f))
         elif isinstance(default, list):
-            parser.add_argument(flag, dest=f.name, action="append", default=None, help=help_text)
+            group.add_argument(flag, dest=f.name, action="append", default=None, metavar=_metavar(f), help=help_line(f))
         else:
             arg_type = type(default) if default is not None else str
-            parser.add_argument(flag, dest=f.name, type=arg_type, default=None, help=help_text + f" (default {default})")
+            group.add_argument(flag, dest=f.name, type=arg_type, default=None, metavar=_metavar(f), help=help_line(f))
 
 
 def settings_from(args: argparse.Namespace | None = None, environ: dict | None = None, kind: type = None):
+    """Settings from flags, then VOXGATE_* variables, then defaults; raises ConfigError for a value that does not parse."""
     kind = kind or Settings
-    _, prefix = _SCHEMES[kind]
+    prefix = _PREFIXES[kind]
     environ = os.environ if environ is None else environ
     settings = kind()
     for f in fields(kind):
@@ -390,13 +545,13 @@ def settings_from(args: argparse.Namespace | None = None, environ: dict | None =
                 elif isinstance(current, list):
                     value = [v.strip() for v in raw.split(",") if v.strip()]
                 elif isinstance(current, int):
-                    value = int(raw)
+                    value = _parse_number(raw, int)
                 elif isinstance(current, float):
-                    value = float(raw)
+                    value = _parse_number(raw, float)
                 else:
                     value = raw
             except ValueError as exc:
-                raise SystemExit(f"{env}={raw!r}: {exc}") from None
+                raise ConfigError(f"{env}={raw!r}: {exc}") from None
         if value is not None:
             setattr(settings, f.name, value)
     if kind is Settings:
@@ -413,9 +568,9 @@ def _read_secret_files(settings: Settings) -> None:
             with open(path, encoding="utf-8") as f:
                 lines = [line.strip() for line in f.read().splitlines() if line.strip() and not line.startswith("#")]
         except OSError as exc:
-            raise SystemExit(f"--{name.replace('_', '-')}-file {path}: {exc.strerror or exc}") from None
+            raise ConfigError(f"{flag_of(name)}-file {path}: {exc.strerror or exc}") from None
         if not lines:
-            raise SystemExit(f"--{name.replace('_', '-')}-file {path} is empty; put the secret in it")
+            raise ConfigError(f"{flag_of(name)}-file {path} is empty; put the secret in it")
         if name == "api_key":
             settings.api_key = [*settings.api_key, *lines]
         else:
@@ -424,54 +579,5 @@ def _read_secret_files(settings: Settings) -> None:
 
 def secrets_on_command_line(argv: list[str]) -> list[str]:
     """Secret flags given on the command line, where every user of the machine can read them."""
-    flags = {"--" + name.replace("_", "-") for name in SECRETS}
+    flags = {flag_of(name) for name in SECRETS}
     return sorted({arg.split("=", 1)[0] for arg in argv if arg.split("=", 1)[0] in flags})
-
-
-@dataclass
-class PoolSettings:
-    """`voxgate engine serve`: a local engine pool on Ray Serve (engine/pool.py)."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    engine: str = "piper"
-    voice: str | None = None
-    voice_dir: str | None = None
-    device: str = "auto"
-    replica_cpus: float = 1.0
-    num_gpus: float = 0.0
-    min_replicas: int = 1
-    max_replicas: int = 1
-    target_ongoing_requests: int = 16
-    max_ongoing_requests: int = 64
-    ray_cpus: int = 0
-    direct_ingress: bool = True
-
-    def check(self) -> None:
-        if self.num_gpus < 0 or self.replica_cpus <= 0:
-            raise ConfigError("--num-gpus must be >= 0 and --replica-cpus > 0 (fractions share a device)")
-        if not 1 <= self.min_replicas <= self.max_replicas:
-            raise ConfigError("need 1 <= --min-replicas <= --max-replicas")
-        if not 1 <= self.target_ongoing_requests <= self.max_ongoing_requests:
-            raise ConfigError("need 1 <= --target-ongoing-requests <= --max-ongoing-requests")
-
-
-_POOL_HELP = {
-    "host": "address Serve's HTTP ingress listens on (0.0.0.0 in a container)",
-    "port": "port of Serve's HTTP ingress; gateways use --engine-url http://HOST:PORT/",
-    "engine": "speech engine each replica hosts: piper, tone (test engine), torch, cosyvoice2",
-    "voice": "default voice of each replica",
-    "voice_dir": "directory of Piper .onnx voices the replicas offer by name",
-    "device": "where each replica's engine runs: auto, cpu or cuda",
-    "replica_cpus": "CPUs each replica reserves (its scheduler runs one step per CPU)",
-    "num_gpus": "GPU each replica reserves; a fraction (0.25) puts several replicas on one GPU",
-    "min_replicas": "replicas kept running",
-    "max_replicas": "most replicas the autoscaler starts",
-    "target_ongoing_requests": "streams per replica the autoscaler aims for",
-    "max_ongoing_requests": "most streams one replica takes at once; more wait in Serve's queue",
-    "ray_cpus": "CPUs of the local Ray this command starts (0: every core)",
-    "direct_ingress": "each replica also listens itself (Serve's direct ingress, ports from 30000 on --host), so "
-    "gateways skip the proxy's hop of about 5 ms a request",
-}
-
-_SCHEMES = {Settings: (_HELP, "VOXGATE_"), PoolSettings: (_POOL_HELP, "VOXGATE_POOL_")}

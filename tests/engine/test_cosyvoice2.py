@@ -6,6 +6,7 @@ import sys
 import numpy as np
 import pytest
 
+from voxgate.config import settings_from
 from voxgate.engine import tone
 from voxgate.engine.base import EngineError, SynthesisOptions
 from voxgate.engine.client import EngineClient, EngineConfig
@@ -21,14 +22,16 @@ def stand_in(monkeypatch, tmp_path):
     monkeypatch.setenv("VOXGATE_COSYVOICE_MODEL", str(tmp_path))
     monkeypatch.setenv("VOXGATE_COSYVOICE_PROMPT_WAV", str(tmp_path / "prompt.wav"))
     monkeypatch.setenv("VOXGATE_COSYVOICE_PROMPT_TEXT", "a prompt")
-    yield
+    monkeypatch.setenv("VOXGATE_ENGINE", "cosyvoice2")
+    # The variables reach the engine as settings do, through voxgate/config.py.
+    yield settings_from().engine_options
     for name in list(sys.modules):
         if name.startswith("cosyvoice"):
             del sys.modules[name]
 
 
 def test_zero_shot_streams_chunks_with_words_timed(stand_in):
-    engine = CosyVoice2Engine(device="cpu")
+    engine = CosyVoice2Engine(device="cpu", **stand_in)
     engine.load()
     assert engine.sample_rate() == 24000 and engine.voices()[0] == "prompt"
     chunks = list(engine.synthesize("Hello from the stand-in.", SynthesisOptions()))
@@ -44,24 +47,22 @@ def test_zero_shot_streams_chunks_with_words_timed(stand_in):
 
 
 def test_builtin_speaker_uses_sft(stand_in):
-    engine = CosyVoice2Engine()
+    engine = CosyVoice2Engine(**stand_in)
     engine.load()
     chunks = list(engine.synthesize("Hi.", SynthesisOptions(voice="英文男")))
     assert tone.decode(np.concatenate([c.pcm for c in chunks]), 24000) == "Hi."
 
 
 def test_missing_model_dir_and_missing_package_say_what_to_do(monkeypatch):
-    monkeypatch.delenv("VOXGATE_COSYVOICE_MODEL", raising=False)
-    with pytest.raises(EngineError, match="VOXGATE_COSYVOICE_MODEL"):
+    with pytest.raises(EngineError, match="--cosyvoice-model DIR .*VOXGATE_COSYVOICE_MODEL"):
         CosyVoice2Engine().load()
-    monkeypatch.setenv("VOXGATE_COSYVOICE_MODEL", "/nonexistent")
     monkeypatch.setitem(sys.modules, "cosyvoice", None)
     with pytest.raises(EngineError, match="CosyVoice installed"):
-        CosyVoice2Engine().load()
+        CosyVoice2Engine(model_dir="/nonexistent").load()
 
 
 async def test_through_the_worker_process(stand_in):
-    client = EngineClient(EngineConfig(engine="cosyvoice2", parallel=1))
+    client = EngineClient(EngineConfig(engine="cosyvoice2", parallel=1, engine_options=stand_in))
     await client.start()
     try:
         assert client.info["engine"] == "cosyvoice2" and client.info["sample_rate"] == 24000
