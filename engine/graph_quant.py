@@ -280,5 +280,5 @@ def compare_priors(
         return f"{what}'s durations differ by {diff:.3f} frames per id (at most {max_duration_diff})"
     if snr < min_snr_db:
         return f"{what}'s latent means are {snr:.1f} dB from the reference (at least {min_snr_db:.0f})"
-    log.info("%s checked: durations %.3f frames per id and latent means %.1f dB from the reference", what, diff, snr)
+    log.debug("%s checked: durations %.3f frames per id and latent means %.1f dB from the reference", what, diff, snr)
     return ""

@@ -275,7 +275,7 @@ class PiperEngine(Engine):
                     self._step(job, run)
         if loaded.spinning:
             self._other_load = shared_other_load()
-        log.info(
+        log.debug(
             "piper voice %s loaded on %s (%s)", self.default_voice, self._providers[0], self.describe(loaded)
         )
 
@@ -307,6 +307,9 @@ class PiperEngine(Engine):
         info["spin"] = self.spin
         info["prior_precision"] = "int8" if loaded and loaded.int8_convs else "float32"
         info["max_batch"] = 1  # batching windows gave no gain on a CPU: steps run side by side instead
+        if loaded is not None:
+            info["device"] = self._providers[0].removesuffix("ExecutionProvider")
+            info["fast_paths"] = self.describe(loaded)
         return info
 
     # Stepwise API

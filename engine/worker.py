@@ -488,6 +488,7 @@ def run_worker(
         send(proto.Fatal(f"{type(exc).__name__}: {exc}"))
         return
     scheduler = Scheduler(engine, send=send, parallel=parallel)
+    log.debug("worker %d: engine %s loaded in %.2f s, %d step(s) at once", info["pid"], engine_name, info["load_s"], parallel)
     send(proto.Ready(info))
 
     def reader() -> None:

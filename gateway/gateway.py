@@ -112,7 +112,7 @@ class Gateway:
         if isinstance(rate, int) and rate > 0:
             # Measured once per pair of rates (a few ms of soxr): now, not on a first utterance's path.
             listener_lag_s(rate, OpusSettings().input_rate)
-        log.info("engine %s ready: %s", self.settings.engine, self.engine.info)
+        log.debug("engine %s ready: %s", self.settings.engine, self.engine.info)
 
     async def drain(self, timeout: float) -> None:
         """Stop taking sessions, let current utterances finish, then close every session."""

@@ -84,6 +84,11 @@ def _host_addresses_hook(use_ipv4: bool, use_ipv6: bool) -> list[str]:
     return out
 
 
+def offered_host_addresses() -> list[str]:
+    """The local addresses peers are offered as host candidates, as aioice will gather them now."""
+    return list(aioice.ice.get_host_addresses(use_ipv4=True, use_ipv6=True))
+
+
 def parse_ice_server(url: str) -> RTCIceServer:
     """`turn:user:pass@host:3478?transport=udp` style URLs; credentials optional."""
     username = credential = None

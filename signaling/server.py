@@ -9,6 +9,7 @@ import asyncio
 import ipaddress
 import logging
 import signal
+import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -17,7 +18,7 @@ from aiohttp import web
 from ..config import Settings
 from ..engine.client import EngineClient
 from ..gateway.errors import GatewayError
-from ..gateway import heap, priority
+from ..gateway import heap, ice, priority
 from ..gateway.encode_pool import encode_pool, parse_threads
 from ..gateway.gateway import Gateway
 from ..gateway.peer import PeerConnection
@@ -105,7 +106,8 @@ def _connect_deadline(app: web.Application, peer: PeerConnection, created: bool)
         session = peer.session
         if session.closed or gw.peers.get(session.id) is not peer or peer.pc.connectionState == "connected":
             return
-        log.info("session %s: no connection within %g s", session.id, timeout, extra={"session_id": session.id})
+        dropped = f" ({peer.dropped_candidates} of the offer's candidates were outside --ice-allow)" if peer.dropped_candidates else ""
+        log.info("session %s: no connection within %g s%s", session.id, timeout, dropped, extra={"session_id": session.id})
         session.emit({"type": "connection.state", "state": "timeout"})
         if created:
             asyncio.ensure_future(session.close(f"no connection within {timeout:g} s"))
@@ -336,25 +338,105 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
     return app
 
 
+def listen(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets for every address `host` names, on `port` (0: one free port for all).
+
+    Taken before the engine and the voice load, so a port in use is said at once; raises OSError."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(sockets) > 1:
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
+            sock.bind(address)
+            sock.listen(128)
+            sock.setblocking(False)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def _base_url(settings: Settings, port: int) -> str:
+    if settings.public_url:
+        return settings.public_url.rstrip("/")
+    host = settings.host
+    if host in ("0.0.0.0", "::", ""):
+        host = "<this machine's address>"
+    elif ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def _media_line(settings: Settings) -> tuple[int, str]:
+    """(level, what) about the addresses peers are offered for media (ICE host candidates)."""
+    offered = ice.offered_host_addresses()
+    if not offered:
+        return logging.WARNING, (
+            "media: no address to offer peers as an ICE candidate, so no WebRTC peer can connect; "
+            "give --ice-host with one of this machine's addresses")
+    if settings.ice_host:
+        how = "--ice-host"
+    elif settings.loopback:
+        how = "loopback, since HTTP listens on loopback; --ice-host ADDR offers another"
+    else:
+        how = "every interface; --ice-host ADDR offers fewer"
+    return logging.INFO, f"media (ICE) offered on {', '.join(offered)} ({how})"
+
+
+def _engine_line(settings: Settings, info: dict) -> str:
+    voices = info.get("voices") or []
+    voice = settings.voice or (voices[0] if voices else "its default")
+    where = f"the engine pool at {settings.engine_url}" if settings.engine_url else f"the {settings.engine} engine"
+    device = f" on {info['device']}" if info.get("device") else ""
+    load = f", loaded in {info['load_s']:.1f} s" if isinstance(info.get("load_s"), (int, float)) else ""
+    more = f" (+{len(voices) - 1} more voices)" if len(voices) > 1 else ""
+    return f"voice {voice} on {where}{device}{load}{more}"
+
+
+def _fast_paths_line(settings: Settings, info: dict) -> str:
+    paths = []
+    fast = info.get("fast_paths")
+    if fast:
+        paths.append(f"engine: {fast}")
+    paths.append("RTP packets from templates" if settings.rtp_sender == "voxgate" else "RTP through aiortc's sender (--rtp-sender aiortc)")
+    paths.append(f"encoding on {encode_pool.threads} thread(s)" if encode_pool.threads else "encoding on the event loop")
+    if settings.media_priority != "normal":
+        paths.append(f"{settings.media_priority} media priority")
+    return "fast paths: " + "; ".join(paths)
+
+
 async def serve(settings: Settings) -> None:
     """Run until SIGTERM or SIGINT, then drain: readiness goes false, new sessions are
     refused, current utterances get up to --drain-timeout-s to finish, then peers close."""
     settings.check()  # raises ConfigError before anything listens
-    # Before the engine worker starts and before any encoding thread: it follows the
-    # loop's thread, and the worker does not (raises PriorityError saying what to do).
-    priority.apply(settings.media_priority)
-    encode_pool.configure(parse_threads(settings.encode_threads))
-    where = f"on {encode_pool.threads} thread(s)" if encode_pool.threads else "on the event loop"
-    log.info("speech is encoded %s (--encode-threads %s)", where, settings.encode_threads)
-    if not encode_pool.threads and not hasattr(asyncio.get_running_loop(), "_ready"):
-        log.warning("this event loop (%s) does not show its waiting callbacks, so encoding on it cannot give way "
-                    "to them and frames may go late; give --encode-threads auto", type(asyncio.get_running_loop()).__name__)
-    app = create_app(settings)
-    gw: Gateway = app["gateway"]
-    runner = web.AppRunner(app, handle_signals=False, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port)
-    await site.start()
+    sockets = listen(settings.host, settings.port)  # raises OSError before the voice loads
+    try:
+        # Before the engine worker starts and before any encoding thread: it follows the
+        # loop's thread, and the worker does not (raises PriorityError saying what to do).
+        priority.apply(settings.media_priority)
+        encode_pool.configure(parse_threads(settings.encode_threads))
+        where = f"on {encode_pool.threads} thread(s)" if encode_pool.threads else "on the event loop"
+        log.debug("speech is encoded %s (--encode-threads %s)", where, settings.encode_threads)
+        if not encode_pool.threads and not hasattr(asyncio.get_running_loop(), "_ready"):
+            log.warning("this event loop (%s) does not show its waiting callbacks, so encoding on it cannot give way "
+                        "to them and frames may go late; give --encode-threads auto", type(asyncio.get_running_loop()).__name__)
+        app = create_app(settings)
+        gw: Gateway = app["gateway"]
+        runner = web.AppRunner(app, handle_signals=False, access_log=None)
+        await runner.setup()
+        for sock in sockets:
+            await web.SockSite(runner, sock).start()
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
     heap.settle()
     # Here, at the process's entry, like settle: collection thresholds are the process's, and
     # tests run several gateways in one process.
@@ -365,7 +447,13 @@ async def serve(settings: Settings) -> None:
             young_collections.start()
         if full_collections is not None and full_collections.start():
             gw.on_session_closed.append(full_collections.session_closed)
-        log.info("voxgate listening on http://%s:%d (engine %s)", settings.host, settings.port, settings.engine)
+        url = _base_url(settings, sockets[0].getsockname()[1])
+        log.info("listening on %s", url)
+        log.log(*_media_line(settings))
+        log.info("%s", _engine_line(settings, gw.engine.info))
+        log.info("%s", _fast_paths_line(settings, gw.engine.info))
+        if settings.web:
+            log.info("open %s/ in a browser", url)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -222,8 +222,25 @@ class RtcClient:
                     raise OfferRefused(resp.status, answer)
         self.session_id = answer["session_id"]
         await pc.setRemoteDescription(RTCSessionDescription(sdp=answer["sdp"], type="answer"))
-        self.ready = await self.wait_for("session.ready", timeout=timeout)
+        try:
+            self.ready = await self.wait_for("session.ready", timeout=timeout)
+        except asyncio.TimeoutError:
+            raise asyncio.TimeoutError(self._why_not_ready(answer["sdp"], timeout)) from None
         return self.ready
+
+    def _why_not_ready(self, answer_sdp: str, timeout: float) -> str:
+        """Why no session.ready came: what the answer offered, and how far the connection got."""
+        offered = sorted({line.split()[4] for line in answer_sdp.splitlines()
+                          if line.startswith("a=candidate:") and len(line.split()) > 4})
+        state = f"ICE {self.pc.iceConnectionState}, connection {self.pc.connectionState}"
+        if not offered:
+            return (f"the session did not start within {timeout:g} s ({state}): the server's answer offered no ICE "
+                    "candidate, as a server does when it has no address to offer or refused every candidate of "
+                    "the offer. Start it with --ice-host and an address this client can reach (127.0.0.1 on this "
+                    "machine), or let its --ice-allow take this client's addresses")
+        return (f"the session did not start within {timeout:g} s ({state}): the server offered "
+                f"{', '.join(offered)} for media and no connection came of it. Is that address reachable from "
+                "here? Start the server with --ice-host and an address this client can reach")
 
     async def _record(self, track) -> None:
         while True:
