@@ -72,7 +72,7 @@ class Gateway:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "voxgate.cli", "serve", "--port", str(self.port), "--ice-host", "127.0.0.1",
              "--engine", "tone", "--redis-url", redis_url, "--advertise-url", self.url],
-            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "VOXGATE_API_KEY": KEY},
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "VOXGATE_API_KEY": KEY, "VOXGATE_TOKEN_SECRET": "bench-fleet-token-secret-" + "s" * 16},
         )
 
     def wait_ready(self) -> None:

@@ -10,6 +10,17 @@ again by the next refresh. A session's record is deleted when it closes.
 Redis being down never breaks a gateway's own sessions: operations raise
 `DirectoryUnavailable`, `up` turns False, and the refresh loop keeps trying.
 
+Whoever can write to Redis must not be able to send a session's requests (and
+the API key on them) elsewhere, so records are signed: an HMAC keyed from the
+fleet's shared `--token-secret` over the session id and every field. Each
+gateway also lists itself, signed, in `voxgate:gateways` with each refresh; a
+record is followed only when its signature holds and it names a gateway on
+that list. A record that fails its signature is ignored by readers and
+rewritten by its holder at the next refresh. Lookups have a connection pool
+of their own that waits up to `REDIS_TIMEOUT_S` for a connection, so a flood
+of them queues or fails fast, and never takes the connections the records'
+refreshes need.
+
 redis-py is imported only when a directory is made (`--redis-url`), so a
 standalone gateway does not need it.
 """
@@ -18,11 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import json
 import logging
 import time
 from dataclasses import dataclass
 from typing import Callable
+from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
 
@@ -36,15 +49,32 @@ REFRESH_SHARE = 1 / 3
 # The most a create request waits for its session's first write to Redis.
 CLAIM_WAIT_S = 2.0
 
+GATEWAYS_KEY = "voxgate:gateways"  # hash: advertise URL -> signed expiry
+# Connections for lookups, which sit in front of requests: more wait for one, up to REDIS_TIMEOUT_S.
+LOOKUP_CONNECTIONS = 32
+# A record is under 300 bytes; anything much longer is not one of ours and is not parsed.
+MAX_RECORD_BYTES = 1024
+# The most often a gateway logs that it met a forged or unreadable record.
+FORGED_LOG_INTERVAL_S = 10.0
+
 # Rewrite a record if it is absent (Redis restarted, or it expired during an
-# outage), ours, or not a record at all (unreadable JSON must not stop the
-# refresh of every other session); never take over another gateway's record.
+# outage), ours, not a record at all (unreadable JSON must not stop the
+# refresh of every other session), or exactly the value the caller found
+# forged (ARGV[4]); another gateway's record is returned unchanged, for the
+# caller to check its signature (Redis's Lua has no HMAC).
 _REFRESH_LUA = """
 local v = redis.call('GET', KEYS[1])
-local ok, rec = pcall(cjson.decode, v or '')
-if v and ok and type(rec) == 'table' and rec['gw'] ~= ARGV[2] then return 0 end
+if v and v ~= ARGV[4] then
+  local ok, rec = pcall(cjson.decode, v)
+  if ok and type(rec) == 'table' and rec['gw'] ~= ARGV[2] then return v end
+end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
 return 1
+"""
+# Delete a gateway's entry only while it is the value that was found stale.
+_FORGET_LUA = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) end
+return 0
 """
 # Delete a record only while it is ours.
 _RELEASE_LUA = """
@@ -59,12 +89,43 @@ class DirectoryUnavailable(Exception):
     """Redis did not answer; the message says why."""
 
 
+class RecordRefused(DirectoryUnavailable):
+    """The session's record is unreadable or not validly signed: where the session lives is
+    unknown until its holder rewrites it (at its next refresh)."""
+
+
 def key_id(api_key: str | None) -> str:
     """What the directory stores about a session's API key: a hash that tells keys
     apart without revealing them ("" for a session made without a key)."""
     if api_key is None:
         return ""
     return hashlib.sha256(api_key.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+
+
+class RecordSigner:
+    """Signs and checks directory records and gateway entries with a key derived from the
+    fleet's shared secret (never the secret itself, which also signs client tokens)."""
+
+    def __init__(self, secret: str | bytes) -> None:
+        secret = secret.encode("utf-8") if isinstance(secret, str) else secret
+        self._key = hmac.new(secret, b"voxgate directory records v1", hashlib.sha256).digest()
+
+    def sign(self, *fields: str) -> str:
+        return hmac.new(self._key, "\n".join(fields).encode("utf-8", "surrogateescape"), hashlib.sha256).hexdigest()
+
+    def valid(self, sig: object, *fields: str) -> bool:
+        return isinstance(sig, str) and hmac.compare_digest(sig.encode("ascii", "replace"), self.sign(*fields).encode("ascii"))
+
+
+def gateway_url_ok(url: str) -> bool:
+    """A gateway's base URL, as --advertise-url must be: http(s)://HOST[:PORT], no path, query or user."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port out of range
+    except ValueError:
+        return False
+    return (parts.scheme in ("http", "https") and bool(parts.hostname) and parts.path in ("", "/")
+            and not parts.query and not parts.fragment and parts.username is None and parts.password is None)
 
 
 @dataclass(frozen=True)
@@ -74,47 +135,69 @@ class SessionRecord:
     owner: str  # key_id() of the API key that made the session
     expires_at: float  # wall-clock seconds; Redis drops the record then
 
-    def encode(self) -> str:
-        return json.dumps({"gw": self.gateway, "owner": self.owner, "exp": round(self.expires_at, 3)}, separators=(",", ":"))
+    def _fields(self) -> tuple[str, ...]:
+        return (self.session_id, self.gateway, self.owner, f"{self.expires_at:.3f}")
+
+    def encode(self, signer: RecordSigner) -> str:
+        return json.dumps({"gw": self.gateway, "owner": self.owner, "exp": f"{self.expires_at:.3f}",
+                           "sig": signer.sign(*self._fields())}, separators=(",", ":"))
 
     @classmethod
-    def decode(cls, session_id: str, raw: str) -> SessionRecord | None:
+    def decode(cls, session_id: str, raw: str, signer: RecordSigner) -> tuple[SessionRecord | None, str]:
+        """(the record, "ok"), or (None, why: "unreadable" or "forged")."""
+        if len(raw) > MAX_RECORD_BYTES:
+            return None, "unreadable"
         try:
             data = json.loads(raw)
-            return cls(session_id, str(data["gw"]), str(data.get("owner", "")), float(data["exp"]))
-        except (ValueError, KeyError, TypeError):
-            log.warning("directory record for %s is not one of ours: %.80r", session_id, raw)
-            return None
+            gw, owner, exp, sig = data["gw"], data.get("owner", ""), data["exp"], data.get("sig")
+        except (ValueError, KeyError, TypeError, RecursionError):
+            return None, "unreadable"
+        if not (isinstance(gw, str) and isinstance(owner, str) and isinstance(exp, str)):
+            return None, "unreadable"
+        try:
+            record = cls(session_id, gw, owner, float(exp))
+        except ValueError:
+            return None, "unreadable"
+        if not signer.valid(sig, session_id, gw, owner, exp) or not gateway_url_ok(gw):
+            return None, "forged"
+        return record, "ok"
 
 
 class Directory:
     """This gateway's view of the fleet's session directory."""
 
     def __init__(
-        self, redis_url: str, advertise_url: str, ttl_s: float, on_up: Callable[[bool], None] | None = None
+        self, redis_url: str, advertise_url: str, ttl_s: float, secret: str | bytes,
+        on_up: Callable[[bool], None] | None = None, on_forged: Callable[[str], None] | None = None,
+        password: str | None = None,
     ) -> None:
-        from redis.asyncio import Redis
+        from redis.asyncio import BlockingConnectionPool, Redis
         from redis.backoff import NoBackoff
         from redis.asyncio.retry import Retry
 
         self.advertise_url = advertise_url.rstrip("/")
         self.ttl_s = ttl_s
+        self.signer = RecordSigner(secret)
         # One retry at once: after a Redis restart the pooled connections are dead,
         # and the retry reconnects; a Redis that is really down fails fast.
-        self._redis = Redis.from_url(
-            redis_url,
-            decode_responses=True,
-            socket_timeout=REDIS_TIMEOUT_S,
-            socket_connect_timeout=REDIS_TIMEOUT_S,
-            retry=Retry(NoBackoff(), 1),
-        )
+        options = dict(decode_responses=True, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S,
+                       retry=Retry(NoBackoff(), 1))
+        if password:
+            options["password"] = password  # else the URL's own, if it has one
+        self._redis = Redis.from_url(redis_url, **options)  # this gateway's own records
+        self._lookups = Redis(connection_pool=BlockingConnectionPool.from_url(
+            redis_url, max_connections=LOOKUP_CONNECTIONS, timeout=REDIS_TIMEOUT_S, **options))
         self._refresh_script = self._redis.register_script(_REFRESH_LUA)
         self._release_script = self._redis.register_script(_RELEASE_LUA)
+        self._forget_script = self._redis.register_script(_FORGET_LUA)
         self.held: dict[str, str] = {}  # session id -> key_id of its owner
+        self.gateways: dict[str, float] = {}  # the fleet's gateways as last read: URL -> expiry
         self._claims: dict[str, asyncio.Task] = {}
         self._tasks: set[asyncio.Task] = set()
         self._refresher: asyncio.Task | None = None
         self._on_up = on_up or (lambda up: None)
+        self._on_forged = on_forged or (lambda why: None)
+        self._forged_logged_at = -FORGED_LOG_INTERVAL_S
         self.up = False
 
     async def start(self) -> None:
@@ -130,11 +213,13 @@ class Directory:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for sid in list(self.held):
                     await self._release_script(keys=[KEY_PREFIX + sid], args=[self.advertise_url], client=pipe)
+                pipe.hdel(GATEWAYS_KEY, self.advertise_url)
                 await pipe.execute()
         except Exception as exc:  # noqa: BLE001 - shutting down: the records expire anyway
             log.info("directory: records not removed at shutdown (%s); they expire within %g s", exc, self.ttl_s)
         self.held.clear()
         await self._redis.aclose()
+        await self._lookups.aclose()
 
     def _mark(self, up: bool) -> None:
         if up != self.up:
@@ -142,16 +227,29 @@ class Directory:
         self.up = up
         self._on_up(up)
 
-    def _record(self, sid: str, owner: str) -> SessionRecord:
-        return SessionRecord(sid, self.advertise_url, owner, time.time() + self.ttl_s)
+    def _record(self, sid: str, owner: str) -> str:
+        return SessionRecord(sid, self.advertise_url, owner, time.time() + self.ttl_s).encode(self.signer)
 
-    async def _call(self, coro):
+    def _forged(self, sid: str, why: str, raw: str) -> None:
+        """A record that is not one of ours, or whose signature fails: counted, and logged
+        at most every FORGED_LOG_INTERVAL_S (whoever writes them chooses how many)."""
+        self._on_forged(why)
+        now = time.monotonic()
+        if now - self._forged_logged_at >= FORGED_LOG_INTERVAL_S:
+            self._forged_logged_at = now
+            log.warning("directory record for session %s is %s (%.80r); ignored, and rewritten by its holder "
+                        "(logged at most every %g s)", sid, "unreadable" if why == "unreadable" else
+                        "not signed with the fleet's --token-secret", raw, FORGED_LOG_INTERVAL_S)
+
+    async def _call(self, coro, mark: bool = True):
         try:
             result = await coro
         except Exception as exc:  # redis.RedisError, OSError, and timeouts alike
-            self._mark(False)
+            if mark:
+                self._mark(False)
             raise DirectoryUnavailable(f"{type(exc).__name__}: {exc}") from None
-        self._mark(True)
+        if mark:
+            self._mark(True)
         return result
 
     # Sessions this gateway holds
@@ -164,10 +262,10 @@ class Directory:
     async def _claim(self, sid: str, owner: str, on_taken: Callable[[], None]) -> bool:
         key, px = KEY_PREFIX + sid, int(self.ttl_s * 1000)
         try:
-            if await self._call(self._redis.set(key, self._record(sid, owner).encode(), nx=True, px=px)):
+            if await self._call(self._redis.set(key, self._record(sid, owner), nx=True, px=px)):
                 return True
-            if await self._call(self._refresh_script(keys=[key], args=[self._record(sid, owner).encode(), self.advertise_url, px])):
-                return True  # already ours: a refresh got there first
+            if await self._rewrite(sid, owner, px):
+                return True  # already ours (a refresh got there first), or a forgery now replaced
         except DirectoryUnavailable as exc:
             # The session works locally; the next refresh that reaches Redis records it.
             log.warning("session %s not in the directory yet: %s", sid, exc, extra={"session_id": sid})
@@ -178,6 +276,22 @@ class Directory:
         self.held.pop(sid, None)
         on_taken()
         return False
+
+    async def _rewrite(self, sid: str, owner: str, px: int, result=None) -> bool:
+        """Write this gateway's record for `sid` (`result`: the refresh script's answer, when a
+        pipeline already ran it); False only when a validly signed record of another gateway holds it."""
+        key = KEY_PREFIX + sid
+        if result is None:
+            result = await self._call(self._refresh_script(keys=[key], args=[self._record(sid, owner), self.advertise_url, px, ""]))
+        if result == 1:
+            return True
+        _, why = SessionRecord.decode(sid, result, self.signer)
+        if why == "ok":
+            return False
+        self._forged(sid, why, result)
+        # Replaced only if it is still that value: a real claim that came meanwhile stands.
+        again = await self._call(self._refresh_script(keys=[key], args=[self._record(sid, owner), self.advertise_url, px, result]))
+        return again == 1
 
     async def claimed(self, session_id: str) -> bool:
         """Wait for a new session's first write; False if its id turned out to be taken."""
@@ -200,6 +314,12 @@ class Directory:
         except DirectoryUnavailable:
             pass  # the record expires within one TTL
 
+    async def _quietly(self, coro) -> None:
+        try:
+            await self._call(coro)
+        except DirectoryUnavailable:
+            pass  # tried again at the next refresh
+
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
@@ -208,33 +328,83 @@ class Directory:
 
     # Any session in the fleet
     async def lookup(self, session_id: str) -> SessionRecord | None:
-        """Where a session lives; None for an unknown or expired id. Raises DirectoryUnavailable."""
-        raw = await self._call(self._redis.get(KEY_PREFIX + session_id))
-        return None if raw is None else SessionRecord.decode(session_id, raw)
+        """Where a session lives; None for an unknown or expired id. Raises RecordRefused for a
+        record that is unreadable or not validly signed, and DirectoryUnavailable when Redis does
+        not answer (or no lookup connection frees up within REDIS_TIMEOUT_S)."""
+        raw = await self._call(self._lookups.get(KEY_PREFIX + session_id), mark=False)
+        if raw is None:
+            return None
+        record, why = SessionRecord.decode(session_id, raw, self.signer)
+        if record is None:
+            self._forged(session_id, why, raw)
+            raise RecordRefused(f"the record is {why}")
+        return record
 
     def is_self(self, record: SessionRecord) -> bool:
         return record.gateway.rstrip("/") == self.advertise_url
 
+    async def is_gateway(self, url: str) -> bool:
+        """Whether `url` is a gateway of the fleet: listed, validly signed and unexpired, as last
+        read, or read now for one not seen yet (a gateway that just started)."""
+        url = url.rstrip("/")
+        if self.gateways.get(url, 0.0) > time.time():
+            return True
+        raw = await self._call(self._lookups.hget(GATEWAYS_KEY, url), mark=False)
+        expires = self._gateway_expiry(url, raw)
+        if expires > time.time():
+            self.gateways[url] = expires
+            return True
+        return False
+
+    def _gateway_entry(self) -> str:
+        exp = f"{time.time() + self.ttl_s:.3f}"
+        return json.dumps({"exp": exp, "sig": self.signer.sign("gateway", self.advertise_url, exp)}, separators=(",", ":"))
+
+    def _gateway_expiry(self, url: str, raw: str | None) -> float:
+        if raw is None or len(raw) > MAX_RECORD_BYTES:
+            return 0.0
+        try:
+            data = json.loads(raw)
+            exp, sig = data["exp"], data["sig"]
+            if isinstance(exp, str) and self.signer.valid(sig, "gateway", url, exp) and gateway_url_ok(url):
+                return float(exp)
+        except (ValueError, KeyError, TypeError, RecursionError):
+            pass
+        return 0.0
+
     # Refresh
     async def refresh(self) -> int:
         """Rewrite every held session's record (all of them, so that a Redis that
-        lost its data is rebuilt); returns how many were written."""
+        lost its data is rebuilt) and this gateway's entry in the list of gateways, and
+        read that list; returns how many records were written."""
         held = dict(self.held)
-        if not held:
-            await self._call(self._redis.ping())
-            return 0
         px = int(self.ttl_s * 1000)
 
         async def write() -> list:
             async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hset(GATEWAYS_KEY, self.advertise_url, self._gateway_entry())
+                pipe.hgetall(GATEWAYS_KEY)
                 for sid, owner in held.items():
                     await self._refresh_script(
-                        keys=[KEY_PREFIX + sid], args=[self._record(sid, owner).encode(), self.advertise_url, px], client=pipe
+                        keys=[KEY_PREFIX + sid], args=[self._record(sid, owner), self.advertise_url, px, ""], client=pipe
                     )
                 return await pipe.execute()
 
         results = await self._call(write())
-        return sum(1 for r in results if r == 1)
+        now = time.time()
+        gateways = {}
+        for url, raw in (results[1] or {}).items():
+            expires = self._gateway_expiry(url, raw)
+            if expires > now:
+                gateways[url] = expires
+            else:  # gone (three refreshes missed), or never one of us; unless rewritten meanwhile
+                self._spawn(self._quietly(self._forget_script(keys=[GATEWAYS_KEY], args=[url, raw])))
+        self.gateways = gateways
+        written = 0
+        for (sid, owner), result in zip(held.items(), results[2:]):
+            if result == 1 or await self._rewrite(sid, owner, px, result):
+                written += 1
+        return written
 
     async def _refresh_loop(self) -> None:
         interval = self.ttl_s * REFRESH_SHARE

@@ -11,7 +11,14 @@ header still on (docs/scaling.md).
 
 The holder checks keys and tokens exactly as for a request it got itself: the
 proxy forwards the caller's own credentials and adds nothing that grants
-access. It adds one hop header, which can only take routing away: a request
+access. Before it costs a lookup, a request must authenticate here too: a
+valid API key (the session's owner is checked against the record before the
+key goes anywhere), or a client token for the session it names (gateways
+share --token-secret). A record is followed only when its signature holds and
+it names a gateway of the fleet (gateway/directory.py), so nobody who can
+write to Redis alone can send a caller's key elsewhere. The target is the
+holder's URL and the request's path and query (never the raw request line,
+which may be absolute). It adds one hop header, which can only take routing away: a request
 that carries it is answered locally, so a stale record never bounces requests
 between gateways.
 
@@ -31,12 +38,12 @@ import aiohttp
 from aiohttp import WSMsgType, web
 from prometheus_client import Counter, Gauge
 
-from ..gateway.directory import Directory, DirectoryUnavailable
+from ..gateway.directory import Directory, DirectoryUnavailable, RecordRefused, key_id
 from ..gateway.session import Session
 from . import server
 from ..gateway.errors import GatewayError
 from .errors import READ_AHEAD, error_response, read_body
-from .sessions_api import TRACK_HOOKS, bearer_of, check_api_key
+from .sessions_api import SIGNER, TRACK_HOOKS, bearer_of, check_api_key
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +87,16 @@ class Fleet:
             ["route", "outcome"], registry=registry,
         )
         self.directory_up = Gauge("voxgate_directory_up", "1 while the session directory (Redis) answers", registry=registry)
-        self.directory = Directory(s.redis_url, s.advertise_url, s.directory_ttl_s, on_up=lambda up: self.directory_up.set(int(up)))
+        self.forged = Counter(
+            "voxgate_directory_records_refused_total",
+            "Directory records ignored: unreadable, or not signed with the fleet's --token-secret", ["why"],
+            registry=registry,
+        )
+        self.directory = Directory(
+            s.redis_url, s.advertise_url, s.directory_ttl_s, s.token_secret,
+            on_up=lambda up: self.directory_up.set(int(up)), on_forged=lambda why: self.forged.labels(why).inc(),
+            password=s.redis_password,
+        )
         self.gateway = gw
         self.max_ws_message = max(4 * s.max_message_bytes, 1 << 20)  # as the local handler
         self.client: aiohttp.ClientSession | None = None
@@ -158,6 +174,23 @@ def _offer_session(raw: bytes) -> str | None:
     return _token_session(body.get("token"))
 
 
+def _body_token(raw: bytes) -> object:
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return body.get("token") if isinstance(body, dict) else None
+
+
+def _token_for(request: web.Request, token: object, sid: str) -> bool:
+    """Whether `token` (else the bearer token) is a valid client token for session `sid`."""
+    token = token if token is not None else bearer_of(request)
+    try:
+        return request.app[SIGNER].verify(token) == sid
+    except GatewayError:
+        return False
+
+
 @web.middleware
 async def route(request: web.Request, handler):
     resource = request.match_info.route.resource
@@ -166,6 +199,7 @@ async def route(request: web.Request, handler):
         return await handler(request)
     fleet: Fleet = request.app[FLEET]
     body = b""
+    key = None
     try:
         if label == "offer":
             body = request[READ_AHEAD] = await read_body(request, server.MAX_OFFER_BYTES)
@@ -177,7 +211,7 @@ async def route(request: web.Request, handler):
         else:
             sid = request.match_info["session_id"]
             if label in KEYED:
-                check_api_key(request)
+                key = check_api_key(request)
             elif label == "candidates":
                 body = request[READ_AHEAD] = await read_body(request, server.MAX_CANDIDATE_BYTES)
     except GatewayError as exc:
@@ -188,14 +222,30 @@ async def route(request: web.Request, handler):
     if sid in fleet.gateway.sessions or request.headers.get(HOP_HEADER):
         # Ours, or already proxied once: answered here, never sent on again.
         return await handler(request)
+    if label in ("offer", "candidates", "ice_servers"):
+        token = request.query.get("token") if label == "ice_servers" else _body_token(body)
+        if not _token_for(request, token, sid):
+            # No lookup for a request that does not hold the session's token: the local
+            # handler gives the same error it would for a session held here.
+            return await handler(request)
     try:
         record = await fleet.directory.lookup(sid)
+        if record is not None and not fleet.directory.is_self(record) and not await fleet.directory.is_gateway(record.gateway):
+            fleet.proxied.labels(label, "owner_unknown").inc()
+            log.warning("a directory record names %s, which is not a gateway of the fleet; not followed", record.gateway)
+            return error_response(GatewayError("owner_unknown", "the session's record names a gateway that is not in the fleet's list; retry shortly", 503))
+    except RecordRefused:
+        fleet.proxied.labels(label, "record_refused").inc()
+        return error_response(GatewayError("record_refused", "the session's directory record failed its check and is "
+                                           "not followed; its gateway rewrites it shortly; retry", 503))
     except DirectoryUnavailable:
         fleet.proxied.labels(label, "directory_unavailable").inc()
         return error_response(GatewayError("directory_unavailable", "this gateway does not hold the session and cannot reach the session directory; retry shortly", 503))
-    if record is None or fleet.directory.is_self(record):
+    if record is None or fleet.directory.is_self(record) or (label in KEYED and record.owner != key_id(key)):
+        # Unknown, or another key's session (whose key the caller's is not): the local
+        # answer, 404 unknown_session after the same key checks; the key goes nowhere.
         fleet.proxied.labels(label, "unknown").inc()
-        return await handler(request)  # the local answer: 404 unknown_session, after the same key checks
+        return await handler(request)
     if label == "ws":
         return await _proxy_ws(request, fleet, record.gateway)
     return await _proxy_http(request, fleet, record.gateway, label, body)
@@ -235,7 +285,7 @@ def _unreachable(fleet: Fleet, label: str, owner: str, exc: BaseException) -> we
 async def _proxy_http(request: web.Request, fleet: Fleet, owner: str, label: str, body: bytes) -> web.Response:
     try:
         async with fleet.client.request(
-            request.method, owner + request.raw_path, data=body or None, headers=_forward_headers(request),
+            request.method, owner + str(request.rel_url), data=body or None, headers=_forward_headers(request),
             allow_redirects=False, timeout=aiohttp.ClientTimeout(total=PROXY_TIMEOUT_S),
         ) as resp:
             payload = await _read_capped(resp.content, MAX_PROXIED_RESPONSE_BYTES)
@@ -268,7 +318,7 @@ async def _proxy_ws(request: web.Request, fleet: Fleet, owner: str) -> web.Strea
         # Not an upgrade: no socket to the holder (it would take the session's
         # writer role from the real backend while the caller gets its error).
         return await _proxy_http(request, fleet, owner, "ws", b"")
-    url = "ws" + owner[len("http"):] + request.raw_path  # http -> ws, https -> wss
+    url = "ws" + owner[len("http"):] + str(request.rel_url)  # http -> ws, https -> wss
     try:
         # The handshake is bounded like any proxied request; the socket then lives as long as the session.
         upstream = await asyncio.wait_for(fleet.client.ws_connect(

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 # Settings that hold secrets: each also has a `<name>_file` setting.
-SECRETS = ("api_key", "token_secret", "turn_secret", "twilio_auth_token")
+SECRETS = ("api_key", "token_secret", "turn_secret", "twilio_auth_token", "redis_password")
 
 # The values some settings choose among; the modules that act on them import these.
 ENGINES = ("piper", "tone", "torch", "cosyvoice2")  # engine/registry.py
@@ -272,6 +272,8 @@ class Settings:
                                         metavar="URL")
     directory_ttl_s: float = setting(15.0, FLEET, "a directory record outlives its gateway by at most this",
                                      low=1.0, high=3600.0)
+    redis_password: str | None = setting(None, FLEET, "the directory Redis's password (its requirepass)", metavar="SECRET")
+    redis_password_file: str | None = setting(None, FLEET, "file holding --redis-password", metavar="FILE")
     # Tuning
     engine_parallel: int = setting(0, TUNING, "synthesis steps the worker runs at once", low=1, high=1024,
                                    zero="a core each, torch 1")
@@ -386,6 +388,12 @@ class Settings:
             raise ConfigError(
                 f"--advertise-url {self.advertise_url!r} must be this gateway's own base URL, http(s)://HOST:PORT, "
                 "with no path; the other gateways send it the requests about its sessions"
+            )
+        if not self.token_secret:
+            raise ConfigError(
+                "--redis-url needs --token-secret (VOXGATE_TOKEN_SECRET or --token-secret-file), the same on every "
+                "gateway of the fleet: it signs the directory's records, so that whoever can write to Redis cannot "
+                "send a session's requests elsewhere, and the client tokens any gateway must verify"
             )
 
     @property

@@ -629,13 +629,61 @@ def _fleet_problems(settings: dict[str, str], container: dict, by_kind: dict) ->
         problems.append("VOXGATE_ADVERTISE_URL must be http://$(POD_IP):PORT, this pod's own address")
     elif int(value.rsplit(":", 1)[1]) != int(settings.get("VOXGATE_PORT", Settings().port)):
         problems.append("VOXGATE_ADVERTISE_URL's port must be VOXGATE_PORT")
+    if url.hostname in services:
+        problems += _directory_guard_problems(services[url.hostname], container, by_kind)
+    return problems
+
+
+def _secret_ref(env: list[dict], name: str) -> tuple | None:
+    ref = next((e for e in env if e["name"] == name), {}).get("valueFrom", {}).get("secretKeyRef")
+    return (ref.get("name"), ref["key"]) if ref else None
+
+
+def _directory_guard_problems(service: dict, gateway: dict, by_kind: dict) -> list[str]:
+    """Redis requires the password the gateways take from the same Secret key, and a
+    NetworkPolicy admits only the gateways (by pod, or a node network's ipBlock)."""
+    selector = service["spec"].get("selector", {})
+    redis = next((d for d in by_kind["Deployment"]
+                  if all(d["spec"]["template"]["metadata"]["labels"].get(k) == v for k, v in selector.items())), None)
+    if redis is None:
+        return []
+    problems = []
+    container = redis["spec"]["template"]["spec"]["containers"][0]
+    args = container.get("command", []) + container.get("args", [])
+    given = _secret_ref(gateway.get("env", []), "VOXGATE_REDIS_PASSWORD")
+    if given is None:
+        problems.append("the gateways need VOXGATE_REDIS_PASSWORD from a Secret")
+    if "--requirepass" not in args or args.index("--requirepass") + 1 >= len(args):
+        problems.append("redis must require a password (--requirepass)")
+    else:
+        ref = re.fullmatch(r"\$\((\w+)\)", args[args.index("--requirepass") + 1])
+        if ref is None or _secret_ref(container.get("env", []), ref.group(1)) != given:
+            problems.append("redis's --requirepass must be $(VAR), VAR from the Secret key of VOXGATE_REDIS_PASSWORD")
+    labels = redis["spec"]["template"]["metadata"]["labels"]
+    gateway_labels = _gateway_deployment(by_kind["Deployment"])["spec"]["template"]["metadata"]["labels"]
+    policies = [p for p in by_kind.get("NetworkPolicy", [])
+                if all(labels.get(k) == v for k, v in p["spec"]["podSelector"].get("matchLabels", {}).items())
+                and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
+    if not policies:
+        problems.append("a NetworkPolicy must limit who reaches redis")
+    for policy in policies:
+        for rule in policy["spec"].get("ingress", []):
+            peers = rule.get("from")
+            if not peers:
+                problems.append(f"NetworkPolicy {policy['metadata']['name']} lets every pod reach redis")
+            for peer in peers or []:
+                pods = peer.get("podSelector", {}).get("matchLabels")
+                if "podSelector" in peer and (not pods or any(gateway_labels.get(k) != v for k, v in pods.items())):
+                    problems.append(f"NetworkPolicy {policy['metadata']['name']} lets pods other than the gateways reach redis")
+                if "namespaceSelector" in peer and "podSelector" not in peer:
+                    problems.append(f"NetworkPolicy {policy['metadata']['name']} lets whole namespaces reach redis")
     return problems
 
 
 def test_kubernetes_manifests_are_valid_and_fit_the_drain():
     jsonschema.Draft202012Validator.check_schema(k8s_schema())
     docs = manifests()
-    assert {d["kind"] for d in docs} == {"Deployment", "Service", "ConfigMap"}
+    assert {d["kind"] for d in docs} == {"Deployment", "Service", "ConfigMap", "NetworkPolicy"}
     assert k8s_problems(docs) == []
 
 
@@ -690,7 +738,18 @@ BROKEN_K8S = [
     ("redis as root", lambda d: _redis(d, "Deployment")["spec"]["template"]["spec"]["securityContext"].__setitem__("runAsUser", 0)),
     ("redis without limits", lambda d: _redis(d, "Deployment")["spec"]["template"]["spec"]["containers"][0].pop("resources")),
     ("redis service misses pods", lambda d: _redis(d, "Service")["spec"]["selector"].__setitem__("app.kubernetes.io/name", "redis")),
+    ("redis without a password", lambda d: _redis_ctr(d).__setitem__("args", _redis_ctr(d)["args"][:-2])),
+    ("redis password from elsewhere", lambda d: _redis_ctr(d)["env"][0]["valueFrom"]["secretKeyRef"].__setitem__("key", "other")),
+    ("gateways without the redis password", lambda d: _ctr(d)["env"].remove(_env(d, "VOXGATE_REDIS_PASSWORD"))),
+    ("no network policy", lambda d: d.remove(_redis(d, "NetworkPolicy"))),
+    ("policy admits every pod", lambda d: _redis(d, "NetworkPolicy")["spec"]["ingress"][0].pop("from")),
+    ("policy admits other pods", lambda d: _redis(d, "NetworkPolicy")["spec"]["ingress"][0]["from"][0]["podSelector"].__setitem__("matchLabels", {"app": "x"})),
+    ("policy field typo", lambda d: _redis(d, "NetworkPolicy")["spec"].__setitem__("podSelecter", {})),
 ]
+
+
+def _redis_ctr(docs):
+    return _redis(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
 
 
 @pytest.mark.parametrize("what, breaking", BROKEN_K8S, ids=[b[0] for b in BROKEN_K8S])

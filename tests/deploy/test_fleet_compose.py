@@ -3,7 +3,9 @@
 Read as compose would (variable interpolation, then the vendored compose-spec
 schema), then the wiring a fleet needs: every gateway reaches the directory and
 the pool by service name, advertises its own service name and port, shares the
-keys and the token secret with the others, and publishes its own UDP range.
+keys, the token secret and Redis's password with the others, and publishes its
+own UDP range; Redis requires that password and sits on an internal network
+that only the gateways join.
 Each check is also run on a broken copy.
 """
 
@@ -20,8 +22,8 @@ from test_deploy_files import (
 )
 from voxgate.config import Settings
 
-FLEET_ENV = {"VOXGATE_API_KEY": "k" * 48, "TOKEN_SECRET": "s" * 64}
-SHARED = ("VOXGATE_API_KEY", "VOXGATE_TOKEN_SECRET", "VOXGATE_REDIS_URL", "VOXGATE_ENGINE_URL")
+FLEET_ENV = {"VOXGATE_API_KEY": "k" * 48, "TOKEN_SECRET": "s" * 64, "REDIS_PASSWORD": "p" * 64}
+SHARED = ("VOXGATE_API_KEY", "VOXGATE_TOKEN_SECRET", "VOXGATE_REDIS_URL", "VOXGATE_REDIS_PASSWORD", "VOXGATE_ENGINE_URL")
 
 
 def load(env=FLEET_ENV) -> dict:
@@ -87,6 +89,35 @@ def fleet_problems(doc: dict) -> list[str]:
     udp.sort()
     if any(a[1] >= b[0] for a, b in zip(udp, udp[1:])):
         problems.append("the gateways' published UDP ranges overlap")
+    return problems + _directory_problems(doc, gateways, envs)
+
+
+def _networks(service: dict) -> set[str]:
+    networks = service.get("networks", ["default"])
+    return set(networks if isinstance(networks, list) else networks.keys())
+
+
+def _directory_problems(doc: dict, gateways: dict, envs: dict) -> list[str]:
+    """Redis requires the gateways' password and is reachable from the gateways alone."""
+    services = doc["services"]
+    names = {urlsplit(env["VOXGATE_REDIS_URL"]).hostname for env in envs.values()}
+    if len(names) != 1 or next(iter(names)) not in services:
+        return []  # reported above
+    redis = services[next(iter(names))]
+    problems = []
+    command = " ".join(_command(redis))
+    password = next(iter(envs.values())).get("VOXGATE_REDIS_PASSWORD")
+    # The container's shell expands $REDIS_PASSWORD (written $$REDIS_PASSWORD in the file).
+    given = env_dict(redis.get("environment")).get("REDIS_PASSWORD") if "$REDIS_PASSWORD" in command else command
+    if "--requirepass" not in command or not password or password not in (given or ""):
+        problems.append("redis must require the password the gateways give (--requirepass, VOXGATE_REDIS_PASSWORD)")
+    declared = doc.get("networks", {}) or {}
+    for network in _networks(redis):
+        if not (declared.get(network) or {}).get("internal"):
+            problems.append(f"redis is on network {network}, which is not internal")
+        others = [n for n, svc in services.items() if network in _networks(svc) and svc is not redis and n not in gateways]
+        if others:
+            problems.append(f"{', '.join(others)} share network {network} with redis: only the gateways may")
     return problems
 
 
@@ -98,7 +129,9 @@ def test_fleet_compose_refuses_to_start_without_the_key_and_secret():
     with pytest.raises(KeyError, match="VOXGATE_API_KEY"):
         load({"TOKEN_SECRET": "x"})
     with pytest.raises(KeyError, match="TOKEN_SECRET"):
-        load({"VOXGATE_API_KEY": "x"})
+        load({"VOXGATE_API_KEY": "x", "REDIS_PASSWORD": "x"})
+    with pytest.raises(KeyError, match="REDIS_PASSWORD"):
+        load({"VOXGATE_API_KEY": "x", "TOKEN_SECRET": "x"})
 
 
 def _env(doc, service):
@@ -123,6 +156,12 @@ BROKEN = [
     ("range not published 1:1", lambda d: d["services"]["gateway-a"].__setitem__("ports", ["8081:8080/tcp", "41000-41199:40000-40199/udp"])),
     ("grace shorter than drain", lambda d: d["services"]["gateway-a"].__setitem__("stop_grace_period", "5s")),
     ("one gateway", lambda d: d["services"].pop("gateway-b")),
+    ("redis without a password", lambda d: d["services"]["redis"].__setitem__("command", ["redis-server", "--save", ""])),
+    ("redis password differs", lambda d: d["services"]["redis"]["environment"].__setitem__("REDIS_PASSWORD", "other")),
+    ("a gateway without the password", lambda d: _env(d, "gateway-b").pop("VOXGATE_REDIS_PASSWORD")),
+    ("redis on the default network", lambda d: d["services"]["redis"].pop("networks")),
+    ("the pool reaches redis", lambda d: d["services"]["pool"].__setitem__("networks", ["default", "directory"])),
+    ("directory network not internal", lambda d: d["networks"]["directory"].pop("internal")),
 ]
 
 

@@ -1,7 +1,8 @@
 """A fleet on loopback: Debian's real redis-server and real `voxgate serve` processes.
 
 Redis runs without persistence (`--save '' --appendonly no`), so a restart
-empties it, as a Redis pod that is rescheduled would be. The gateways use the
+empties it, as a Redis pod that is rescheduled would be, and with a password,
+as the shipped ones (deploy/) do. The gateways use the
 tone engine: the tests are about routing, and received audio decodes back to
 the exact text. Records live `TTL_S` seconds, short so that expiry is quick.
 """
@@ -22,6 +23,7 @@ from tests.conftest import ARTIFACTS, ServerProcess, free_port
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 KEY, OTHER_KEY = "fleet-key-" + "a" * 24, "fleet-key-" + "b" * 24
 TOKEN_SECRET = "fleet-token-secret-" + "c" * 24
+REDIS_PASSWORD = "fleet-redis-password-" + "d" * 24
 TTL_S = 3.0
 
 
@@ -36,7 +38,8 @@ class RedisServer:
         os.makedirs(ARTIFACTS, exist_ok=True)
         self.log = open(os.path.join(ARTIFACTS, f"redis-{self.port}.log"), "a")
         self.proc = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--requirepass", REDIS_PASSWORD],
             stdout=self.log, stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + timeout
@@ -45,8 +48,11 @@ class RedisServer:
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    s.sendall(f"AUTH {REDIS_PASSWORD}\r\nPING\r\n".encode())
+                    reply = b""
+                    while len(reply) < 12 and (chunk := s.recv(32)):  # the two replies may come apart
+                        reply += chunk
+                    if reply.startswith(b"+OK\r\n+PONG"):
                         return
             except OSError:
                 time.sleep(0.05)
@@ -61,7 +67,7 @@ class RedisServer:
     def client(self):
         import redis
 
-        return redis.Redis.from_url(self.url, decode_responses=True)
+        return redis.Redis.from_url(self.url, decode_responses=True, password=REDIS_PASSWORD)
 
 
 class FleetGateway(ServerProcess):
@@ -77,7 +83,8 @@ class FleetGateway(ServerProcess):
             "--engine", "tone", "--redis-url", redis_url, "--advertise-url", self.url,
             "--directory-ttl-s", str(TTL_S), *(extra or []),
         ]
-        env = {**os.environ, "VOXGATE_API_KEY": f"{KEY},{OTHER_KEY}", "VOXGATE_TOKEN_SECRET": TOKEN_SECRET}
+        env = {**os.environ, "VOXGATE_API_KEY": f"{KEY},{OTHER_KEY}", "VOXGATE_TOKEN_SECRET": TOKEN_SECRET,
+               "VOXGATE_REDIS_PASSWORD": REDIS_PASSWORD}
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import time
 
-from voxgate.gateway.directory import KEY_PREFIX, Directory, SessionRecord, key_id
+from voxgate.gateway.directory import KEY_PREFIX, Directory, RecordSigner, SessionRecord, key_id
+
+from .conftest import REDIS_PASSWORD, TOKEN_SECRET
 
 
 async def test_an_id_already_held_elsewhere_is_given_up_and_the_record_kept(redis_server):
     sid = "collision-" + "f" * 22
     other = SessionRecord(sid, "http://gateway-b:8080", key_id("someone-else"), time.time() + 60)
-    redis_server.client().set(KEY_PREFIX + sid, other.encode(), px=60_000)
-    directory = Directory(redis_server.url, "http://gateway-a:8080", ttl_s=3.0)
+    redis_server.client().set(KEY_PREFIX + sid, other.encode(RecordSigner(TOKEN_SECRET)), px=60_000)
+    directory = Directory(redis_server.url, "http://gateway-a:8080", ttl_s=3.0, secret=TOKEN_SECRET, password=REDIS_PASSWORD)
     taken = []
     try:
         directory.hold(sid, "my-key", lambda: taken.append(sid))
