@@ -8,7 +8,7 @@ int16 buffer, never inside it.
 Gateway to worker, per stream: `OpenStream`, `PushUnit`, `EndInput`, `Credit`,
 `CancelStream`; and for the process: `Ping`, `Shutdown`.
 Worker to gateway: `Ready` or `Fatal` once at start; per stream `Chunk`,
-`StreamDone` or `StreamError`; `Pong` for a `Ping`.
+`StreamDone` or `StreamError`; `Pong` for a `Ping`; `Load` about once a second.
 """
 
 from __future__ import annotations
@@ -100,6 +100,20 @@ class Pong:
 
 
 @dataclass(slots=True)
+class Load:
+    """What the worker's synthesis costs and carries (engine/capacity.py), about once a second."""
+
+    cost: float | None  # core-seconds of synthesis per second of audio, measured; None before any
+    cores: float  # cores synthesis may use here (its step slots, within the usable cores)
+    others: float  # cores that other processes keep busy, smoothed
+    capacity: float  # listeners the scheduler plans to keep speaking at 1x real time (inf: unmeasured)
+    speaking: int  # listeners it keeps speaking now (streams that have started, and those queued behind them)
+    waiting: int  # streams whose listener waits for first audio and that may not start yet
+    underruns: int  # chunks of started streams sent after their listener ran out of audio, so far
+    cpu_s: float  # the worker process's CPU seconds so far
+
+
+@dataclass(slots=True)
 class Chunk:
     """One chunk's description; its PCM travels beside it as a raw buffer."""
 
@@ -126,4 +140,4 @@ class StreamError:
 
 
 ToWorker = Union[OpenStream, PushUnit, EndInput, Credit, CancelStream, Ping, Shutdown]
-FromWorker = Union[Ready, Fatal, Pong, Chunk, StreamDone, StreamError]
+FromWorker = Union[Ready, Fatal, Pong, Load, Chunk, StreamDone, StreamError]

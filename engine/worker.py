@@ -11,6 +11,17 @@ audio: first a stream still waiting for its first audio (its listener is
 waiting now), then the one that would run dry soonest. A stream with seconds
 already buffered waits.
 
+Started speech must not stop, so a new stream starts (gets its first step)
+only when that leaves the started ones whole, by two rules. In the long run:
+the worker measures what its steps cost (engine/capacity.py) and so how many
+listeners its cores keep speaking at 1x real time, and a stream starts only
+while fewer listeners than that are being kept speaking. Right now: only if
+every started stream with a step to run could still have it, after the new
+one's and in deadline order, before its listener runs dry. Otherwise the new
+stream waits, newcomers in the order their listeners began waiting, and the
+started ones go by deadline. So when a burst passes capacity, new utterances
+wait longer for their first audio, and no started one is stretched by them.
+
 Steps run on a small thread pool; onnxruntime and torch release the GIL, so
 steps of different streams overlap on the cores. A step that runs alone and is
 urgent gets every core; under load each step gets one thread and steps run
@@ -34,6 +45,7 @@ from typing import Iterator
 
 from ..logs import setup_logging
 from . import proto, wire
+from .capacity import RESERVE, CoreShare, SynthesisCost, calibrate, capacity
 from .base import (
     AudioChunk, Engine, EngineError, StepStopped, StopSignal, SynthesisJob, SynthesisOptions, WordTiming,
 )
@@ -45,6 +57,18 @@ log = logging.getLogger(__name__)
 # A stream with less audio than this buffered ahead of its listener is urgent:
 # when its step is the only one to run, it gets every core.
 URGENT_SLACK_S = 0.5
+# A new stream starts only if every started stream that has a step to run could
+# still get STEPS_AHEAD of them, in deadline order after the new one's, this long
+# before it runs dry. More than one: a sentence's next audio may need its encoder
+# pass first.
+STEPS_AHEAD = 1.5
+START_MARGIN_S = 0.1
+# A step's time in that plan: the STEP_QUANTILE of the last STEPS_TIMED steps
+# (FIRST_STEP_S until a step was timed). Steps vary tenfold (an encoder pass, a
+# window of three seconds of audio); a plan on the mean started streams that ran dry.
+STEPS_TIMED = 32
+STEP_QUANTILE = 0.9
+FIRST_STEP_S = 0.1
 # A running step of a stream with at least this much audio buffered is stopped
 # (and redone later) when a listener starts waiting for first audio. Stopping
 # costs the work done so far; this much slack leaves room to redo it.
@@ -58,6 +82,8 @@ MAX_QUEUE_DEPTH = 8
 MAX_SLACK_S = 60.0
 # Marks a stopped step's result.
 _STOPPED = object()
+# How often the worker tells the gateway its load (proto.Load).
+LOAD_REPORT_S = 1.0
 
 
 class _GeneratorJob(SynthesisJob):
@@ -87,6 +113,9 @@ class StepsDone:
 
     members: list[tuple]
     threads: int
+    # CPU seconds the step took (its thread's, or the process's when it ran alone on
+    # every core); None where they cannot be told apart from another step's.
+    cpu_s: float | None = None
 
 
 @dataclass
@@ -113,6 +142,31 @@ class _Stream:
     followers: list = field(default_factory=list)  # the streams whose `after` this is
     closed: bool = False  # out of the scheduler: ended (finished or failed), or cancelled
     cancelled: bool = False
+    # A step of it was dispatched: from then on its listener counts among those kept speaking.
+    granted: bool = False
+    # It follows speech its listener already hears (the stream before it had started):
+    # it is part of that speech, not a newcomer.
+    continues: bool = False
+
+    def speaks(self) -> bool:
+        """Whether its listener is being kept speaking by it or by the streams it is queued behind."""
+        s: _Stream | None = self
+        for _ in range(MAX_QUEUE_DEPTH):
+            if s is None:
+                return False
+            if s.granted or s.chunks_sent or s.continues:
+                return True
+            s = s.after
+        return False
+
+    def listener(self) -> "_Stream":
+        """The first stream of its listener's queue (bounded walk): one per listener."""
+        s = self
+        for _ in range(MAX_QUEUE_DEPTH):
+            if s.after is None:
+                break
+            s = s.after
+        return s
 
     def runnable(self) -> bool:
         return not self.busy and self.credit > 0 and (self.job is not None or bool(self.units))
@@ -150,7 +204,15 @@ class Scheduler:
     waiting behind another stream's long text (see the module docstring).
     """
 
-    def __init__(self, engine: Engine, *, send, parallel: int) -> None:
+    def __init__(
+        self, engine: Engine, *, send, parallel: int, cost: SynthesisCost | None = None,
+        capacity: float | None = None, share: CoreShare | None = None, hold_new: bool = True,
+    ) -> None:
+        """`cost`: what synthesis costs here, measured (engine/capacity.py); without it,
+        and without a fixed `capacity` (listeners kept speaking at once), the cores
+        count as endless. `share`: the sampler of other processes' load (default: one
+        for this process). `hold_new=False` lets every stream start at once, as the
+        scheduler did before it protected started speech (benchmarks compare the two)."""
         self.engine = engine
         self.send = send
         self.parallel = max(1, parallel)
@@ -167,7 +229,19 @@ class Scheduler:
         self.counters = {
             "steps": 0, "batches": 0, "batched_streams": 0, "largest_batch": 0, "all_core_steps": 0,
             "stopped_steps": 0, "cancelled_steps": 0,
+            # Chunks of started streams sent after their listener had run out of audio.
+            "underruns": 0,
+            # Streams that waited for their first step because the cores were full.
+            "held_streams": 0,
         }
+        self.cost = cost
+        self.fixed_capacity = capacity
+        self.hold_new = hold_new
+        self.share = share or CoreShare((0,))
+        # The cores steps can use: one per slot under load, every thread when steps run one at a time.
+        self.slot_cores = float(self.parallel if self.parallel > 1 else self.max_threads)
+        self._held: set[int] = set()  # sids counted in held_streams
+        self._step_times: deque = deque(maxlen=STEPS_TIMED)  # recent steps' wall times
         # The stop signal of each stream's running step.
         self.running: dict[int, StopSignal] = {}
         # Streams that ended lately, oldest first, for OpenStream.after (at most proto.MAX_ENDED).
@@ -187,6 +261,7 @@ class Scheduler:
                 before = self.streams.get(msg.after) or self._ended.get(msg.after)
                 if before is not None:
                     stream.after = before
+                    stream.continues = before.speaks()
                     before.followers.append(stream)
                     self._settle(before)
             self.streams[msg.sid] = stream
@@ -222,6 +297,11 @@ class Scheduler:
             self.in_flight -= 1
             if msg.threads > 1:
                 self.all_cores_in_flight -= 1
+            if msg.members:
+                self._step_times.append(msg.members[0][3])
+            if msg.cpu_s is not None and self.cost is not None:
+                chunks = [m[2].duration for m in msg.members if isinstance(m[2], AudioChunk)]
+                self.cost.add(msg.cpu_s, sum(chunks), max(chunks, default=0.0))
             for member in msg.members:
                 self._step_done(*member)
         return True
@@ -235,8 +315,12 @@ class Scheduler:
         """
         handle = handle or self.handle
         running = True
+        next_report = time.monotonic()
         while running:
-            running = handle(self.inbox.get())
+            try:
+                running = handle(self.inbox.get(timeout=max(0.0, next_report - time.monotonic())))
+            except queue.Empty:
+                pass
             while running:
                 try:
                     msg = self.inbox.get_nowait()
@@ -245,7 +329,63 @@ class Scheduler:
                 running = handle(msg)
             if running:
                 self.dispatch()
+                now = time.monotonic()
+                if now >= next_report:
+                    next_report = now + LOAD_REPORT_S
+                    self.share.sample(now)
+                    self.send(self.load())
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # What the cores carry
+    def capacity(self) -> float:
+        """Listeners the cores keep speaking at 1x real time, less a reserve (engine/capacity.py)."""
+        if self.fixed_capacity is not None:
+            return self.fixed_capacity
+        cores = min(self.slot_cores, self.share.free_cores)
+        return capacity(self.cost.per_audio_s if self.cost else None, cores, RESERVE)
+
+    def step_s(self) -> float:
+        """A step's wall time to plan with: high in its recent spread (STEP_QUANTILE), and
+        no less than the largest step at the measured cost (a burst's first steps are
+        all small windows; the ones that keep the streams going after them are large)."""
+        largest = self.cost.largest_step_s() if self.cost is not None else 0.0
+        if not self._step_times:
+            return max(FIRST_STEP_S, largest)
+        times = sorted(self._step_times)
+        return max(largest, times[min(len(times) - 1, int(STEP_QUANTILE * len(times)))])
+
+    def speaking(self) -> int:
+        """Listeners being kept speaking: one per queue of streams that has started."""
+        return len({id(s.listener()) for s in self.streams.values() if s.speaks()})
+
+    def _in_time(self, now: float) -> bool:
+        """Whether every started stream with a step to run could still have its next
+        STEPS_AHEAD steps before its listener runs dry, if a new stream's step went first:
+        the i-th soonest deadline comes after 1 + STEPS_AHEAD * (i + 1) steps shared by
+        the slots, and a margin."""
+        due = sorted(s.deadline() for s in self.streams.values() if s.speaks() and s.runnable())
+        if not due:
+            return True
+        step = self.step_s() / self.parallel
+        return all(d - now >= (1 + STEPS_AHEAD * (i + 1)) * step + START_MARGIN_S for i, d in enumerate(due))
+
+    def waiting(self, now: float) -> int:
+        """Streams whose listener waits for first audio now and that have not started."""
+        return sum(1 for s in self.streams.values()
+                   if s.waiting_for_first(now) and not s.speaks() and (s.units or s.job is not None))
+
+    def load(self) -> proto.Load:
+        t = os.times()
+        return proto.Load(
+            cost=self.cost.per_audio_s if self.cost else None,
+            cores=min(self.slot_cores, self.share.cores),
+            others=self.share.others,
+            capacity=self.capacity(),
+            speaking=self.speaking(),
+            waiting=self.waiting(time.monotonic()),
+            underruns=self.counters["underruns"],
+            cpu_s=t.user + t.system,
+        )
 
     def _maybe_finish(self, stream: _Stream) -> None:
         if stream.ended and not stream.busy and stream.job is None and not stream.units:
@@ -256,6 +396,7 @@ class Scheduler:
         """Take a stream out of the scheduler: ended (finished, or failed: what it
         sent still plays) or cancelled (its listener hears no more of it)."""
         stream = self.streams.pop(sid, None)
+        self._held.discard(sid)
         if stream is not None:
             stream.closed, stream.cancelled = True, cancelled
             if not cancelled:
@@ -281,6 +422,7 @@ class Scheduler:
                 if follower.after is s:
                     if not s.cancelled:
                         follower.start_at = max(follower.start_at, s.deadline())
+                        follower.continues = follower.continues or s.speaks()
                     follower.after = None
                     pending.append(follower)
             s.followers.clear()
@@ -308,14 +450,25 @@ class Scheduler:
     def dispatch(self) -> None:
         while self.in_flight < self.parallel:
             now = time.monotonic()
-            ready = [s for s in self.streams.values() if s.runnable()]
+            # A stream that does not speak yet may start only while the cores keep
+            # fewer listeners speaking than they can (or none at all): otherwise it
+            # waits, and the started ones keep their pace (the module docstring).
+            speaking = self.speaking()
+            room = not self.hold_new or speaking == 0 or (speaking < self.capacity() and self._in_time(now))
+            ready = [s for s in self.streams.values() if s.runnable() and (room or s.speaks())]
+            if not room:
+                for s in self.streams.values():
+                    if s.sid not in self._held and s.runnable() and not s.speaks():
+                        self._held.add(s.sid)
+                        self.counters["held_streams"] += 1
             if not ready:
                 return
             ready.sort(key=lambda s: s.priority(now))
             # While a listener waits for first audio, streams with audio to
             # spare wait too: they would only share its cores. Their running
             # steps are stopped, to be redone later.
-            waiting = [s for s in self.streams.values() if s.waiting_for_first(now) and (s.busy or s.runnable())]
+            waiting = [s for s in self.streams.values() if s.waiting_for_first(now) and (s.busy or s.runnable())
+                       and (room or s.speaks())]
             first_pending = bool(waiting)
             if first_pending and any(s.waiting_for_first(now) for s in ready):
                 self._preempt(now)
@@ -372,6 +525,7 @@ class Scheduler:
                 member.job.slack_s = min(max(0.0, member.deadline() - now), MAX_SLACK_S)
                 member.job.load = active / self.parallel
                 member.busy = True
+                member.granted = True
                 member.credit -= 1
                 self.trace.append((member.sid, "first" if member.chunks_sent == 0 else "later"))
             self.counters["steps"] += 1
@@ -399,6 +553,10 @@ class Scheduler:
 
     def _run(self, members: list[tuple[int, SynthesisJob]], threads: int, stop: StopSignal) -> None:
         started = time.monotonic()  # CLOCK_MONOTONIC: comparable with the gateway's clock
+        # Its cost: the thread's CPU time for a one-thread step; the process's for a step
+        # on every thread when steps run one at a time; else not measured.
+        alone = self.parallel == 1
+        cpu0 = time.thread_time() if threads == 1 else (sum(os.times()[:2]) if alone else None)
         t0 = time.perf_counter()
         jobs = [job for _, job in members]
         try:
@@ -414,7 +572,13 @@ class Scheduler:
             log.error("synthesis failed: %s", traceback.format_exc())
             results = [RuntimeError(f"{type(exc).__name__}: {exc}")] * len(jobs)
         seconds = time.perf_counter() - t0
-        self.inbox.put(StepsDone([(sid, job, result, seconds, started) for (sid, job), result in zip(members, results)], threads))
+        if cpu0 is None:
+            cpu_s = None
+        else:
+            cpu_s = (time.thread_time() if threads == 1 else sum(os.times()[:2])) - cpu0
+        self.inbox.put(StepsDone(
+            [(sid, job, result, seconds, started) for (sid, job), result in zip(members, results)], threads, cpu_s,
+        ))
 
     def _step_done(self, sid: int, job: SynthesisJob, result, seconds: float, started: float) -> None:
         self.running.pop(sid, None)
@@ -435,9 +599,12 @@ class Scheduler:
             stream.credit += 1  # nothing was sent for this step
         else:
             chunk: AudioChunk = result
+            now = time.monotonic()
+            if stream.chunks_sent and now > stream.deadline():
+                self.counters["underruns"] += 1  # its listener ran out of audio before this chunk
             stream.chunks_sent += 1
             if stream.first_sent_at is None:
-                stream.first_sent_at = time.monotonic()
+                stream.first_sent_at = now
             stream.audio_s += chunk.duration
             message = proto.Chunk(
                 sid=sid,
@@ -487,7 +654,15 @@ def run_worker(
     except Exception as exc:
         send(proto.Fatal(f"{type(exc).__name__}: {exc}"))
         return
-    scheduler = Scheduler(engine, send=send, parallel=parallel)
+    try:
+        t0 = time.perf_counter()
+        cost = calibrate(engine, parallel)
+        info["synthesis_cost"] = cost.per_audio_s
+        info["calibration_s"] = time.perf_counter() - t0
+    except Exception as exc:  # the engine works; its capacity is then unmeasured until its first steps
+        log.warning("synthesis cost not measured at start: %s", exc)
+        cost = SynthesisCost()
+    scheduler = Scheduler(engine, send=send, parallel=parallel, cost=cost)
     log.debug("worker %d: engine %s loaded in %.2f s, %d step(s) at once", info["pid"], engine_name, info["load_s"], parallel)
     send(proto.Ready(info))
 
