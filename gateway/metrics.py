@@ -46,6 +46,9 @@ class GatewayMetrics:
         self.ice_dropped = Counter("voxgate_ice_dropped_total",
                                    "STUN datagrams and checks the sessions' ICE guards dropped (gateway/ice.py): "
                                    "candidate_limit, stun_rate, check_budget, error", ["reason"], registry=r)
+        self.caller_audio_frames = Counter("voxgate_caller_audio_frames_total",
+                                           "Frames of callers' audio for backends that asked for it (?audio=pcm16): sent, "
+                                           "or dropped because the backend read too slowly", ["outcome"], registry=r)
         # Whatever else wants every session's samples (a benchmark's recorder), beside Prometheus;
         # read when a session is made.
         self.observers: list[SessionMetrics] = []

@@ -1,11 +1,12 @@
-"""The peer's microphone, read for barge-in: RTP straight to 16 kHz mono for the VAD.
+"""The peer's microphone, read for barge-in and for backends: RTP straight to 16 kHz mono.
 
 aiortc would decode every inbound Opus packet to 48 kHz stereo in a thread of
 its own and hand each frame back to the event loop, after which the VAD needs
 16 kHz mono anyway. Here the receiver's packets are taken as they arrive, on
 the event loop, and libopus decodes them straight to 16 kHz mono: a third of
 the samples of one channel instead of two, and no thread hop per frame.
-Nothing at all is decoded while the session's VAD is off.
+Nothing at all is decoded while nobody listens: the session's VAD off and no
+backend taking the caller's audio (caller_audio.py).
 
 The browser is asked for DTX (`usedtx=1` in the answer), so a silent
 microphone sends a packet every 400 ms instead of every 20 ms; the gaps in
@@ -17,7 +18,8 @@ Browsers also put the level of each packet's audio in its RTP header (RFC
 whatever the VAD's noise floor, so it reaches the VAD as silence (its length
 read from its header) without being decoded: the energy gate, before the
 decoder. The level is the peer's own word about its own microphone, so a peer
-that misstates it can only mute its own barge-in. A quiet microphone without DTX then costs the packet's
+that misstates it can only mute its own barge-in. While a backend takes the
+caller's audio, every packet is decoded, quiet or not. A quiet microphone without DTX then costs the packet's
 arrival and nothing more. Packets without the level are decoded as before.
 
 This reads aiortc's receiver one step below its public API: the RTP packet
@@ -46,14 +48,18 @@ import numpy as np
 import pylibsrtp
 
 from . import opus
+from .clock import CaptureClock, SessionClock
 from .encoder import alaw_decode, ulaw_decode
 from .frames import FRAME_MS
-from .resample import StreamResampler
+from .resample import Upsampler2x
 from .vad import VAD_RATE
 
 log = logging.getLogger(__name__)
 
 RTP_CLOCK = {"opus": 48000, "pcmu": 8000, "pcma": 8000}
+# How much later than the sound a decoded sample comes out, in ms: Opus's look-ahead in a
+# browser's encoder (312 samples at 48 kHz, libopus's VoIP and audio applications), or the upsampler's.
+DECODE_DELAY_MS = {"opus": 6.5, "pcmu": Upsampler2x.DELAY_S * 1000.0, "pcma": Upsampler2x.DELAY_S * 1000.0}
 MAX_GAP_FRAMES = 50  # a longer silence than 1 s tells the VAD nothing more
 # RFC 6464 levels are -dBov: 127 is silence. Nobody barges in quieter than -55 dBov
 # (speech into a headset or laptop microphone sits around -15 to -40).
@@ -183,26 +189,33 @@ def _demultiplex(protocol, data_received: Callable[[bytes, int], None]) -> None:
 
 
 class Microphone:
-    """Decodes one peer's microphone packets for `on_audio` (16 kHz mono int16).
+    """Decodes one peer's microphone packets for `on_audio(pcm, capture_ms)` (16 kHz mono int16,
+    and when its first sample was captured, on `clock`: see clock.py).
 
     `on_gap(frames, level_db)` hears about frames that never came (DTX, loss;
     level None) or were quiet by their own level, so the VAD counts them as
-    silence; `wanted()` says whether anyone listens at all.
+    silence; `wanted()` says whether anyone listens at all, and `whole()`
+    whether every packet must be decoded, quiet ones too (a backend takes the audio).
     """
 
     def __init__(
         self,
         codec: str,
         payload_type: int,
-        on_audio: Callable[[np.ndarray], None],
+        on_audio: Callable[[np.ndarray, float], None],
         on_gap: Callable[..., None],
         wanted: Callable[[], bool],
+        *,
+        whole: Callable[[], bool] = lambda: False,
+        clock: SessionClock | None = None,
     ) -> None:
         self.codec = codec
         self.payload_type = payload_type
         self.on_audio = on_audio
         self.on_gap = on_gap
         self.wanted = wanted
+        self.whole = whole
+        self.capture = CaptureClock(clock or SessionClock(), RTP_CLOCK[codec])
         self.frame_ticks = RTP_CLOCK[codec] * FRAME_MS // 1000
         self.packets = 0
         self.decoded = 0
@@ -212,11 +225,12 @@ class Microphone:
         self._next_ts: int | None = None  # RTP time the next packet should carry
         if codec == "opus":
             self._decoder: opus.Decoder | None = opus.Decoder(VAD_RATE)
-            self._resampler: StreamResampler | None = None
+            self._upsampler: Upsampler2x | None = None
         else:
             self._decoder = None
             self._law = ulaw_decode if codec == "pcmu" else alaw_decode
-            self._resampler = StreamResampler(8000, VAD_RATE)
+            self._upsampler = Upsampler2x()
+        self._decode_delay_ms = DECODE_DELAY_MS[codec]
 
     def attach(self, receiver) -> None:
         """Take the receiver's RTP packets from now on: as datagrams where this aiortc allows,
@@ -294,7 +308,7 @@ class Microphone:
                 return  # a duplicate, or older than what was already heard: too late for the VAD
             if ahead >= self.frame_ticks:
                 self.on_gap(min(ahead // self.frame_ticks, MAX_GAP_FRAMES))
-        if level is not None and not level[0] and level[1] >= QUIET_DBOV:
+        if level is not None and not level[0] and level[1] >= QUIET_DBOV and not self.whole():
             try:
                 ticks = self._ticks(payload)
             except (opus.OpusError, ValueError):
@@ -308,12 +322,12 @@ class Microphone:
                 pcm = self._decoder.decode(payload)
                 ticks = len(pcm) * RTP_CLOCK["opus"] // VAD_RATE  # 20, 40 or 60 ms a packet
             else:
-                assert self._resampler is not None
-                pcm = self._resampler.process(self._law(payload))
+                assert self._upsampler is not None
+                pcm = self._upsampler.process(self._law(payload))
                 ticks = self._ticks(payload)
         except (opus.OpusError, ValueError) as exc:
             log.debug("microphone packet not decoded: %s", exc)
             return
         self.decoded += 1
         self._next_ts = (ts + ticks) & 0xFFFFFFFF  # the next packet follows this one's last sample
-        self.on_audio(pcm)
+        self.on_audio(pcm, self.capture.end_ms(self._next_ts) - len(pcm) * 1000.0 / VAD_RATE - self._decode_delay_ms)

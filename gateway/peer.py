@@ -204,7 +204,8 @@ class PeerConnection:
                 self.mic = Microphone(
                     codec, payload_type,
                     on_audio=session.on_inbound_audio, on_gap=session.on_inbound_gap,
-                    wanted=lambda: session.listening,
+                    wanted=lambda: session.listening, whole=lambda: session.wants_every_frame,
+                    clock=session.clock,
                 )
                 self.mic.attach(transceiver.receiver)
                 return

@@ -1,4 +1,4 @@
-"""Streaming resampling from engine rate to wire rate.
+"""Streaming resampling: from engine rate to wire rate, and the caller's 8 kHz audio to 16 kHz.
 
 One resampler lives for one utterance and keeps its filter state across
 chunks, so chunk boundaries carry no clicks.
@@ -29,6 +29,42 @@ class StreamResampler:
         if self._stream is None:
             return pcm
         return self._stream.resample_chunk(pcm, last=last)
+
+
+class Upsampler2x:
+    """8 kHz to 16 kHz for the caller's audio (a phone call, a G.711 microphone), each output sample
+    as soon as its input has arrived.
+
+    A soxr stream hands its output over in blocks: 8 kHz to 16 kHz comes out about 100 ms at a
+    time (1,660 samples after every fifth 20 ms frame), which would hold the VAD and the backends
+    back that long. This is a windowed-sinc half-band filter in two phases, one for the even
+    output samples and one for the odd, which keeps the last `TAPS // 2 - 1` input samples
+    between calls. Its delay, `DELAY_S` (under 2 ms), is the same for every sample.
+    """
+
+    TAPS = 64
+    DELAY_S = (TAPS - 1) / 2 / 16000
+
+    def __init__(self) -> None:
+        self._history = np.zeros(self.TAPS // 2 - 1, dtype=np.float64)
+
+    def process(self, pcm: np.ndarray) -> np.ndarray:
+        x = np.concatenate([self._history, np.asarray(pcm, dtype=np.float64).reshape(-1)])
+        self._history = x[len(x) - len(self._history):]
+        out = np.empty(2 * (len(x) - len(self._history)), dtype=np.float64)
+        out[0::2] = np.convolve(x, _HALF_BAND[0::2], "valid")
+        out[1::2] = np.convolve(x, _HALF_BAND[1::2], "valid")
+        return np.clip(np.rint(out), -32768, 32767).astype(np.int16)
+
+
+def _half_band(taps: int) -> np.ndarray:
+    """A low-pass at a quarter of the output rate (the input's Nyquist), gain 2 for the zeros between samples."""
+    n = np.arange(taps) - (taps - 1) / 2
+    h = np.sinc(n / 2) * np.kaiser(taps, 8.0)
+    return 2 * h / h.sum()
+
+
+_HALF_BAND = _half_band(Upsampler2x.TAPS)
 
 
 @functools.lru_cache(maxsize=32)

@@ -27,9 +27,12 @@ from ..engine.base import SynthesisOptions
 from ..engine.client import EngineClient
 from ..engine.errors import EngineUnavailable
 from ..engine.stream import TTSStream
+from .caller_audio import CallerAudio
+from .clock import SessionClock
 from .encoder import FrameEncoder, OpusEncoder, OpusSettings, create_encoder
 from .fec import SignalPolicy
 from .feeder import Feeder, listener_lag_s
+from .frames import FRAME_MS
 from .playout import Playout, UtterancePlay
 from .errors import GatewayError, checked_voice
 from .protocol import Limits, RateLimiter, parse
@@ -89,6 +92,8 @@ class Session:
         self.options = options or SessionOptions()
         self.metrics = metrics or SessionMetrics()
         self.created_at = time.monotonic()
+        # What every `at_ms`, capture time and transcript span is measured on (clock.py).
+        self.clock = SessionClock()
         self.last_activity = self.created_at
         self.listeners: dict[str, Listener] = {}
         self.writer: str | None = None  # the one backend allowed to write, besides the peer
@@ -109,6 +114,8 @@ class Session:
         self._closed = False
         self.closed_event = asyncio.Event()
         self.vad = VoiceActivityDetector(self.options.vad)
+        # The caller's audio in 20 ms frames, for the VAD and for backends that take it.
+        self.caller = CallerAudio(self._on_caller_frame)
         self.on_close: list[Callable[["Session"], Awaitable[None] | None]] = []
         self.stats = {"utterances": 0, "interrupted": 0, "errors": 0}
         self._pending_cancel_at: float | None = None
@@ -332,6 +339,7 @@ class Session:
             "codec": self.output_codec,
             "engine": self.engine.info.get("engine"),
             "supported_tags": self.engine.info.get("supported_tags", []),
+            "at_ms": self.clock.at_ms(),
         }
 
     # Barge-in and cancel
@@ -362,6 +370,7 @@ class Session:
                     "reason": reason,
                     "played_ms": play.played_ms,
                     "played_text": play.played_text(),
+                    "at_ms": self.clock.at_ms(t0),
                 }
             )
 
@@ -409,21 +418,43 @@ class Session:
     # Inbound audio (microphone / caller)
     @property
     def listening(self) -> bool:
-        """Whether inbound audio is wanted at all: with the VAD off, nothing is decoded."""
-        return self.options.vad.enabled and not self._closed
+        """Whether inbound audio is wanted at all: with the VAD off and no backend taking
+        the caller's audio, nothing is decoded."""
+        return (self.options.vad.enabled or bool(self.caller.taps)) and not self._closed
 
-    def on_inbound_audio(self, pcm16k: np.ndarray) -> None:
-        self._vad_events(self.vad.process(pcm16k))
+    @property
+    def wants_every_frame(self) -> bool:
+        """Whether quiet frames must be decoded too: a backend takes the caller's audio."""
+        return bool(self.caller.taps)
+
+    def add_audio_tap(self, name: str, tap: Callable[[bytes], None]) -> None:
+        """`tap` receives every frame of the caller's audio from now on (caller_audio.py's messages)."""
+        self.caller.taps[name] = tap
+
+    def remove_audio_tap(self, name: str) -> None:
+        self.caller.taps.pop(name, None)
+
+    def on_inbound_audio(self, pcm16k: np.ndarray, capture_ms: float) -> None:
+        """Decoded caller audio, 16 kHz mono, its first sample captured at `capture_ms` (session ms)."""
+        self.caller.audio(pcm16k, capture_ms)
 
     def on_inbound_gap(self, frames: int, level_db: float | None = None) -> None:
         """Frames the peer did not send (its DTX during silence), or sent quieter than the
         microphone's level gate (`level_db`: their level, for the VAD's noise floor)."""
-        self._vad_events(self.vad.skip(frames, level_db))
+        self.caller.gap(frames, level_db)
 
-    def _vad_events(self, events: list[str]) -> None:
+    def _on_caller_frame(self, pcm: np.ndarray | None, capture_ms: float, level_db: float | None) -> None:
+        """One 20 ms frame of the caller's audio (None: not decoded, silence for the VAD)."""
+        if not self.options.vad.enabled:
+            return
+        events = self.vad.process(pcm) if pcm is not None else self.vad.skip(1, level_db)
+        if events:
+            self._vad_events(events, int(capture_ms) + FRAME_MS)
+
+    def _vad_events(self, events: list[str], at_ms: int) -> None:
         for event in events:
             self.last_activity = time.monotonic()
-            self.emit({"type": event})
+            self.emit({"type": event, "at_ms": at_ms})
             if event == "speech.started" and self.playout.current is not None:
                 self.interrupt("barge_in")
 
@@ -432,7 +463,7 @@ class Session:
         if play.ready_at is not None and play.first_queued_at is not None:
             self.metrics.ttfa_parts(play.first_queued_at - play.ready_at, at - play.first_queued_at)
         self.metrics.ttfa(ttfa)
-        self.emit({"type": "audio.started", "id": play.id, "ttfa_ms": round(ttfa * 1000.0, 1)})
+        self.emit({"type": "audio.started", "id": play.id, "ttfa_ms": round(ttfa * 1000.0, 1), "at_ms": self.clock.at_ms(at)})
 
     def _on_done(self, play: UtterancePlay) -> None:
         self.utterances = [u for u in self.utterances if u.play is not play]

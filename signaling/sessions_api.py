@@ -30,12 +30,15 @@ from ..gateway.peer import PeerConnection
 from ..gateway.protocol import parse
 from ..gateway.session import Session
 from ..gateway.errors import GatewayError, checked_voice
+from ..gateway.frames import FRAME_MS
 from .errors import error_response, read_json_object
 
 log = logging.getLogger(__name__)
 
 # Events a slow backend may leave unread before it is disconnected.
 MAX_PENDING_EVENTS = 10000
+# What `?audio=` may ask for: 16 kHz mono PCM16 frames (gateway/caller_audio.py).
+AUDIO_FORMATS = ("pcm16",)
 CREATE_BODY_LIMIT = 8192
 
 
@@ -354,6 +357,9 @@ async def handle_ws(request: web.Request) -> web.StreamResponse:
     role = request.query.get("role", "writer")
     if role not in ("writer", "watcher"):
         return error_response(GatewayError("invalid_field", "'role' must be 'writer' or 'watcher'"))
+    audio = request.query.get("audio")
+    if audio is not None and audio not in AUDIO_FORMATS:
+        return error_response(GatewayError("invalid_field", f"'audio' must be one of: {', '.join(AUDIO_FORMATS)} (the caller's audio as binary messages)"))
     gw = request.app["gateway"]
     limit = gw.settings.max_message_bytes
     # decode_text=False: a text frame with invalid UTF-8 reaches the session
@@ -367,18 +373,41 @@ async def handle_ws(request: web.Request) -> web.StreamResponse:
         role = "watcher"
     backends = request.app[REGISTRY].backends.setdefault(session.id, {})
     backends[name] = role
+    # Events (dicts) and, with ?audio=, the caller's audio frames (bytes), in the order they happened.
     outbox: asyncio.Queue = asyncio.Queue()
+    frames_queued = 0
+    max_frames = max(1, gw.settings.caller_audio_buffer_ms // FRAME_MS)
+    frames_sent = gw.metrics.caller_audio_frames.labels("sent")
+    frames_dropped = gw.metrics.caller_audio_frames.labels("dropped")
+
+    def on_audio(message: bytes) -> None:
+        # A backend that reads too slowly loses frames, never memory: a gap in its sequence numbers.
+        nonlocal frames_queued
+        if frames_queued >= max_frames:
+            frames_dropped.inc()
+            return
+        frames_queued += 1
+        outbox.put_nowait(message)
 
     def on_event(event: dict) -> None:
-        if outbox.qsize() >= MAX_PENDING_EVENTS:
+        if outbox.qsize() - frames_queued >= MAX_PENDING_EVENTS:
             log.warning("session %s: backend %s reads too slowly; disconnecting it", session.id, name, extra={"session_id": session.id})
             outbox.put_nowait(None)
             return
         outbox.put_nowait(event)
 
     async def pump() -> None:
+        nonlocal frames_queued
         while True:
             event = await outbox.get()
+            if isinstance(event, bytes):
+                frames_queued -= 1
+                try:
+                    await ws.send_bytes(event)
+                except (ConnectionError, RuntimeError):
+                    return
+                frames_sent.inc()
+                continue
             if event is None:
                 await ws.close(code=1013, message=b"events not read fast enough")
                 return
@@ -393,7 +422,10 @@ async def handle_ws(request: web.Request) -> web.StreamResponse:
     session.add_listener(name, on_event)
     on_event({**session.ready_event(), "role": role, "writer": session.writer})
     sender = asyncio.ensure_future(pump())
-    log.info("session %s: backend %s attached as %s", session.id, name, role, extra={"session_id": session.id})
+    if audio is not None:
+        session.add_audio_tap(name, on_audio)
+    log.info("session %s: backend %s attached as %s%s", session.id, name, role, " with the caller's audio" if audio else "",
+             extra={"session_id": session.id})
     try:
         async for msg in ws:
             if msg.type == WSMsgType.TEXT:
@@ -403,6 +435,7 @@ async def handle_ws(request: web.Request) -> web.StreamResponse:
             elif msg.type == WSMsgType.ERROR:
                 break
     finally:
+        session.remove_audio_tap(name)
         session.remove_listener(name)
         backends.pop(name, None)
         if session.writer == name:

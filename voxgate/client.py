@@ -15,6 +15,7 @@ saves one WebSocket message per token.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import re
 import secrets
@@ -24,6 +25,9 @@ from typing import AsyncIterable, AsyncIterator, Iterable
 from urllib.parse import urlencode
 
 import aiohttp
+import numpy as np
+
+from .gateway.caller_audio import FRAME_HEADER
 
 # A clause is complete at these marks once something follows them (or at once
 # for a closing mark at the end of a token: ".", "!", "?" followed by nothing
@@ -51,6 +55,19 @@ class Outcome:
     played_text: str = ""  # what the listener heard
     played_ms: int = 0
     reason: str | None = None  # 'cancel' or 'barge_in' when interrupted
+
+
+@dataclass
+class CallerFrame:
+    """20 ms of the caller's audio: 320 samples of 16 kHz mono PCM16 (little-endian bytes)."""
+
+    seq: int  # the session's frame count: a gap means frames were lost on the way
+    capture_ms: int  # when its first sample was captured, on the session's clock (the clock of every `at_ms`)
+    pcm: bytes
+
+    def samples(self) -> np.ndarray:
+        """The PCM as a numpy int16 array."""
+        return np.frombuffer(self.pcm, dtype="<i2")
 
 
 async def coalesce(tokens: AsyncIterable[str], batch_s: float = 0.1) -> AsyncIterator[str]:
@@ -120,6 +137,8 @@ class VoxgateSession:
         voice: str | None = None,
         role: str = "writer",
         end_on_exit: bool | None = None,
+        caller_audio: bool = False,
+        caller_audio_buffer: int = 500,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
@@ -137,6 +156,13 @@ class VoxgateSession:
         self._queue: asyncio.Queue = asyncio.Queue()  # for wait_for
         self._subscribers: list[asyncio.Queue] = []
         self._outcomes: dict[str, asyncio.Future] = {}
+        # With caller_audio: the caller's audio frames, the newest `caller_audio_buffer` kept
+        # until read; `frames_lost` counts the gaps in their sequence numbers, here or on the way.
+        self.caller_audio = caller_audio
+        self._frames: collections.deque = collections.deque(maxlen=caller_audio_buffer)
+        self._frame_ready = asyncio.Event()
+        self._last_seq: int | None = None
+        self.frames_lost = 0
         self._prefix = "b" + secrets.token_hex(3)
         self._count = 0
         self._created = False
@@ -174,7 +200,8 @@ class VoxgateSession:
                 self._created = True
             url = self.base_url + f"/v1/sessions/{self.session_id}/ws"
             try:
-                self._ws = await self._http.ws_connect(url, params={"role": self.role}, heartbeat=20.0)
+                params = {"role": self.role, **({"audio": "pcm16"} if self.caller_audio else {})}
+                self._ws = await self._http.ws_connect(url, params=params, heartbeat=20.0)
             except aiohttp.WSServerHandshakeError as exc:
                 raise VoxgateError("ws_refused", f"the session WebSocket was refused ({exc.status})", exc.status) from None
             self._reader = asyncio.ensure_future(self._read())
@@ -220,6 +247,9 @@ class VoxgateSession:
     async def _read(self) -> None:
         assert self._ws is not None
         async for msg in self._ws:
+            if msg.type == aiohttp.WSMsgType.BINARY:
+                self._on_frame(msg.data)
+                continue
             if msg.type != aiohttp.WSMsgType.TEXT:
                 continue
             event = json.loads(msg.data)
@@ -228,6 +258,7 @@ class VoxgateSession:
             for queue in self._subscribers:
                 queue.put_nowait(event)
             self._settle(event)
+        self._frame_ready.set()  # wake a caller_frames() reader: nothing more will come
         closed = {"type": "session.closed", "reason": "connection closed"}
         for queue in [self._queue, *self._subscribers]:
             queue.put_nowait(closed)
@@ -250,6 +281,31 @@ class VoxgateSession:
             future.set_exception(VoxgateError(event.get("code", "error"), event.get("message", "")))
         if future.done():
             self._outcomes.pop(event["id"], None)
+
+    def _on_frame(self, data: bytes) -> None:
+        if len(data) < FRAME_HEADER.size:
+            return
+        seq, capture_ms = FRAME_HEADER.unpack_from(data)
+        if self._last_seq is not None:
+            self.frames_lost += (seq - self._last_seq - 1) % (1 << 32)
+        self._last_seq = seq
+        if len(self._frames) == self._frames.maxlen:
+            self.frames_lost += 1  # this reader is too slow: the oldest frame goes
+        self._frames.append(CallerFrame(seq, capture_ms, bytes(data[FRAME_HEADER.size:])))
+        self._frame_ready.set()
+
+    async def caller_frames(self) -> AsyncIterator[CallerFrame]:
+        """The caller's audio, frame by frame, until the session's connection closes
+        (needs `caller_audio=True`)."""
+        if not self.caller_audio:
+            raise VoxgateError("no_caller_audio", "make the VoxgateSession with caller_audio=True to receive the caller's audio")
+        while True:
+            while self._frames:
+                yield self._frames.popleft()
+            if self._reader is None or self._reader.done():
+                return
+            self._frame_ready.clear()
+            await self._frame_ready.wait()
 
     def events(self) -> AsyncIterator[dict]:
         """Every event from this call on, until the session closes."""

@@ -244,6 +244,8 @@ class Settings:
     tts_max_audio_s: float = setting(300.0, LIMITS, "audio seconds one POST /v1/tts request may make", low=1.0, high=86400.0)
     telephony_start_timeout_s: float = setting(10.0, LIMITS, "close a Twilio stream without 'start' by then",
                                                low=1.0, high=600.0)
+    caller_audio_buffer_ms: int = setting(1000, LIMITS, "caller audio a backend may leave unread (?audio=pcm16)",
+                                          low=20, high=10000)
     # Access
     api_key: list[str] = setting([], ACCESS, "API key for backends (repeatable; ps shows it: use the file)",
                                  metavar="KEY")

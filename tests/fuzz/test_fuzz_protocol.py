@@ -178,7 +178,7 @@ async def _drive(engine: EngineClient, script: list[tuple[str, object]]) -> tupl
         if kind == "msg":
             session.handle_message(arg, "peer")
         elif kind == "noise":
-            session.on_inbound_audio((rng.standard_normal(320 * arg) * 8000).astype(np.int16))
+            session.on_inbound_audio((rng.standard_normal(320 * arg) * 8000).astype(np.int16), session.clock.ms())
         elif kind == "frames":
             await take(arg)
         else:

@@ -38,16 +38,21 @@ def rtp(payload: bytes, seq: int, ts: int, pt: int = PT) -> RtpPacket:
 class Recorder:
     def __init__(self, wanted: bool = True) -> None:
         self.pcm: list[np.ndarray] = []
+        self.capture_ms: list[float] = []
         self.gaps: list[int] = []
         self.gap_levels: list[float | None] = []
         self.wanted = wanted
+
+    def audio(self, pcm: np.ndarray, capture_ms: float) -> None:
+        self.pcm.append(pcm)
+        self.capture_ms.append(capture_ms)
 
     def gap(self, frames: int, level_db: float | None = None) -> None:
         self.gaps.append(frames)
         self.gap_levels.append(level_db)
 
     def mic(self, codec: str = "opus") -> Microphone:
-        mic = Microphone(codec, PT, self.pcm.append, self.gap, lambda: self.wanted)
+        mic = Microphone(codec, PT, self.audio, self.gap, lambda: self.wanted)
         receiver = Receiver()
         mic.attach(receiver)
         self.handle = receiver._handle_rtp_packet
@@ -125,6 +130,24 @@ async def test_packets_quieter_than_the_gate_by_their_own_level_are_silence_not_
     await rec.handle(again, 0)
     await rec.handle(rtp(speech[5], 5, 5 * 960), 0)
     assert rec.gaps == [1, 1] and mic.gated == 2 and mic.decoded == 4
+
+
+async def test_a_backend_taking_the_audio_gets_quiet_packets_decoded_and_placed_on_the_session_clock():
+    from voxgate.gateway.clock import SessionClock
+
+    payloads = opus_packets(np.zeros(960 * 3, dtype=np.int16))
+    rec = Recorder()
+    clock = SessionClock()
+    mic = Microphone("opus", PT, rec.audio, rec.gap, lambda: True, whole=lambda: True, clock=clock)
+    mic.attach(Receiver())
+    for i, payload in enumerate(payloads):
+        packet = rtp(payload, i, 90000 + i * 960)
+        packet.extensions.audio_level = (False, 127)  # silent by its own word
+        before = clock.ms()
+        await mic._on_rtp(packet)
+        # Its first sample was captured 20 ms (and Opus's look-ahead) before it arrived.
+        assert before - 20 - 6.5 - 1 <= rec.capture_ms[-1] <= clock.ms() - 20 - 6.5
+    assert mic.gated == 0 and mic.decoded == 3 and rec.gaps == []
 
 
 async def test_a_gated_packet_counts_for_its_own_length():
@@ -301,7 +324,7 @@ def test_hostile_datagrams_never_raise_out_of_the_direct_path(caplog):
                            _rtp_header_extensions_map=header_extensions("urn:ietf:params:rtp-hdrext:ssrc-audio-level"),
                            _RTCDtlsTransport__rx_bytes=0, _RTCDtlsTransport__rx_packets=0)
     rec = Recorder()
-    mic = Microphone("opus", PT, rec.pcm.append, rec.gap, lambda: True)
+    mic = Microphone("opus", PT, rec.audio, rec.gap, lambda: True)
     mic.attach(SimpleNamespace(_handle_rtp_packet=None, transport=dtls))
     assert mic.direct
     receive = connection.data_received  # the microphone's wrapper now

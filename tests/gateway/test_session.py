@@ -324,14 +324,40 @@ async def test_cancel_stops_everything_and_reports_what_was_heard():
 async def test_speech_on_the_microphone_interrupts_only_while_speaking():
     session, engine, events, samples = make()
     session.attach_output("opus")
-    session._vad_events(["speech.started"])  # nothing playing: an event, no interrupt
+    session._vad_events(["speech.started"], 0)  # nothing playing: an event, no interrupt
     assert events.of("speech.started") and samples.interrupts == []
     session.handle_message('{"type": "speak", "text": "hello", "id": "a"}')
     await turns()
     engine.streams[0].say(["hello"])
     await play_until(session, events, "audio.started")
-    session._vad_events(["speech.started"])
+    session._vad_events(["speech.started"], 0)
     assert events.of("utterance.interrupted")[0]["reason"] == "barge_in"
+
+
+async def test_events_carry_at_ms_on_the_session_clock_and_speech_is_timed_by_its_frame():
+    session, engine, events, _ = make()
+    session.attach_output("opus")
+    session.handle_message('{"type": "speak", "text": "hello", "id": "a"}')
+    await turns()
+    engine.streams[0].say(["hello"])
+    await play_until(session, events, "audio.started")
+    started = events.of("audio.started")[0]
+    assert 0 <= started["at_ms"] <= session.clock.ms()
+
+    class VadAtThirdFrame:
+        frames = 0
+
+        def process(self, pcm):
+            self.frames += 1
+            return ["speech.started"] if self.frames == 3 else []
+
+    session.vad = VadAtThirdFrame()
+    before = session.clock.ms()
+    session.on_inbound_audio(np.zeros(4 * 320, np.int16), 5000.0)  # captured from 5000 ms: frames at 5000, 5020, ...
+    assert events.of("speech.started")[0]["at_ms"] == 5060  # the end of the third frame
+    interrupted = events.of("utterance.interrupted")[0]
+    assert int(before) <= interrupted["at_ms"] <= session.clock.ms() and interrupted["at_ms"] >= started["at_ms"]
+    assert session.ready_event()["at_ms"] >= interrupted["at_ms"]
 
 
 async def test_close_cancels_streams_runs_every_callback_and_happens_once():

@@ -52,6 +52,7 @@ class TwilioStandIn:
         self._reader: asyncio.Task | None = None
         self._seq = 0
         self._chunk = 0
+        self.sent_media: list[tuple[float, bytes]] = []  # (when it was sent, μ-law) for each media frame
         self._play_end = 0.0  # when the buffered audio will have played
         self._echo_tasks: dict[str, asyncio.Task] = {}
         self.event = asyncio.Event()  # set on every message
@@ -84,15 +85,16 @@ class TwilioStandIn:
             }
         )
 
-    async def send_audio(self, pcm8k: np.ndarray, on_first=None) -> None:
-        """Caller audio, μ-law, in real-time 20 ms frames."""
+    async def send_audio(self, pcm8k: np.ndarray, on_first=None, speed: float = 1.0) -> None:
+        """Caller audio, μ-law, in 20 ms frames at `speed` times real time (each remembered in `sent_media`)."""
         data = ulaw_encode(pcm8k)
         t0 = time.monotonic()
         for i in range(0, len(data), 160):
-            await asyncio.sleep(max(0.0, t0 + (i // 160) * FRAME_S - time.monotonic()))
+            await asyncio.sleep(max(0.0, t0 + (i // 160) * FRAME_S / speed - time.monotonic()))
             self._chunk += 1
             if i == 0 and on_first is not None:
                 on_first()
+            self.sent_media.append((time.perf_counter(), data[i : i + 160]))
             await self.send(
                 {
                     "event": "media",
