@@ -1,0 +1,276 @@
+"""Barge-in against the bot's own echo, real interruptions, backchannels and a quiet room (issue 40).
+
+    python bench/bench_barge_in.py                 # about 6 minutes on 2 cores
+    python bench/bench_barge_in.py --quick         # a few trials of each
+    python bench/bench_barge_in.py --server-arg=--no-echo-cancel   # the same without the canceller
+
+What runs: a gateway process with the embedded voice (Piper joe) on loopback,
+and real aiortc clients in this process, each one session over UDP. A client's
+microphone is a room (tests/listening_corpus.py): its loudspeaker plays what
+the client decoded of the bot's speech, and the microphone hears that back
+`delay` ms later at the echo level, over faint room noise, plus whatever
+caller is played into it (espeak-ng voices, never the bot's).
+
+- echo: the bot speaks two long replies per session, back to back, while the
+  microphone hears only its echo (delays cycled over 50-300 ms). A false
+  barge-in is an `utterance.interrupted` or `speech.started` while the bot
+  speaks. The first reply of each session meets a canceller that has learned
+  nothing yet.
+- interrupt: the bot speaks; 1.5-3 s in, a caller says an interruption over
+  the echo (-10 dB) or in a quiet room (no echo). The figure is from the
+  caller's speech onset (its first sample within 30 dB of its loudest, as the
+  client's microphone sent it) to the client receiving `utterance.interrupted`,
+  on the client's clock: measured at the client, with the real voice.
+- backchannel: the same with a one-word backchannel ("Okay.", "Mm-hmm."...).
+- background: music and room noise in the room while the bot speaks, no echo.
+
+All sessions run at the server's defaults unless --server-arg says otherwise;
+--min-interrupt-ms runs the interruption and backchannel trials again with
+that per-session setting (session.update), for the policy's trade-off curve.
+Figures go to stdout and to artifacts/bench-barge-in.json (--out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+from _common import ARTIFACTS, arg_parser, finish, free_port, machine, print_machine, section, summary_ci_ms, wait_ready  # noqa: E402
+
+from tests import listening_corpus as corpus  # noqa: E402
+
+DELAYS_MS = (50, 100, 150, 200, 250, 300)
+ECHO_LEVELS_DB = (-20.0, -10.0, -6.0)
+QUIET_ROOM_DBFS = -60.0  # faint room noise under every trial
+BARGE_EVENTS = ("utterance.interrupted", "speech.started")
+
+
+class Trials:
+    def __init__(self, url: str, concurrency: int, session_update: dict | None = None) -> None:
+        self.url = url
+        self.gate = asyncio.Semaphore(concurrency)
+        self.session_update = session_update
+
+    async def _client(self, echo_db: float | None, delay_ms: int, background: np.ndarray | None = None):
+        client = corpus.echo_client(self.url, echo_db=echo_db, delay_ms=delay_ms, background=background)
+        await client.connect()
+        if self.session_update:
+            client.send({"type": "session.update", **self.session_update})
+            await client.wait_for("session.updated", timeout=10)
+        return client
+
+    async def echo(self, echo_db: float, delay_ms: int, seed: int) -> list[dict]:
+        """Two replies while the microphone hears only their echo: one row per reply."""
+        async with self.gate:
+            noise = corpus.room_noise(4.0, QUIET_ROOM_DBFS, seed)
+            client = await self._client(echo_db, delay_ms, noise)
+            rows = []
+            try:
+                for k in range(2):
+                    reply = corpus.BOT_REPLIES[(seed + k) % len(corpus.BOT_REPLIES)]
+                    uid = f"r{k}"
+                    mark = len(client.event_log)
+                    client.send({"type": "speak", "text": reply, "id": uid})
+                    end = await client.wait_for_any(("utterance.done", "utterance.interrupted"), timeout=60)
+                    while end.get("id") != uid:
+                        end = await client.wait_for_any(("utterance.done", "utterance.interrupted"), timeout=60)
+                    seen = [e for _, e in client.event_log[mark:]]
+                    rows.append({
+                        "echo_db": echo_db, "delay_ms": delay_ms, "reply": k, "cold": k == 0,
+                        "false_barge_in": end["type"] == "utterance.interrupted" or any(e["type"] == "speech.started" for e in seen),
+                        "interrupted": end["type"] == "utterance.interrupted",
+                        "audio_ms": end.get("audio_ms", end.get("played_ms")),
+                    })
+                    # Let the echo of its end die away before the next reply.
+                    await client.wait_frames_after(end, 25, timeout=10)
+            finally:
+                await client.close()
+            return rows
+
+    async def caller(self, clip: np.ndarray, echo_db: float | None, delay_ms: int, seed: int, *,
+                     background: np.ndarray | None = None, after_ms: int = 0) -> dict:
+        """The bot speaks; `after_ms` (1.5-3 s by seed) into its audio, `clip` plays into the microphone."""
+        async with self.gate:
+            bg = background if background is not None else corpus.room_noise(4.0, QUIET_ROOM_DBFS, seed)
+            client = await self._client(echo_db, delay_ms, bg)
+            try:
+                reply = corpus.BOT_REPLIES[seed % len(corpus.BOT_REPLIES)]
+                client.send({"type": "speak", "text": reply, "id": "talk"})
+                started = await client.wait_for("audio.started", id="talk", timeout=30)
+                after_ms = after_ms or 1500 + (seed * 277) % 1500
+                await client.wait_frames_after(started, after_ms // 20, timeout=20)
+                early = [e for _, e in client.event_log if e["type"] in BARGE_EVENTS]
+                if early:  # the bot already stopped (its own echo): nothing left to interrupt
+                    return {"echo_db": echo_db, "delay_ms": delay_ms, "early_barge_in": True, "interrupted": False,
+                            "latency_ms": None, "backchannel_events": 0}
+                index = client.mic.play(clip)
+                end = await client.wait_for_any(("utterance.done", "utterance.interrupted"), timeout=60)
+                # Everything the caller's turn produced, up to its speech.stopped (or 3 s after the end).
+                try:
+                    await client.wait_for("speech.stopped", timeout=3)
+                except asyncio.TimeoutError:
+                    pass
+                played_at = client.mic.played_at[index]
+                early = played_at is None or client.arrival(end) < played_at
+                onset = (played_at or 0.0) + corpus.onset_s(clip)
+                row = {
+                    "echo_db": echo_db, "delay_ms": delay_ms, "early_barge_in": early,
+                    "interrupted": end["type"] == "utterance.interrupted",
+                    "latency_ms": round((client.arrival(end) - onset) * 1000, 1)
+                    if end["type"] == "utterance.interrupted" and not early else None,
+                    "backchannel_events": sum(1 for _, e in client.event_log if e["type"] == "speech.backchannel"),
+                }
+            finally:
+                await client.close()
+            return row
+
+    async def background(self, kind: str, seed: int) -> dict:
+        """Music or room noise in the room while the bot speaks a reply; no echo."""
+        async with self.gate:
+            if kind == "music":
+                bg = corpus.music(8.0, -30.0, seed)
+            else:
+                bg = corpus.room_noise(8.0, -35.0, seed)
+            client = await self._client(None, 0, bg)
+            try:
+                reply = corpus.BOT_REPLIES[seed % len(corpus.BOT_REPLIES)]
+                client.send({"type": "speak", "text": reply, "id": "talk"})
+                end = await client.wait_for_any(("utterance.done", "utterance.interrupted"), timeout=60)
+                seen = [e["type"] for _, e in client.event_log]
+                return {"kind": kind, "false_barge_in": end["type"] == "utterance.interrupted" or "speech.started" in seen}
+            finally:
+                await client.close()
+
+
+def clips(kind: str, n: int) -> list[tuple[str, str, np.ndarray]]:
+    texts = corpus.INTERRUPTIONS if kind == "interrupt" else corpus.BACKCHANNELS
+    out = []
+    for i in range(n):
+        text, voice = texts[i % len(texts)], corpus.CALLER_VOICES[i % len(corpus.CALLER_VOICES)]
+        out.append((text, voice, corpus.espeak(text, voice)))
+    return out
+
+
+def interrupt_summary(rows: list[dict]) -> dict:
+    valid = [r for r in rows if not r["early_barge_in"]]
+    lat = [r["latency_ms"] / 1000 for r in valid if r["latency_ms"] is not None]
+    return {
+        "trials": len(rows), "spoiled_by_early_barge_in": len(rows) - len(valid),
+        "detected": sum(r["interrupted"] for r in valid), "missed": sum(not r["interrupted"] for r in valid),
+        "latency_ms": summary_ci_ms(lat),
+        "backchannel_events": sum(r["backchannel_events"] for r in valid),
+    }
+
+
+async def run(args, url: str) -> dict:
+    out: dict = {"server_args": args.server_arg}
+    trials = Trials(url, args.concurrency)
+    sessions = max(1, args.utterances // 2)
+
+    section(f"echo only: {sessions} sessions x 2 replies per level")
+    out["echo"] = {}
+    for level in ECHO_LEVELS_DB if "echo" in args.only else ():
+        jobs = [trials.echo(level, DELAYS_MS[i % len(DELAYS_MS)], i) for i in range(sessions)]
+        rows = [r for rs in await asyncio.gather(*jobs) for r in rs]
+        false = sum(r["false_barge_in"] for r in rows)
+        out["echo"][str(int(level))] = {
+            "utterances": len(rows), "false_barge_ins": false,
+            "false_on_cold": sum(r["false_barge_in"] for r in rows if r["cold"]),
+            "rows": rows,
+        }
+        print(f"echo {level:+.0f} dB: {false} false barge-ins over {len(rows)} bot utterances "
+              f"({sum(r['false_barge_in'] for r in rows if r['cold'])} on a cold first reply)", flush=True)
+
+    async def callers(kind: str, echo_db: float | None, n: int, t: Trials) -> list[dict]:
+        jobs = [t.caller(pcm, echo_db, DELAYS_MS[i % len(DELAYS_MS)], i) for i, (_, _, pcm) in enumerate(clips(kind, n))]
+        return list(await asyncio.gather(*jobs))
+
+    section("caller interruptions")
+    out["interrupt"] = {}
+    for name, echo_db in (("echo_-10", -10.0), ("quiet_room", None)) if "interrupt" in args.only else ():
+        rows = await callers("interrupt", echo_db, args.interruptions, trials)
+        out["interrupt"][name] = {**interrupt_summary(rows), "rows": rows}
+        s = out["interrupt"][name]
+        print(f"{name}: detected {s['detected']}/{s['trials'] - s['spoiled_by_early_barge_in']}, "
+              f"onset to utterance.interrupted p50 {s['latency_ms'].get('p50')} ms "
+              f"(p95 {s['latency_ms'].get('p95')}; spoiled by an earlier barge-in: {s['spoiled_by_early_barge_in']})", flush=True)
+
+    section("backchannels (quiet room)")
+    rows = await callers("backchannel", None, args.backchannels if "backchannel" in args.only else 0, trials)
+    out["backchannel"] = {**interrupt_summary(rows), "rows": rows}
+    s = out["backchannel"]
+    print(f"backchannels: {s['detected']} of {s['trials'] - s['spoiled_by_early_barge_in']} interrupted the bot; "
+          f"speech.backchannel events {s['backchannel_events']}", flush=True)
+
+    section("music and room noise, no echo")
+    jobs = [trials.background(kind, i) for i in range(args.backgrounds if "background" in args.only else 0)
+            for kind in ("music", "noise")]
+    rows = list(await asyncio.gather(*jobs))
+    out["background"] = {kind: sum(r["false_barge_in"] for r in rows if r["kind"] == kind) for kind in ("music", "noise")}
+    out["background"]["trials_each"] = args.backgrounds
+    print(f"false barge-ins: music {out['background']['music']}/{args.backgrounds}, "
+          f"room noise {out['background']['noise']}/{args.backgrounds}", flush=True)
+
+    if args.min_interrupt_ms and "policy" in args.only:
+        section("the backchannel policy's trade-off (per-session min_interrupt_ms)")
+        out["policy"] = {}
+        for value in args.min_interrupt_ms:
+            t = Trials(url, args.concurrency, {"barge_in": {"min_interrupt_ms": value}})
+            real = interrupt_summary(await callers("interrupt", -10.0, args.policy_trials, t))
+            back = interrupt_summary(await callers("backchannel", -10.0, args.policy_trials, t))
+            out["policy"][str(value)] = {"interrupt_echo_-10": real, "backchannel_echo_-10": back}
+            print(f"min_interrupt_ms {value}: real interruptions p50 {real['latency_ms'].get('p50')} ms "
+                  f"({real['detected']}/{real['trials']} detected); backchannels that interrupted "
+                  f"{back['detected']}/{back['trials']}", flush=True)
+    return out
+
+
+def main() -> None:
+    parser = arg_parser(__doc__)
+    parser.add_argument("--utterances", type=int, default=20, help="bot utterances per echo level (two per session)")
+    parser.add_argument("--interruptions", type=int, default=20, help="real interruptions per condition")
+    parser.add_argument("--backchannels", type=int, default=12, help="backchannel trials")
+    parser.add_argument("--backgrounds", type=int, default=4, help="music and noise trials each")
+    parser.add_argument("--concurrency", type=int, default=3, help="sessions at once")
+    parser.add_argument("--server-arg", action="append", default=[], help="an extra flag for the gateway (repeatable)")
+    parser.add_argument("--min-interrupt-ms", type=int, action="append", default=[],
+                        help="also measure the backchannel trade-off at this per-session setting (repeatable)")
+    parser.add_argument("--policy-trials", type=int, default=12, help="trials of each kind per --min-interrupt-ms value")
+    parser.add_argument("--only", default="echo,interrupt,backchannel,background,policy",
+                        help="comma-separated sections to run")
+    args = parser.parse_args()
+    args.only = set(args.only.split(","))
+    if args.quick:
+        args.utterances, args.interruptions, args.backchannels, args.backgrounds, args.policy_trials = 4, 4, 4, 1, 4
+    started = time.perf_counter()
+    port = free_port()
+    os.makedirs(ARTIFACTS, exist_ok=True)
+    log_path = os.path.join(ARTIFACTS, f"bench-barge-in-server-{port}.log")
+    cmd = [sys.executable, "-m", "voxgate.cli", "serve", "--port", str(port), "--ice-host", "127.0.0.1",
+           "--engine", "piper", "--no-web", *args.server_arg]
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_ready(url)
+            info = machine(exclude={server.pid, os.getpid()})
+            print_machine(info, "machine")
+            results = {"machine": info, "args": vars(args), "label": "barge-in: client clock (onset as the client's "
+                       "microphone sent it, to the event's arrival), gateway with the real voice (Piper joe), "
+                       "normal priority, loopback"}
+            results.update(asyncio.run(run(args, url)))
+        finally:
+            server.terminate()
+            server.wait(20)
+    finish("barge-in", results, started, args.out)
+
+
+if __name__ == "__main__":
+    main()
