@@ -99,6 +99,8 @@ class Playout:
         # Called when the next utterance has enough audio to start while the
         # output is idle, so the output can send it without waiting for a tick.
         self.on_ready = on_ready
+        # Told of every frame handed out (None for silence) and when: the echo canceller's reference.
+        self.tap: Callable[[bytes | None, float], None] | None = None
         self.preroll_ms = 0
         self.max_preroll_ms = MAX_PREROLL_MS
         self.stats = PlayoutStats()
@@ -153,6 +155,12 @@ class Playout:
 
     # Consumer side (the track, once per 20 ms)
     def next_frame(self, now: float | None = None) -> bytes:
+        frame = self._next_frame(now)
+        if self.tap is not None:
+            self.tap(None if frame is self.silence else frame, now if now is not None else time.perf_counter())
+        return frame
+
+    def _next_frame(self, now: float | None) -> bytes:
         while self.queue:
             utt = self.queue[0]
             if not utt.started:

@@ -107,4 +107,7 @@ def parse(raw: str | bytes, limits: Limits) -> dict:
         vad = msg.get("vad")
         if vad is not None and not isinstance(vad, dict):
             raise GatewayError("invalid_field", "'vad' must be an object such as {\"enabled\": true}", id=mid)
+        barge_in = msg.get("barge_in")
+        if barge_in is not None and not isinstance(barge_in, dict):
+            raise GatewayError("invalid_field", "'barge_in' must be an object such as {\"min_interrupt_ms\": 400}", id=mid)
     return msg

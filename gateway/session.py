@@ -17,6 +17,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -29,6 +30,10 @@ from ..engine.errors import EngineUnavailable
 from ..engine.stream import TTSStream
 from .caller_audio import CallerAudio
 from .clock import SessionClock
+from . import speex
+from .barge_in import BargeInSettings
+from .echo import EchoCanceller, ReferenceTap
+from .encode_pool import FIRST, encode_pool
 from .encoder import FrameEncoder, OpusEncoder, OpusSettings, create_encoder
 from .fec import SignalPolicy
 from .feeder import Feeder, listener_lag_s
@@ -43,6 +48,35 @@ from .vad import VadSettings, VoiceActivityDetector
 log = logging.getLogger(__name__)
 
 Listener = Callable[[dict], None]
+# Microphone chunks waiting for the echo canceller's job: a second of audio. Past it the oldest go.
+MAX_MIC_QUEUE = 50
+
+
+def _hear(echo: EchoCanceller | None, vad: VoiceActivityDetector, items: list[tuple],
+          origin: float) -> list[tuple[list[str], int]]:
+    """The echo canceller and the VAD over queued caller frames, in order: the VAD's events, with
+    the session time (ms) of the end of the frame that brought them.
+
+    Runs as an encode-pool job, on the event loop between frames or on a pool thread; only one
+    job per session runs at a time, so the canceller and the VAD need no lock. `origin` is the
+    session clock's, so a frame's capture time is on the clock its departures are (perf_counter)."""
+    out: list[tuple[list[str], int]] = []
+    for pcm, capture_ms, level_db in items:
+        end = origin + (capture_ms + FRAME_MS) / 1000.0
+        if pcm is None:
+            if echo is not None:
+                echo.skip(1, level_db, end, caller_quiet=vad.quiet)
+            events = vad.skip(1, level_db)
+        elif echo is None:
+            events = vad.process(pcm)
+        else:
+            events = []
+            for frame, guard in echo.process(pcm, end):
+                events.extend(vad.frame(frame, guard))
+                echo.learn(caller_quiet=vad.quiet)
+        if events:
+            out.append((events, int(capture_ms) + FRAME_MS))
+    return out
 
 
 @dataclass(kw_only=True)
@@ -52,6 +86,7 @@ class SessionOptions:
     voice: str | None = Settings.voice  # None: the engine's own
     rate: float = 1.0
     vad: VadSettings = field(default_factory=VadSettings)
+    barge_in: BargeInSettings = field(default_factory=BargeInSettings)
     opus: OpusSettings = field(default_factory=OpusSettings)
     limits: Limits = field(default_factory=Limits)
     max_utterance_chars: int = Settings.max_utterance_chars
@@ -116,6 +151,16 @@ class Session:
         self.vad = VoiceActivityDetector(self.options.vad)
         # The caller's audio in 20 ms frames, for the VAD and for backends that take it.
         self.caller = CallerAudio(self._on_caller_frame)
+        self.vad.interrupt_ms = self.options.barge_in.min_interrupt_ms
+        # The echo canceller (gateway/echo.py), while barge_in.echo_cancel is on and an output is attached;
+        # microphone audio then waits here for it, and it runs as an encode-pool job (off the frame path).
+        self.echo: EchoCanceller | None = None
+        self._mic_queue: deque = deque()
+        self._listen_job: asyncio.Future | None = None
+        self.mic_dropped = 0  # microphone chunks dropped because the canceller fell behind
+        # Whether the caller's current turn began while the bot spoke (and which utterance): one that
+        # ends before it is long enough to interrupt is a backchannel.
+        self._turn_over: str | None = None
         self.on_close: list[Callable[["Session"], Awaitable[None] | None]] = []
         self.stats = {"utterances": 0, "interrupted": 0, "errors": 0}
         self._pending_cancel_at: float | None = None
@@ -153,6 +198,20 @@ class Session:
             play.ready_at = now
         if self._feeder is None:
             self._start_feeder()
+        self._configure_echo()
+
+    def _configure_echo(self) -> None:
+        """Start or stop the echo canceller as barge_in.echo_cancel says, where there is audio to cancel."""
+        want = (self.options.barge_in.echo_cancel and self.output_codec in ("opus", "pcmu", "pcma")
+                and not self._closed and speex.available())
+        if want and self.echo is None:
+            tap = ReferenceTap()
+            self.echo = EchoCanceller(self.output_codec or "opus", tap, epoch=self.clock.origin)
+            self.playout.tap = tap
+        elif not want and self.echo is not None:
+            # A job still running keeps its own reference; the canceller goes with it.
+            self.echo = None
+            self.playout.tap = None
 
     def _listener_lag_s(self) -> float:
         """What this session's feeder keeps back from the listener (feeder.listener_lag_s),
@@ -318,6 +377,13 @@ class Session:
                 self.options.vad.update(msg["vad"])
             except (ValueError, TypeError) as exc:
                 raise GatewayError("invalid_field", str(exc)) from None
+        if isinstance(msg.get("barge_in"), dict):
+            try:
+                self.options.barge_in.update(msg["barge_in"])
+            except (ValueError, TypeError) as exc:
+                raise GatewayError("invalid_field", str(exc)) from None
+            self.vad.interrupt_ms = self.options.barge_in.min_interrupt_ms
+            self._configure_echo()
         self.emit({"type": "session.updated", **self.describe_options()})
 
     def describe_options(self) -> dict:
@@ -326,6 +392,7 @@ class Session:
             "voice": self.options.voice or self.engine.info.get("voices", [None])[0],
             "rate": self.options.rate,
             "vad": {"enabled": vad.enabled, "aggressiveness": vad.aggressiveness, "min_speech_ms": vad.min_speech_ms},
+            "barge_in": self.options.barge_in.describe(),
         }
 
     def ready_event(self) -> dict:
@@ -447,16 +514,64 @@ class Session:
         """One 20 ms frame of the caller's audio (None: not decoded, silence for the VAD)."""
         if not self.options.vad.enabled:
             return
+        if self.echo is not None:
+            self._listen((pcm, capture_ms, level_db))
+            return
         events = self.vad.process(pcm) if pcm is not None else self.vad.skip(1, level_db)
         if events:
             self._vad_events(events, int(capture_ms) + FRAME_MS)
 
+    def _listen(self, item: tuple) -> None:
+        """Caller frames for the echo canceller and the VAD, in order, as one job at a time
+        on the encode pool: first in its queue, and never ahead of a frame that is due."""
+        if len(self._mic_queue) >= MAX_MIC_QUEUE:
+            self._mic_queue.popleft()  # the pool fell this far behind: old audio is worth least
+            self.mic_dropped += 1
+        self._mic_queue.append(item)
+        if self._listen_job is None:
+            self._start_listen_job()
+
+    def _start_listen_job(self) -> None:
+        items = list(self._mic_queue)
+        self._mic_queue.clear()
+        self._listen_job = encode_pool.submit(_hear, self.echo, self.vad, items, self.clock.origin, priority=FIRST)
+        self._listen_job.add_done_callback(self._heard)
+
+    def _heard(self, job: asyncio.Future) -> None:
+        self._listen_job = None
+        if job.cancelled() or self._closed:
+            return
+        error = job.exception()
+        if error is not None:
+            log.error("session %s: echo cancellation failed; listening without it", self.id, exc_info=error,
+                      extra={"session_id": self.id})
+            self.echo = None
+            self.playout.tap = None
+            self._mic_queue.clear()
+            return
+        for events, at_ms in job.result():
+            self._vad_events(events, at_ms)
+        if self._mic_queue and self.echo is not None:
+            self._start_listen_job()
+
     def _vad_events(self, events: list[str], at_ms: int) -> None:
         for event in events:
             self.last_activity = time.monotonic()
+            current = self.playout.current
+            if event == "speech.long":  # the turn is long enough to interrupt (gateway/barge_in.py)
+                if self._turn_over is not None and current is not None:
+                    self._turn_over = None
+                    self.interrupt("barge_in")
+                continue
             self.emit({"type": event, "at_ms": at_ms})
-            if event == "speech.started" and self.playout.current is not None:
-                self.interrupt("barge_in")
+            if event == "speech.started":
+                self._turn_over = current.id if current is not None else None
+            elif event == "speech.stopped":
+                if self._turn_over is not None:
+                    # Too short to interrupt while the bot spoke: "okay", "mm-hmm". The backend still hears of it.
+                    self.emit({"type": "speech.backchannel", "id": self._turn_over,
+                               "speech_ms": self.vad.turn_voiced_ms, "at_ms": at_ms})
+                self._turn_over = None
 
     def _on_audio_started(self, play: UtterancePlay, at: float) -> None:
         ttfa = max(0.0, at - (play.ready_at or at))
@@ -475,6 +590,11 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        if self._listen_job is not None:
+            self._listen_job.cancel()
+        self._mic_queue.clear()
+        self.echo = None
+        self.playout.tap = None
         self._text.clear()
         for utt in reversed(self.utterances):  # newest first, as in interrupt()
             utt.stream.cancel()

@@ -4,6 +4,10 @@ webrtcvad classifies 20 ms frames at 16 kHz. On its own it fires on steady
 noise (fans, hiss), so a frame also has to stand clearly above an adaptive
 noise floor to count as speech. Speech starts after `min_speech_ms` of voiced
 frames within a short window, and stops after `hangover_ms` without any.
+
+A turn's voiced frames are counted from its start; once they reach
+`interrupt_ms` the detector says `speech.long` (the session's own event, never
+sent): the turn has been long enough to interrupt the bot (gateway/barge_in.py).
 """
 
 from __future__ import annotations
@@ -64,6 +68,10 @@ class VoiceActivityDetector:
         self._voiced = 0  # how many of _recent are True
         self._silent_ms = 0
         self.speaking = False
+        self.voiced = False  # how the last frame was judged
+        self.interrupt_ms = 0  # speech a turn needs to say speech.long (0: never says it)
+        self.turn_voiced_ms = 0  # voiced speech in the current (or last) turn
+        self._long = False
 
     def process(self, pcm16k: np.ndarray) -> list[str]:
         """Feed 16 kHz mono int16; returns 'speech.started' / 'speech.stopped' events."""
@@ -72,17 +80,15 @@ class VoiceActivityDetector:
             self._mode = self.settings.aggressiveness
         pcm16k = np.asarray(pcm16k, dtype=np.int16)
         buf = np.concatenate([self._pending, pcm16k]) if len(self._pending) else pcm16k
-        events = []
+        events: list[str] = []
         n = len(buf) // FRAME_SAMPLES
         for i in range(n):
             frame = buf[i * FRAME_SAMPLES : (i + 1) * FRAME_SAMPLES]
-            event = self._frame(frame)
-            if event:
-                events.append(event)
+            events.extend(self._frame(frame))
         self._pending = buf[n * FRAME_SAMPLES :]
         return events
 
-    def _frame(self, frame: np.ndarray) -> str | None:
+    def _frame(self, frame: np.ndarray, guard_db: float | None = None) -> tuple[str, ...]:
         s = self.settings
         # A dot product, not np.mean of squares: numpy's mean costs more in Python than the sum.
         samples = frame.astype(np.float64)
@@ -90,11 +96,25 @@ class VoiceActivityDetector:
         level_db = 20 * math.log10(rms)
         if self._floor_db is None:
             self._floor_db = level_db
-        # The energy gate first: webrtcvad runs only on frames loud enough to count.
-        voiced = level_db > self._floor_db + s.floor_margin_db and self._vad.is_speech(frame.tobytes(), VAD_RATE)
+        # The energy gate first: webrtcvad runs only on frames loud enough to count, over the
+        # room's noise and over what the bot's own echo could be (gateway/echo.py).
+        voiced = (
+            level_db > self._floor_db + s.floor_margin_db
+            and (guard_db is None or level_db > guard_db)
+            and self._vad.is_speech(frame.tobytes(), VAD_RATE)
+        )
+        self.voiced = voiced
         if not voiced:
             self._follow_floor(level_db)
         return self._decide(voiced)
+
+    def frame(self, frame: np.ndarray, guard_db: float | None) -> tuple[str, ...]:
+        """One whole frame (FRAME_SAMPLES), voiced only if louder than `guard_db` too (None: no
+        guard); its events. `voiced` then says how the frame was judged."""
+        if self._mode != self.settings.aggressiveness:
+            self._vad.set_mode(self.settings.aggressiveness)
+            self._mode = self.settings.aggressiveness
+        return self._frame(frame, guard_db)
 
     def _follow_floor(self, level_db: float) -> None:
         """The floor follows quiet frames quickly and loud ones slowly, so it settles on
@@ -106,21 +126,24 @@ class VoiceActivityDetector:
         # Digital silence must not drag the floor to nothing (-70 dBFS).
         self._floor_db = max(self._floor_db, 20.0)
 
+    @property
+    def quiet(self) -> bool:
+        """No turn, and not one voiced frame within the window that starts one."""
+        return not self.speaking and self._voiced == 0
+
     def skip(self, frames: int, level_db: float | None = None) -> list[str]:
         """Frames that were not decoded count as silence: ones that never arrived (the
         peer's DTX, or loss), or ones the microphone's level gate passed over, whose level
         (`level_db`, on this detector's scale) the noise floor still follows, so that the
         first speech after them stands out against the room and not against itself."""
-        events = []
+        events: list[str] = []
         for _ in range(frames):
             if level_db is not None:
                 self._follow_floor(level_db)
-            event = self._decide(False)
-            if event:
-                events.append(event)
+            events.extend(self._decide(False))
         return events
 
-    def _decide(self, voiced: bool) -> str | None:
+    def _decide(self, voiced: bool) -> tuple[str, ...]:
         s = self.settings
         window = max(1, s.min_speech_ms // 20) * 2
         self._recent.append(voiced)
@@ -131,12 +154,19 @@ class VoiceActivityDetector:
             if self._voiced * 20 >= s.min_speech_ms:
                 self.speaking = True
                 self._silent_ms = 0
-                return "speech.started"
+                self.turn_voiced_ms = self._voiced * 20
+                self._long = not self.interrupt_ms or self.turn_voiced_ms >= self.interrupt_ms
+                return ("speech.started", "speech.long") if self._long and self.interrupt_ms else ("speech.started",)
         else:
             self._silent_ms = 0 if voiced else self._silent_ms + 20
+            if voiced:
+                self.turn_voiced_ms += 20
+                if not self._long and self.turn_voiced_ms >= self.interrupt_ms:
+                    self._long = True
+                    return ("speech.long",)
             if self._silent_ms >= s.hangover_ms:
                 self.speaking = False
                 self._recent.clear()
                 self._voiced = 0
-                return "speech.stopped"
-        return None
+                return ("speech.stopped",)
+        return ()

@@ -18,7 +18,7 @@ from aiohttp import web
 from ..config import Settings
 from ..engine.client import EngineClient
 from ..gateway.errors import GatewayError
-from ..gateway import heap, ice, priority
+from ..gateway import heap, ice, priority, speex
 from ..gateway.encode_pool import encode_pool, parse_threads
 from ..gateway.gateway import Gateway
 from ..gateway.peer import PeerConnection
@@ -409,6 +409,9 @@ def _fast_paths_line(settings: Settings, info: dict) -> str:
     paths.append(f"encoding on {encode_pool.threads} thread(s)" if encode_pool.threads else "encoding on the event loop")
     if settings.media_priority != "normal":
         paths.append(f"{settings.media_priority} media priority")
+    if settings.echo_cancel:
+        paths.append("echo cancellation by libspeexdsp" if speex.available()
+                     else "NO echo cancellation: libspeexdsp is missing (apt-get install libspeexdsp1)")
     return "fast paths: " + "; ".join(paths)
 
 

@@ -44,6 +44,7 @@ RATE_RANGE = (0.25, 4.0)  # speaking rates a client (session.update) or `voxgate
 # --gc-young-threshold (gateway/heap.py): below 50 a young collection runs every few frames' worth of
 # objects; above 100,000 the young set, and so each pause, grows past anything measured.
 YOUNG_THRESHOLD_RANGE = (50, 100000)
+MIN_INTERRUPT_RANGE = (20, 5000)  # barge_in.min_interrupt_ms, by flag or session.update (gateway/barge_in.py)
 
 # Where `voxgate serve --help` lists a setting, in this order.
 LISTENING = "listening"
@@ -219,7 +220,13 @@ class Settings:
     # Barge-in defaults for new sessions
     vad: bool = setting(True, MEDIA, "barge-in by voice for new sessions")
     vad_aggressiveness: int = setting(2, MEDIA, "webrtcvad mode for new sessions", low=0, high=3)
-    vad_min_speech_ms: int = setting(200, MEDIA, "speech heard before a barge-in fires", low=20, high=5000)
+    vad_min_speech_ms: int = setting(200, MEDIA, "speech heard before speech.started", low=20, high=5000)
+    echo_cancel: bool = setting(True, MEDIA, "take the bot's own voice out of the microphone before barge-in "
+                                "listens (libspeexdsp; docs/barge-in.md)")
+    # Chosen with bench/bench_barge_in.py (docs/barge-in.md): real interruptions over a -10 dB echo within 300 ms.
+    min_interrupt_ms: int = setting(200, MEDIA, "caller speech before it interrupts the bot; a shorter turn while "
+                                    "the bot speaks is reported as speech.backchannel",
+                                    low=MIN_INTERRUPT_RANGE[0], high=MIN_INTERRUPT_RANGE[1])
     # Sessions and limits
     max_sessions: int = setting(200, LIMITS, "sessions at once, in total; more get 503", low=1, high=100000)
     max_sessions_per_key: int = setting(50, LIMITS, "sessions at once per API key", low=1, high=100000)

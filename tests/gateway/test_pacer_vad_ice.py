@@ -218,7 +218,7 @@ def test_vad_counts_voiced_frames_only_within_its_window():
     clicks = [vad._decide(i % 20 == 0) for i in range(20 * 30)]
     assert not any(clicks) and not vad.speaking
     events = [vad._decide(True) for _ in range(10)]
-    assert events == [None] * 9 + ["speech.started"]
+    assert events == [()] * 9 + [("speech.started",)]
 
 
 def test_vad_levels_are_the_rms_of_the_frame_in_db():

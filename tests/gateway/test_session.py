@@ -330,8 +330,29 @@ async def test_speech_on_the_microphone_interrupts_only_while_speaking():
     await turns()
     engine.streams[0].say(["hello"])
     await play_until(session, events, "audio.started")
-    session._vad_events(["speech.started"], 0)
+    # The VAD says speech.long with speech.started when a turn needs no more speech to interrupt.
+    session._vad_events(["speech.started", "speech.long"], 0)
     assert events.of("utterance.interrupted")[0]["reason"] == "barge_in"
+    assert not events.of("speech.long")  # the session's own event, never sent
+
+
+async def test_a_turn_too_short_to_interrupt_is_a_backchannel():
+    session, engine, events, samples = make()
+    session.attach_output("opus")
+    session.handle_message('{"type": "speak", "text": "hello", "id": "a"}')
+    await turns()
+    engine.streams[0].say(["hello"])
+    await play_until(session, events, "audio.started")
+    session.vad.turn_voiced_ms = 340
+    session._vad_events(["speech.started"], 100)
+    session._vad_events(["speech.stopped"], 900)
+    assert samples.interrupts == [] and not events.of("utterance.interrupted")
+    assert events.of("speech.backchannel") == [{"type": "speech.backchannel", "id": "a", "speech_ms": 340, "at_ms": 900}]
+    # A turn that began with the bot silent is no backchannel, however short.
+    session.interrupt("cancel")
+    session._vad_events(["speech.started"], 1000)
+    session._vad_events(["speech.stopped"], 1500)
+    assert len(events.of("speech.backchannel")) == 1
 
 
 async def test_events_carry_at_ms_on_the_session_clock_and_speech_is_timed_by_its_frame():

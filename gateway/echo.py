@@ -1,0 +1,398 @@
+"""Barge-in that ignores the bot's own voice: the microphone less the echo of what was played.
+
+A caller on a speakerphone, a phone held near a loudspeaker or a client without
+echo cancellation sends the bot's speech back in its microphone, 100-800 ms
+after it left. The gateway knows exactly what it played and when, so each
+session that listens keeps a reference of it and takes it out of the
+microphone before the VAD hears it:
+
+1. The tap: every frame the output sends is recorded with its departure time
+   (`ReferenceTap`, called by the playout; a bounded deque, nothing decoded).
+2. The delay: the microphone's and the reference's 10 ms energy envelopes are
+   correlated over the last 2 s, across 0-`MAX_DELAY_MS` lags, a few times a
+   second while the bot speaks. Log envelopes, so the echo's level does not
+   matter; a correlation under `MIN_CORRELATION` (the caller talking, the bot
+   silent) keeps the last estimate.
+3. The canceller: libspeexdsp's adaptive filter (gateway/speex.py) gets the
+   reference at that delay, `LEAD_MS` early, and learns the rest of the path
+   (the room, the codecs) within `FILTER_MS`; its residual-echo suppressor
+   takes out most of what the filter leaves.
+4. The guard: what is left of the echo is still speech, and a canceller that
+   has not converged leaves a lot of it. So a frame can count as the caller's
+   voice only if it is louder than the echo could be: the reference's level
+   at that delay (the loudest over the room's tail) plus the residue's learnt
+   gain (`GUARD_PERCENTILE` of the residue against the reference, over the
+   last seconds the caller was quiet) plus `GUARD_MARGIN_DB`. Before the delay
+   is known, the guard is the loudest reference over every delay, at full
+   level: the caller must be louder than the bot itself.
+
+While the bot has been silent for longer than any echo lasts, none of this
+runs: the microphone goes to the VAD as it is. See docs/barge-in.md for how
+this was chosen, with figures.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+
+from . import opus, speex
+from .encoder import alaw_decode, ulaw_decode
+from .resample import StreamResampler
+from .vad import FRAME_SAMPLES, VAD_RATE
+
+HOP = VAD_RATE // 100  # 10 ms: the envelopes' step
+MAX_DELAY_MS = 600  # the longest echo delay looked for: network both ways, the client's buffers, the room
+FILTER_MS = 128  # the canceller's tail after its reference: the room, and an estimate off by up to ~100 ms
+LEAD_MS = 20  # the reference goes to the canceller this much early, so an estimate a little long still works
+TAIL_MS = 60  # the room's reverberation: the echo outlasts its reference this long
+ESTIMATE_WINDOW_MS = 2000
+ESTIMATE_EVERY_FRAMES = 10  # 200 ms
+MIN_CORRELATION = 0.6
+CONFIRMATIONS = 3  # estimates in a row (600 ms) that must agree before a delay is taken
+# The reference has to move for the correlation to mean something: its envelope's spread, in dB.
+MIN_SPREAD_DB = 6.0
+QUIET_DB = 20.0  # a frame the peer did not send: silence, as the VAD's floor has it (its lowest)
+ACTIVE_DB = 30.0  # a reference hop louder than this (VAD scale, 20 log10 of the int16 RMS) is the bot talking
+GUARD_MARGIN_DB = 6.0
+GUARD_PERCENTILE = 95
+GUARD_HISTORY = 200  # frames of residue the guard learns from (4 s)
+GUARD_MIN_HISTORY = 10  # until this many (200 ms), the guard stays at its cold level
+COLD_GAIN_DB = 0.0  # the echo path's gain assumed before anything is learnt: as loud as the bot
+# The least gain the guard learns, however quiet the microphone was: an echo that appears later (a
+# speakerphone switched on) then still has to be within this of the bot to be let through.
+MIN_GAIN_DB = -30.0
+RING = 1 << 15  # reference samples kept (2 s at 16 kHz)
+MAX_TAPPED = 150  # departed frames waiting to be decoded (3 s): a session that stops listening cannot grow it
+MAX_MISSING_FRAMES = 50  # before the microphone's first packet, at most this much counts as quiet
+_LOG_FLOOR = 1e2  # hop energies under this are the floor (silence), in int16 units squared
+_MAX_LAG_HOPS = MAX_DELAY_MS // 10
+_WINDOW_HOPS = ESTIMATE_WINDOW_MS // 10
+_ENV_RING = 1 << 9  # hops of envelope kept: more than a window plus the longest lag
+
+
+def _db(energy: float) -> float:
+    return 10 * math.log10(energy + 1e-9)
+
+
+class ReferenceTap:
+    """What the session's output sent, and when: (departure time, payload or None for silence).
+
+    The playout calls it for every frame it hands out; it only appends to a bounded deque."""
+
+    def __init__(self) -> None:
+        self.frames: deque = deque(maxlen=MAX_TAPPED)
+
+    def __call__(self, payload: bytes | None, sent_at: float) -> None:
+        self.frames.append((sent_at, payload or None))
+
+
+class EchoGain:
+    """How loud the echo (or what the canceller leaves of it) is against the reference, in dB:
+    GUARD_PERCENTILE of the last GUARD_HISTORY frames with the caller quiet; COLD_GAIN_DB
+    until GUARD_MIN_HISTORY of them."""
+
+    def __init__(self) -> None:
+        self._history: deque = deque(maxlen=GUARD_HISTORY)
+        self.gain_db = COLD_GAIN_DB
+        self._since = 0
+
+    @property
+    def ready(self) -> bool:
+        return len(self._history) >= GUARD_MIN_HISTORY
+
+    def add_against(self, level_db: float, reference_db: float) -> None:
+        """A frame with the caller quiet: its level against the reference's (only while the bot spoke)."""
+        if reference_db > ACTIVE_DB:
+            self._add(level_db - reference_db)
+
+    def _add(self, value_db: float) -> None:
+        self._history.append(value_db)
+        self._since += 1
+        # The percentile every fifth frame: sorting 200 values per frame would cost more than the rest.
+        if len(self._history) >= GUARD_MIN_HISTORY and self._since >= 5:
+            self._since = 0
+            self.gain_db = min(COLD_GAIN_DB, max(MIN_GAIN_DB, float(np.percentile(self._history, GUARD_PERCENTILE))))
+
+
+class EchoCanceller:
+    """One session's echo handling: microphone frames in, (frame less echo, guard level) out.
+
+    Not thread-safe: the session runs its frames through it one job at a time.
+    """
+
+    def __init__(self, codec: str, tap: ReferenceTap, *, epoch: float) -> None:
+        self.codec = codec
+        self.tap = tap
+        self.epoch = epoch
+        if codec == "opus":
+            self._opus: opus.Decoder | None = opus.Decoder(VAD_RATE)
+            self._law = None
+            self._resampler: StreamResampler | None = None
+        else:
+            self._opus = None
+            self._law = ulaw_decode if codec == "pcmu" else alaw_decode
+            self._resampler = StreamResampler(8000, VAD_RATE)
+        self._canceller: speex.EchoCanceller | None = None
+        self._ring = np.zeros(RING, dtype=np.int16)
+        self._ref_end: int | None = None  # absolute sample position after the last reference sample
+        self._first_ref = 0
+        self._ref_env = np.full(_ENV_RING, _LOG_FLOOR)  # reference hop energies, by hop index mod _ENV_RING
+        self._ref_env_end = 0  # hop index after the last complete reference hop
+        self._mic_env = np.full(_ENV_RING, _LOG_FLOOR)
+        self._mic_end: int | None = None
+        self._pending = np.zeros(0, dtype=np.int16)
+        self._last_active_hop = -(10**9)
+        self._talk_start_hop = 0
+        self._frames_since_estimate = 0
+        self.delay_hops: int | None = None  # the echo's delay behind the reference, in 10 ms hops
+        self._candidate: int | None = None  # a delay seen in the last estimates, not yet confirmed
+        self._seen = 0
+        self.correlation = 0.0
+        # The last frame's (level dB, reference dB, the gain it teaches), until learn().
+        self._last: list[tuple[float, float, EchoGain]] | None = None
+        self._unlocked = EchoGain()  # the microphone against the loudest reference over every delay
+        self._locked = EchoGain()  # the canceller's residue against the reference at the delay
+        self.frames = 0
+        self.cancelled = 0  # frames that went through the canceller
+        self.delay_changes = 0
+
+    # Positions: samples at 16 kHz since `epoch`, on the session's clock (perf_counter).
+    def _position(self, t: float) -> int:
+        return int(round((t - self.epoch) * VAD_RATE))
+
+    def _take_reference(self) -> None:
+        frames = self.tap.frames
+        while frames:
+            sent_at, payload = frames.popleft()
+            if payload is None:
+                pcm = np.zeros(FRAME_SAMPLES, dtype=np.int16)
+            elif self._opus is not None:
+                try:
+                    pcm = self._opus.decode(payload)
+                except opus.OpusError:
+                    pcm = np.zeros(FRAME_SAMPLES, dtype=np.int16)
+            else:
+                assert self._law is not None and self._resampler is not None
+                pcm = self._resampler.process(self._law(payload))
+            start = self._position(sent_at)
+            if self._ref_end is None:
+                self._ref_end = self._first_ref = start
+            # Frames leave every 20 ms within a few ms: lay them end to end. A jump (DTX between
+            # utterances, a stall) leaves silence in between.
+            gap = start - self._ref_end
+            if gap > HOP:
+                self._write(np.zeros(min(gap, RING), dtype=np.int16))
+                self._ref_end = start
+            self._write(pcm)
+
+    def _write(self, pcm: np.ndarray) -> None:
+        assert self._ref_end is not None
+        n = len(pcm)
+        if n == 0:
+            return
+        at = self._ref_end % RING
+        first = min(n, RING - at)
+        self._ring[at : at + first] = pcm[:first]
+        if first < n:
+            self._ring[: n - first] = pcm[first:]
+        self._ref_end += n
+        # Whole hops of the reference now known: their energies.
+        hop_end = self._ref_end // HOP
+        for hop in range(max(self._ref_env_end, hop_end - RING // HOP + 1), hop_end):
+            seg = self._read(hop * HOP, HOP).astype(np.float64)
+            energy = float(np.dot(seg, seg)) / HOP
+            self._ref_env[hop % _ENV_RING] = max(energy, _LOG_FLOOR)
+            if _db(energy) > ACTIVE_DB:
+                if hop - self._last_active_hop > _MAX_LAG_HOPS:
+                    self._talk_start_hop = hop  # the bot starts talking after a silence
+                self._last_active_hop = hop
+        self._ref_env_end = hop_end
+
+    def _read(self, start: int, n: int) -> np.ndarray:
+        """Reference samples [start, start + n): zeros where none were sent or kept."""
+        out = np.zeros(n, dtype=np.int16)
+        if self._ref_end is None:
+            return out
+        lo, hi = max(start, self._ref_end - RING), min(start + n, self._ref_end)
+        if lo >= hi:
+            return out
+        a, b = lo % RING, (hi - 1) % RING + 1
+        if a < b:
+            out[lo - start : hi - start] = self._ring[a:b]
+        else:
+            split = RING - a
+            out[lo - start : lo - start + split] = self._ring[a:]
+            out[lo - start + split : hi - start] = self._ring[:b]
+        return out
+
+    def process(self, pcm: np.ndarray, arrived_at: float) -> list[tuple[np.ndarray, float | None]]:
+        """Microphone PCM (16 kHz int16) that arrived at `arrived_at`: whole frames, each less the
+        echo, with the level (VAD scale, dB) it must exceed to count as the caller's voice, or None
+        where no echo can be in it."""
+        self._take_reference()
+        pcm = np.asarray(pcm, dtype=np.int16)
+        self._follow(arrived_at, len(pcm) + len(self._pending))
+        buf = np.concatenate([self._pending, pcm]) if len(self._pending) else pcm
+        n = len(buf) // FRAME_SAMPLES
+        self._pending = buf[n * FRAME_SAMPLES :]
+        return [self._frame(buf[i * FRAME_SAMPLES : (i + 1) * FRAME_SAMPLES]) for i in range(n)]
+
+    def skip(self, frames: int, level_db: float | None, arrived_at: float, caller_quiet: bool) -> None:
+        """Frames the microphone did not decode (DTX, loss, its level gate; `level_db` their level
+        where the peer said it): time moves on, and a quiet microphone while the bot speaks
+        teaches the guard that its echo is faint."""
+        self._take_reference()
+        self._follow(arrived_at, frames * FRAME_SAMPLES)
+        self._quiet(frames, QUIET_DB if level_db is None else level_db, caller_quiet)
+
+    def _quiet(self, frames: int, level: float, caller_quiet: bool) -> None:
+        assert self._mic_end is not None
+        energy = max(10 ** (level / 10), _LOG_FLOOR)
+        for _ in range(frames):
+            hop = self._mic_end // HOP
+            self._mic_end += FRAME_SAMPLES
+            self._mic_env[hop % _ENV_RING] = self._mic_env[(hop + 1) % _ENV_RING] = energy
+            if self._bot_silent(hop):
+                continue
+            self._tick(hop)
+            if caller_quiet and self._teaches(hop):
+                # Not decoded, so not cancelled either: its level is the most its residue could be.
+                for _, reference_db, gain in self._references(hop):
+                    gain.add_against(level, reference_db)
+
+    def _follow(self, arrived_at: float, samples: int) -> None:
+        """Where the microphone's next samples lie: after the last ones, unless the arrivals say
+        otherwise by more than two frames (the first packet, a stall, the peer's clock)."""
+        start = self._position(arrived_at) - samples
+        if self._mic_end is None:
+            # Nothing came before: the peer had nothing to send (a phone bridge sends no silence, a
+            # browser its DTX), which is what a gap says too. Up to a second of it teaches the guard.
+            missing = 0 if self._ref_end is None else min(MAX_MISSING_FRAMES, max(0, start - self._first_ref) // FRAME_SAMPLES)
+            self._mic_end = start - missing * FRAME_SAMPLES
+            self._quiet(missing, QUIET_DB, caller_quiet=True)
+        elif abs(start - self._mic_end) > 2 * FRAME_SAMPLES:
+            self._mic_end = start
+
+    def _teaches(self, hop: int) -> bool:
+        """Whether a quiet frame at `hop` says anything about the echo: only once the bot has been
+        talking for longer than any echo's delay. Before that, its echo may just not be back yet."""
+        return hop - self._talk_start_hop >= _MAX_LAG_HOPS
+
+    def _bot_silent(self, hop: int) -> bool:
+        """The bot silent for longer than any echo lasts: nothing to take out."""
+        return hop - self._last_active_hop > _MAX_LAG_HOPS + (FILTER_MS + TAIL_MS) // 10
+
+    def _tick(self, hop: int) -> None:
+        self._frames_since_estimate += 1
+        if self._frames_since_estimate >= ESTIMATE_EVERY_FRAMES:
+            self._frames_since_estimate = 0
+            self._estimate(hop + 2)
+
+    def _references(self, hop: int) -> list[tuple[str, float, "EchoGain"]]:
+        """The reference levels a frame at `hop` is held against: the loudest over every delay,
+        and, once the delay is known, the loudest over the room's tail at that delay."""
+        out = [("any", self._loudest(hop - _MAX_LAG_HOPS, hop + 2), self._unlocked)]
+        if self.delay_hops is not None:
+            out.append(("at", self._loudest(hop - self.delay_hops - TAIL_MS // 10, hop - self.delay_hops + 2), self._locked))
+        return out
+
+    def _frame(self, frame: np.ndarray) -> tuple[np.ndarray, float | None]:
+        assert self._mic_end is not None
+        m = self._mic_end
+        self._mic_end += FRAME_SAMPLES
+        self.frames += 1
+        hop = m // HOP
+        samples = frame.astype(np.float64)
+        for k in range(2):
+            seg = samples[k * HOP : (k + 1) * HOP]
+            self._mic_env[(hop + k) % _ENV_RING] = max(float(np.dot(seg, seg)) / HOP, _LOG_FLOOR)
+        if self._bot_silent(hop):
+            return frame, None
+        self._tick(hop)
+        references = self._references(hop)
+        _, loudest, _ = references[0]
+        level_db = _db(float(np.dot(samples, samples)) / FRAME_SAMPLES)
+        # Any delay, at the gain learnt of the microphone against that (full level until then).
+        guard = loudest + self._unlocked.gain_db + GUARD_MARGIN_DB
+        learn = [(level_db, loudest, self._unlocked)]
+        if self.delay_hops is not None:
+            _, aligned, _ = references[1]
+            if self._canceller is None:
+                self._canceller = speex.EchoCanceller(FRAME_SAMPLES, VAD_RATE * FILTER_MS // 1000, VAD_RATE)
+            lead = VAD_RATE * LEAD_MS // 1000
+            frame = self._canceller.process(frame, self._read(m - self.delay_hops * HOP + lead, FRAME_SAMPLES))
+            self.cancelled += 1
+            r = frame.astype(np.float64)
+            learn.append((_db(float(np.dot(r, r)) / FRAME_SAMPLES), aligned, self._locked))
+            if self._locked.ready:
+                # Either bound holds the echo under it; the lower lets more of the caller through.
+                guard = min(guard, aligned + self._locked.gain_db + GUARD_MARGIN_DB)
+        self._last = learn if self._teaches(hop) else None
+        return frame, guard
+
+    def learn(self, caller_quiet: bool) -> None:
+        """After the VAD's verdict on the last frame: a frame with the caller quiet teaches the
+        guard how loud the echo (or its residue) is against the reference."""
+        last, self._last = self._last, None
+        if last is None or not caller_quiet:
+            return
+        for level_db, reference_db, gain in last:
+            gain.add_against(level_db, reference_db)
+
+    def _loudest(self, lo_hop: int, hi_hop: int) -> float:
+        """The loudest reference hop in [lo_hop, hi_hop), in dB."""
+        lo_hop = max(lo_hop, self._ref_env_end - _ENV_RING + 1, 0)
+        hi_hop = min(hi_hop, self._ref_env_end)
+        if lo_hop >= hi_hop:
+            return _db(_LOG_FLOOR)
+        idx = np.arange(lo_hop, hi_hop) % _ENV_RING
+        return _db(float(self._ref_env[idx].max()))
+
+    def _estimate(self, end_hop: int) -> None:
+        """Correlate the last window of microphone envelope with the reference's at every lag."""
+        first = end_hop - _WINDOW_HOPS - _MAX_LAG_HOPS
+        if first < self._ref_env_end - _ENV_RING + 1 or end_hop > self._ref_env_end + 1:
+            return  # not enough kept yet, or the reference lags the microphone (a stall)
+        mic = np.log(self._mic_env[np.arange(end_hop - _WINDOW_HOPS, end_hop) % _ENV_RING])
+        ref = np.log(self._ref_env[np.arange(first, end_hop) % _ENV_RING])
+        if 10 / math.log(10) * float(ref.std()) < MIN_SPREAD_DB:
+            return
+        mic = mic - mic.mean()
+        mic_norm = float(np.sqrt(np.dot(mic, mic)))
+        if mic_norm == 0.0:
+            return
+        # windows[j] is the reference _MAX_LAG_HOPS - j hops behind the microphone's window.
+        windows = np.lib.stride_tricks.sliding_window_view(ref, _WINDOW_HOPS)
+        centred = windows - windows.mean(axis=1, keepdims=True)
+        norms = np.sqrt(np.einsum("ij,ij->i", centred, centred))
+        corr = centred @ mic / np.maximum(norms * mic_norm, 1e-9)
+        best = int(np.argmax(corr))
+        self.correlation = float(corr[best])
+        if self.correlation < MIN_CORRELATION:
+            return
+        lag = _MAX_LAG_HOPS - best
+        if self.delay_hops is not None and abs(lag - self.delay_hops) <= 1:
+            self._candidate, self._seen = None, 0
+            return  # the same delay within a hop: the canceller's filter covers that
+        # A chance likeness (the caller's speech against the bot's) jumps from lag to lag; an
+        # echo stays put. A delay counts once CONFIRMATIONS estimates in a row agree on it.
+        if self._candidate is not None and abs(lag - self._candidate) <= 1:
+            self._seen += 1
+        else:
+            self._candidate, self._seen = lag, 1
+        if self._seen < CONFIRMATIONS:
+            return
+        self._candidate, self._seen = None, 0
+        if self.delay_hops is not None:
+            self.delay_changes += 1
+            # A new path: what the guard learnt of the old one's residue no longer holds.
+            self._locked = EchoGain()
+        self.delay_hops = lag
+
+    def close(self) -> None:
+        if self._canceller is not None:
+            self._canceller.close()
+            self._canceller = None
