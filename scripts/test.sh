@@ -13,9 +13,12 @@ cd "$(dirname "$0")/.."
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
-if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/redis-server ]; then
+# espeak-ng speaks the callers of the barge-in tests; libspeexdsp1 is the echo canceller (gateway/speex.py).
+if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/redis-server ] || [ ! -x /usr/bin/espeak-ng ] \
+    || ! ldconfig -p | grep -q libspeexdsp.so.1; then
   as_root apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium redis-server
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium redis-server \
+    espeak-ng libspeexdsp1
 fi
 
 pip_install() { python3 -m pip install -q --disable-pip-version-check --retries 2 "$@"; }

@@ -1,0 +1,141 @@
+"""Barge-in that ignores the bot's own voice, through real aiortc peers on loopback with the real voice.
+
+The client's microphone is a room (tests/listening_corpus.py): its loudspeaker
+plays what the client decoded of the bot, and the microphone hears that back
+later and quieter, with espeak-ng callers (never the bot's voice) played over
+it. The full measurement (20+ utterances per echo level) is
+bench/bench_barge_in.py; these are its smallest cases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from tests import listening_corpus as corpus
+from voxgate.gateway import opus
+from voxgate.gateway.echo import ReferenceTap, EchoCanceller
+from voxgate.gateway.vad import VadSettings, VoiceActivityDetector
+
+REPLY = corpus.BOT_REPLIES[0]
+
+
+async def _speak_over_echo(url: str, *, echo_db: float, delay_ms: int, update: dict | None = None) -> tuple:
+    """The bot speaks REPLY while the microphone hears its echo: (the utterance's end, events seen)."""
+    client = corpus.echo_client(url, echo_db=echo_db, delay_ms=delay_ms,
+                                background=corpus.room_noise(4.0, -60.0, delay_ms))
+    await client.connect()
+    try:
+        if update:
+            client.send({"type": "session.update", **update})
+            await client.wait_for("session.updated", timeout=10)
+        client.send({"type": "speak", "text": REPLY, "id": "r"})
+        end = await client.wait_for_any(("utterance.done", "utterance.interrupted"), timeout=40)
+        return end, [e["type"] for _, e in client.event_log]
+    finally:
+        await client.close()
+
+
+async def test_the_bots_own_echo_never_interrupts_it(piper_server):
+    # Without the canceller the same echo stops the bot within a second or so: the room is real.
+    end, _ = await _speak_over_echo(piper_server.url, echo_db=-6.0, delay_ms=250, update={"barge_in": {"echo_cancel": False}})
+    assert end["type"] == "utterance.interrupted" and end["reason"] == "barge_in"
+    for echo_db, delay_ms in ((-6.0, 250), (-10.0, 100)):
+        end, seen = await _speak_over_echo(piper_server.url, echo_db=echo_db, delay_ms=delay_ms)
+        assert end["type"] == "utterance.done", (echo_db, delay_ms, end)
+        assert "speech.started" not in seen, (echo_db, delay_ms)
+
+
+async def _caller_over_echo(url: str, clip: np.ndarray, *, echo_db: float | None, update: dict | None = None,
+                            after_frames: int = 100) -> tuple:
+    client = corpus.echo_client(url, echo_db=echo_db, delay_ms=150, background=corpus.room_noise(4.0, -60.0, 3))
+    await client.connect()
+    try:
+        if update:
+            client.send({"type": "session.update", **update})
+            await client.wait_for("session.updated", timeout=10)
+        client.send({"type": "speak", "text": REPLY, "id": "r"})
+        started = await client.wait_for("audio.started", id="r", timeout=30)
+        await client.wait_frames_after(started, after_frames)  # two seconds of the reply
+        assert not [e for _, e in client.event_log if e["type"] in ("speech.started", "utterance.interrupted")]
+        index = client.mic.play(clip)
+        end = await client.wait_for_any(("utterance.done", "utterance.interrupted"), timeout=40)
+        try:
+            await client.wait_for("speech.stopped", timeout=5)
+        except asyncio.TimeoutError:
+            pass
+        onset = client.mic.played_at[index] + corpus.onset_s(clip)
+        return end, client.arrival(end) - onset, [e for _, e in client.event_log]
+    finally:
+        await client.close()
+
+
+async def test_a_caller_over_the_echo_still_interrupts(piper_server):
+    clip = corpus.espeak("Wait, hold on, I have a question.", "en-gb+f3")
+    end, latency_s, _ = await _caller_over_echo(piper_server.url, clip, echo_db=-10.0)
+    assert end["type"] == "utterance.interrupted" and end["reason"] == "barge_in"
+    # Measured about 0.25 s from the caller's onset (bench/results/barge-in.json); this bound only
+    # catches a caller held back by the guard for most of a sentence.
+    assert 0 < latency_s < 1.2, latency_s
+
+
+async def test_a_backchannel_shorter_than_min_interrupt_ms_is_reported_not_obeyed(piper_server):
+    clip = corpus.espeak("Okay.", "en-us-nyc+m5")
+    end, _, events = await _caller_over_echo(piper_server.url, clip, echo_db=-10.0,
+                                             update={"barge_in": {"min_interrupt_ms": 800}})
+    assert end["type"] == "utterance.done", end
+    backchannels = [e for e in events if e["type"] == "speech.backchannel"]
+    assert len(backchannels) == 1 and backchannels[0]["id"] == "r"
+    assert 0 < backchannels[0]["speech_ms"] < 800
+
+
+def _joe_packets(text: str) -> list[bytes]:
+    pcm = corpus.espeak(text, "en-us")  # any speech will do for the module on its own
+    encoder = opus.Encoder(48000, 32000, 0, True, 10, False)
+    return encoder.encode(pcm[: len(pcm) // 960 * 960])
+
+
+def test_the_echo_delay_is_found_and_its_echo_kept_under_the_guard():
+    """The module alone, on a clock of its own: the reference leaves every 20 ms, its echo comes
+    back 230 ms later at -6 dB; the delay is found within a hop and no echo frame counts as voiced."""
+    packets = _joe_packets("The new plan costs twelve dollars a month and includes unlimited calls.")
+    tap = ReferenceTap()
+    echo = EchoCanceller("opus", tap, epoch=0.0)
+    decoder = opus.Decoder(16000)
+    reference = np.concatenate([decoder.decode(p) for p in packets])
+    delay = int(0.23 * 16000)
+    mic = np.zeros(len(reference) + delay + 16000, dtype=np.float64)
+    mic[delay : delay + len(reference)] += reference * 10 ** (-6 / 20)
+    mic += np.random.default_rng(0).standard_normal(len(mic)) * 30
+    mic = mic.astype(np.int16)
+    vad = VoiceActivityDetector(VadSettings())
+    voiced = 0
+    for j in range(len(mic) // 320):
+        now = (j + 1) * 0.02
+        if j < len(packets):
+            tap(packets[j], j * 0.02)
+        else:
+            tap(None, j * 0.02)
+        for frame, guard in echo.process(mic[j * 320 : (j + 1) * 320], now):
+            vad.frame(frame, guard)
+            voiced += vad.voiced
+            echo.learn(caller_quiet=vad.quiet)
+    # The microphone's frames are stamped at their arrival, 20 ms after their start.
+    assert echo.delay_hops is not None and abs(echo.delay_hops - 23) <= 2, echo.delay_hops
+    assert echo.cancelled > 0
+    assert voiced == 0
+
+
+@pytest.mark.parametrize("update", [{"min_interrupt_ms": 5}, {"min_interrupt_ms": "x"}, {"echo_cancel": 1}, {"volume": 3}])
+async def test_bad_barge_in_settings_are_refused(tone_server, update):
+    from voxgate.rtc_client import RtcClient
+
+    async with RtcClient(tone_server.url) as client:
+        client.send({"type": "session.update", "barge_in": update})
+        error = await client.wait_for("error", timeout=10)
+        assert error["code"] == "invalid_field"
+        client.send({"type": "session.update", "barge_in": {"min_interrupt_ms": 450, "echo_cancel": False}})
+        updated = await client.wait_for("session.updated", timeout=10)
+        assert updated["barge_in"] == {"min_interrupt_ms": 450, "echo_cancel": False}
