@@ -221,11 +221,9 @@ class Settings:
     vad: bool = setting(True, MEDIA, "barge-in by voice for new sessions")
     vad_aggressiveness: int = setting(2, MEDIA, "webrtcvad mode for new sessions", low=0, high=3)
     vad_min_speech_ms: int = setting(200, MEDIA, "speech heard before speech.started", low=20, high=5000)
-    echo_cancel: bool = setting(True, MEDIA, "take the bot's own voice out of the microphone before barge-in "
-                                "listens (libspeexdsp; docs/barge-in.md)")
+    echo_cancel: bool = setting(True, MEDIA, "take the bot's own echo out of the microphone before barge-in")
     # Chosen with bench/bench_barge_in.py (docs/barge-in.md): real interruptions over a -10 dB echo within 300 ms.
-    min_interrupt_ms: int = setting(200, MEDIA, "caller speech before it interrupts the bot; a shorter turn while "
-                                    "the bot speaks is reported as speech.backchannel",
+    min_interrupt_ms: int = setting(200, MEDIA, "caller speech before it interrupts the bot (else a backchannel)",
                                     low=MIN_INTERRUPT_RANGE[0], high=MIN_INTERRUPT_RANGE[1])
     # Sessions and limits
     max_sessions: int = setting(200, LIMITS, "sessions at once, in total; more get 503", low=1, high=100000)

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from voxgate.gateway.protocol import Limits
+from voxgate.gateway.barge_in import BargeInSettings
 from voxgate.gateway.session import Session, SessionOptions
 from voxgate.gateway.session_metrics import SessionMetrics
 from voxgate.gateway.text_pump import TEXT_SLICE_CHARS
@@ -356,7 +357,8 @@ async def test_a_turn_too_short_to_interrupt_is_a_backchannel():
 
 
 async def test_events_carry_at_ms_on_the_session_clock_and_speech_is_timed_by_its_frame():
-    session, engine, events, _ = make()
+    # The VAD on the loop, as it runs without the echo canceller (which runs it as a pool job: test_echo.py).
+    session, engine, events, _ = make(barge_in=BargeInSettings(echo_cancel=False))
     session.attach_output("opus")
     session.handle_message('{"type": "speak", "text": "hello", "id": "a"}')
     await turns()
@@ -370,7 +372,7 @@ async def test_events_carry_at_ms_on_the_session_clock_and_speech_is_timed_by_it
 
         def process(self, pcm):
             self.frames += 1
-            return ["speech.started"] if self.frames == 3 else []
+            return ["speech.started", "speech.long"] if self.frames == 3 else []
 
     session.vad = VadAtThirdFrame()
     before = session.clock.ms()
