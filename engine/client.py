@@ -85,6 +85,10 @@ class EngineClient:
         self._send_lock = threading.Lock()
         self.listeners: list = []  # callables(event: str, data: dict) for metrics
         self._pongs: dict[int, asyncio.Future] = {}
+        # The worker's last load report (proto.Load, about once a second), and the underruns
+        # it has counted across restarts (each worker counts from 0).
+        self.load: proto.Load | None = None
+        self.underruns = 0
 
     # Lifecycle
     async def start(self) -> None:
@@ -111,6 +115,7 @@ class EngineClient:
         )
         self._ready = self._loop.create_future()
         self._generation += 1
+        self.load = None
         generation = self._generation
         await self._loop.run_in_executor(None, process.start)
         child.close()  # so that the worker's death reads as EOF here
@@ -256,6 +261,10 @@ class EngineClient:
             stream = self._streams.pop(message.sid, None)
             if stream is not None:
                 stream.on_error(EngineStreamError(message.message))
+        elif isinstance(message, proto.Load):
+            before = self.load.underruns if self.load is not None else 0
+            self.underruns += max(0, message.underruns - before)
+            self.load = message
         elif isinstance(message, proto.Pong):
             future = self._pongs.get(message.token)
             if future is not None and not future.done():

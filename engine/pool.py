@@ -42,6 +42,7 @@ from ..config import PoolSettings, threads_or_every_core
 from ..logs import setup_logging
 from . import proto
 from .base import SynthesisOptions
+from .capacity import calibrate
 from .pool_protocol import (
     INFO_PATH, MAX_REPLICAS_LISTED, REPLICA_HEADER, REPLICAS_PATH, REPLICAS_REFRESH_S, STATS_PATH, STREAM_PATH, PoolProtocolError, StreamRequest,
     pack_frame, replica_url,
@@ -149,7 +150,13 @@ class EngineHost:
         self.replica_id = f"{socket.gethostname()}:{os.getpid()}"
         self._ids = itertools.count(1)
         self._outboxes: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self.scheduler = PoolScheduler(self.engine, send=self._send, parallel=config.parallel or cores)
+        parallel = config.parallel or cores
+        # What synthesis costs on this replica's cores, measured now and kept current by its
+        # steps: its load report (in /v1/stats) is the pool's budget for gateways (engine/capacity.py).
+        self.cost = calibrate(self.engine, parallel)
+        self.info["synthesis_cost"] = self.cost.per_audio_s
+        self.last_load: proto.Load | None = None
+        self.scheduler = PoolScheduler(self.engine, send=self._send, parallel=parallel, cost=self.cost)
         # The last request's deadline as the replica saw it (tests read it from /v1/stats).
         self.requests = 0
         self.last_start_in_s: float | None = None
@@ -158,7 +165,11 @@ class EngineHost:
         self._thread.start()
 
     def _send(self, message: proto.FromWorker, pcm=None) -> None:
-        """From the scheduler thread: a stream's Chunk, StreamDone or StreamError, to its request."""
+        """From the scheduler thread: a stream's Chunk, StreamDone or StreamError, to its request;
+        the scheduler's load report, kept for /v1/stats."""
+        if isinstance(message, proto.Load):
+            self.last_load = message
+            return
         target = self._outboxes.get(getattr(message, "sid", None))
         if target is None:
             return
@@ -180,9 +191,16 @@ class EngineHost:
 
     def stats(self) -> dict:
         counters = dict(self.scheduler.counters)
+        load = self.last_load
         return dict(counters, streams=len(self.scheduler.streams), requests=self.requests,
                     last_start_in_s=self.last_start_in_s,
-                    last_playing=self.last_playing, replica=self.replica_id)
+                    last_playing=self.last_playing, replica=self.replica_id,
+                    # What it carries and can carry, in listeners at 1x real time (null until the first report).
+                    load=None if load is None else {
+                        "capacity": load.capacity if math.isfinite(load.capacity) else None,
+                        "speaking": load.speaking, "waiting": load.waiting, "cost": load.cost,
+                        "underruns": load.underruns,
+                    })
 
     async def stream(self, request: StreamRequest):
         """The frames of one request, ending with an `end` or `error` frame."""

@@ -29,8 +29,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 import aiohttp
 import numpy as np
@@ -65,6 +67,22 @@ READ_TIMEOUT_S = 60.0
 # Replica ids remembered to count each lost replica once.
 MAX_LOST_REPLICAS = 64
 
+# A pool's load read longer ago than this counts as unknown; each read waits this long at most.
+LOAD_STALE_S = 3 * REPLICAS_REFRESH_S
+LOAD_TIMEOUT_S = 2.0
+
+
+@dataclass
+class PoolLoad:
+    """The pool's replicas together: listeners they can keep speaking (inf: one not measured
+    yet) and keep speaking now, for every gateway that uses them."""
+
+    capacity: float
+    speaking: float
+    replicas: int
+    read_at: float
+
+
 CRASHED_TEXT = "the engine pool's replica stopped unexpectedly; it is being restarted and the next utterance goes to a live replica"
 
 
@@ -92,6 +110,9 @@ class RemoteEngineClient(EngineClient):
         self._failed: dict[str, float] = {}
         # Requests sent straight to a replica, and through the proxy.
         self.requests_by_route = {"direct": 0, "proxy": 0}
+        # What the replicas carry and can carry (their /v1/stats "load"), added up, and when read.
+        self._pool_load: PoolLoad | None = None
+        self._load_watch: asyncio.Future | None = None
 
     # Lifecycle
     async def start(self) -> None:
@@ -118,6 +139,9 @@ class RemoteEngineClient(EngineClient):
         if self.direct and not self._closing:
             await self.refresh_replicas()
             self._refresher = asyncio.ensure_future(self._refresh_forever())
+        if not self._closing:
+            await self.refresh_load()
+            self._load_watch = asyncio.ensure_future(self._watch_load())
         self._is_ready = True
         self._started = True
 
@@ -126,6 +150,8 @@ class RemoteEngineClient(EngineClient):
         self._is_ready = False
         if self._refresher is not None:
             self._refresher.cancel()
+        if self._load_watch is not None:
+            self._load_watch.cancel()
         self._fail_all(EngineUnavailable("the engine is shutting down"))
         for transport in list(self._transports.values()):
             transport.cancel()
@@ -144,9 +170,10 @@ class RemoteEngineClient(EngineClient):
         """The scheduler counters of the replica that answers (one of the pool's)."""
         return await asyncio.wait_for(self._get_json(STATS_PATH), timeout)
 
-    async def _get_json(self, path: str) -> dict:
+    async def _get_json(self, path: str, base: str | None = None, timeout_s: float = 10.0) -> dict:
         assert self._http is not None
-        async with self._http.get(self.url + path, timeout=aiohttp.ClientTimeout(total=10), allow_redirects=False) as resp:
+        async with self._http.get((base or self.url) + path, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                  allow_redirects=False) as resp:
             if resp.status != 200:
                 raise ValueError(f"{path} answered {resp.status}")
             body = await resp.content.read(MAX_JSON_BYTES + 1)
@@ -159,6 +186,47 @@ class RemoteEngineClient(EngineClient):
         if not isinstance(data, dict):
             raise ValueError(f"{path} answered no object")
         return data
+
+    # What the pool carries: the gateway's admission plans with it (gateway/admission.py)
+    def pool_load(self) -> "PoolLoad | None":
+        """The replicas' load added up, if read within the last few refreshes; else None."""
+        load = self._pool_load
+        if load is None or time.monotonic() - load.read_at > LOAD_STALE_S:
+            return None
+        return load
+
+    async def refresh_load(self) -> None:
+        """Read every listed replica's load (or, with none listed, the one the proxy picks)."""
+        bases = list(self.replicas) or [self.url]
+
+        async def one(base: str) -> dict | None:
+            try:
+                load = (await self._get_json(STATS_PATH, base, LOAD_TIMEOUT_S)).get("load")
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                return None
+            return load if isinstance(load, dict) else None
+
+        loads = [load for load in await asyncio.gather(*(one(base) for base in bases)) if load is not None]
+        if not loads:
+            return
+        capacity = speaking = 0.0
+        for load in loads:
+            cap, spk = load.get("capacity"), load.get("speaking")
+            if cap is None:
+                capacity = math.inf  # a replica that has not measured yet
+            elif isinstance(cap, (int, float)) and not isinstance(cap, bool):
+                capacity += max(0.0, float(cap))
+            if isinstance(spk, (int, float)) and not isinstance(spk, bool):
+                speaking += max(0.0, float(spk))
+        self._pool_load = PoolLoad(capacity, speaking, len(loads), time.monotonic())
+
+    async def _watch_load(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(REPLICAS_REFRESH_S)
+            try:
+                await self.refresh_load()
+            except Exception:  # whatever a replica answers, the next read still happens
+                log.exception("engine pool load not read")
 
     # The replicas' own addresses
     async def refresh_replicas(self) -> None:

@@ -23,6 +23,7 @@ class GatewayError(Exception):
         headers: dict[str, str] | None = None,
         id: str | None = None,
         fatal: bool = False,
+        detail: dict | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
@@ -32,10 +33,12 @@ class GatewayError(Exception):
         self.id = id  # the utterance a data-channel error is about, if any
         # The connection that carried it ends after it is reported (a phone call's stream).
         self.fatal = fatal
+        # More fields of the error object (why a capacity refusal happened, a gateway with room).
+        self.detail = detail or {}
 
     def event(self) -> dict:
         """The error as a data-channel or WebSocket event."""
-        event = {"type": "error", "code": self.code, "message": self.message}
+        event = {"type": "error", **self.detail, "code": self.code, "message": self.message}
         if self.id is not None:
             event["id"] = self.id
         return event

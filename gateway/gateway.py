@@ -7,7 +7,6 @@ asks it for sessions; it knows nothing of HTTP, and refuses with `GatewayError`.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import time
 from collections.abc import Callable
@@ -15,8 +14,9 @@ from collections.abc import Callable
 from ..config import Settings
 from ..engine.client import EngineClient, EngineConfig
 from . import priority
+from .admission import Admission
 from .encoder import OpusSettings
-from .errors import GatewayError, checked_voice
+from .errors import checked_voice
 from .feeder import listener_lag_s
 from .ice import IcePolicy, parse_ice_server, parse_networks, restrict_host_addresses
 from .metrics import GatewayMetrics
@@ -27,19 +27,6 @@ from .vad import VadSettings
 from .barge_in import BargeInSettings
 
 log = logging.getLogger(__name__)
-
-# Sent with a refusal for capacity: the client may try again shortly.
-RETRY_LATER = {"Retry-After": "5"}
-
-
-def _is_loopback(address: str) -> bool:
-    # Local tools (voxgate probe, the benchmarks) are not limited per address; a
-    # reverse proxy on the same host must be named with --trusted-proxy so that
-    # its clients are told apart.
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return False
 
 
 
@@ -85,12 +72,14 @@ class Gateway:
         # they have their own budget, so anonymous offers cannot take the slots
         # that keyed backends need.
         self.anonymous: dict[str, str] = {}  # session id -> client address
-        self.tts_active = 0  # POST /v1/tts requests synthesizing; they take session slots too
+        self.tts_active = 0  # speech requests (POST /v1/tts and its kin) synthesizing; they take session slots too
         self.trusted_proxies = parse_networks(settings.trusted_proxy)
         self.accepting = True
         # Called with the sessions and /v1/tts requests still open, after a session is forgotten.
         self.on_session_closed: list[Callable[[int], None]] = []
         self._tasks: list[asyncio.Task] = []
+        # Every check that may refuse a new session or request (gateway/admission.py).
+        self.admission = Admission(self)
 
     def _allowed_networks(self):
         explicit = [v for v in self.settings.ice_allow if v != "public"]
@@ -114,6 +103,7 @@ class Gateway:
             # Measured once per pair of rates (a few ms of soxr): now, not on a first utterance's path.
             listener_lag_s(rate, OpusSettings().input_rate)
         log.debug("engine %s ready: %s", self.settings.engine, self.engine.info)
+        self.admission.tick()  # the budget from the worker's measurement, before the first session
 
     async def drain(self, timeout: float) -> None:
         """Stop taking sessions, let current utterances finish, then close every session."""
@@ -137,10 +127,16 @@ class Gateway:
 
     async def _watch_loop_lag(self) -> None:
         interval = 0.1
+        ticks = 0
         while True:
             t0 = time.monotonic()
             await asyncio.sleep(interval)
-            self.metrics.loop_lag.observe(max(0.0, time.monotonic() - t0 - interval))
+            lag = max(0.0, time.monotonic() - t0 - interval)
+            self.metrics.loop_lag.observe(lag)
+            self.admission.loop_lag(lag)
+            ticks += 1
+            if ticks % 10 == 0:
+                self.admission.tick()
             self.metrics.sessions.set(len(self.sessions))
             self.metrics.utterances_active.set(sum(len(s.utterances) for s in self.sessions.values()))
             self.metrics.engine_streams.set(self.engine.active_streams)
@@ -171,40 +167,17 @@ class Gateway:
         )
 
     def create_session(
-        self, voice: object = None, anonymous_from: str | None = None
+        self, voice: object = None, anonymous_from: str | None = None, key: str | None = None, key_sessions: int = 0,
     ) -> Session:
         """A new session; `voice` is a client's choice, checked against the engine's voices.
 
         `anonymous_from`: the client address of a session made without a key or
         token; such sessions count against their own budget and a per-address limit.
+        `key`, `key_sessions`: the API key making it, and how many sessions that key holds.
+        Refused (GatewayError) by admission (gateway/admission.py).
         """
         voice = checked_voice(self.engine, voice)
-        if not self.accepting:
-            self.metrics.rejected.labels("draining").inc()
-            raise GatewayError("draining", "the server is shutting down; retry on another instance", 503)
-        if len(self.sessions) + self.tts_active >= self.settings.max_sessions:
-            self.metrics.rejected.labels("capacity").inc()
-            raise GatewayError(
-                "at_capacity", f"the server holds its maximum of {self.settings.max_sessions} sessions; retry later", 503, headers=RETRY_LATER
-            )
-        if anonymous_from is not None:
-            budget = self.settings.anonymous_budget
-            if len(self.anonymous) >= budget:
-                self.metrics.rejected.labels("capacity").inc()
-                raise GatewayError(
-                    "at_capacity",
-                    f"the server holds its maximum of {budget} sessions made without a token; retry later, or join a session made through POST /v1/sessions",
-                    503,
-                    headers=RETRY_LATER,
-                )
-            per_address = self.settings.max_sessions_per_address
-            if (
-                per_address
-                and not _is_loopback(anonymous_from)
-                and sum(1 for a in self.anonymous.values() if a == anonymous_from) >= per_address
-            ):
-                self.metrics.rejected.labels("address_limit").inc()
-                raise GatewayError("address_limit", f"this client address holds its maximum of {per_address} sessions made without a token", 429)
+        self.admission.admit_session(anonymous_from, key, key_sessions)
         session = Session(self.engine, options=self.session_options(voice), metrics=self.metrics.for_session(self.settings.engine))
         self.sessions[session.id] = session
         if anonymous_from is not None:

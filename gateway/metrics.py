@@ -38,7 +38,28 @@ class GatewayMetrics:
         self.loop_lag = Histogram("voxgate_event_loop_lag_seconds", "Event-loop lag measured by a 100 ms ticker", buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0), registry=r)
         self.gc_pauses = CollectionPauses()
         r.register(self.gc_pauses)
-        self.rejected = Counter("voxgate_sessions_rejected_total", "Sessions refused", ["reason"], registry=r)
+        self.rejected = Counter("voxgate_sessions_rejected_total",
+                                "Sessions and speech requests refused, by reason (gateway/admission.py REASONS)",
+                                ["reason"], registry=r)
+        # Admission's view of the node (gateway/admission.py), as real-time factors: seconds of audio per second.
+        self.synthesis_budget = Gauge("voxgate_synthesis_budget_rtf",
+                                      "Seconds of audio per second this node can speak, measured (-1: not measured yet)",
+                                      registry=r)
+        self.synthesis_demand = Gauge("voxgate_synthesis_demand_rtf",
+                                      "Seconds of audio per second asked of this node: now (sessions speaking, requests), "
+                                      "or expected (admission's plan: the others at --talk-share or their own recent share)",
+                                      ["kind"], registry=r)
+        self.synthesis_cost = Gauge("voxgate_synthesis_cost",
+                                    "Cores one speaking session takes: engine (synthesis, core-seconds per audio second; "
+                                    "0 with a pool) and media (this process), measured", ["part"], registry=r)
+        self.talk_share = Gauge("voxgate_talk_share", "Share of session time spent speaking, over the last minutes "
+                                "(to choose --talk-share from)", registry=r)
+        self.speech_underruns = Counter("voxgate_speech_underruns_total",
+                                        "Speech that ran out inside an utterance, by where: engine (a chunk of a started "
+                                        "stream made after its listener's audio ran out), webrtc or telephony (the "
+                                        "playout had no frame to send)", ["where"], registry=r)
+        for where in ("engine", "webrtc", "telephony"):
+            self.speech_underruns.labels(where)
         self.errors = Counter("voxgate_protocol_errors_total", "Error events sent to clients", ["code"], registry=r)
         self.opus_signal = Counter("voxgate_opus_signal_switches_total",
                                    "Sessions' Opus signal switches on their listeners' loss: to voice (in-band FEC on) or music",
@@ -147,8 +168,9 @@ class _SessionMetrics(SessionMetrics):
     def keepalive(self, frames: int) -> None:
         self.m.keepalive_frames.inc(frames)
 
-    def underrun(self) -> None:
+    def underrun(self, output: str) -> None:
         self.m.underruns.inc()
+        self.m.speech_underruns.labels(output).inc()
 
     def engine_chunk(self, synth_s: float, audio_s: float) -> None:
         self.m.engine_rtf.observe(synth_s / audio_s)

@@ -143,7 +143,7 @@ class Session:
         self.encoder: FrameEncoder | None = None
         self.output_codec: str | None = None
         self.playout = Playout(
-            b"", on_audio_started=self._on_audio_started, on_done=self._on_done, on_underrun=self.metrics.underrun
+            b"", on_audio_started=self._on_audio_started, on_done=self._on_done, on_underrun=self._on_underrun
         )
         self._feeder: Feeder | None = None
         self._closed = False
@@ -572,6 +572,9 @@ class Session:
                     self.emit({"type": "speech.backchannel", "id": self._turn_over,
                                "speech_ms": self.vad.turn_voiced_ms, "at_ms": at_ms})
                 self._turn_over = None
+
+    def _on_underrun(self) -> None:
+        self.metrics.underrun("webrtc" if self.output_codec == "opus" else "telephony")
 
     def _on_audio_started(self, play: UtterancePlay, at: float) -> None:
         ttfa = max(0.0, at - (play.ready_at or at))

@@ -33,7 +33,8 @@ class SessionMetrics:
     def keepalive(self, frames: int) -> None:
         """A DTX keep-alive between utterances left, covering `frames` frames of RTP time."""
 
-    def underrun(self) -> None: ...
+    def underrun(self, output: str) -> None:
+        """The playout had nothing to send inside an utterance; `output`: webrtc or telephony."""
     def engine_chunk(self, synth_s: float, audio_s: float) -> None: ...
     def opus_signal_switch(self, signal: str) -> None:
         """With --opus-signal auto, the listener's loss turned in-band FEC on (voice) or off (music)."""

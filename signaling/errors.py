@@ -14,7 +14,8 @@ from ..gateway.errors import GatewayError
 def error_response(error: GatewayError) -> web.Response:
     """The one mapping from an error to what an HTTP client sees."""
     return web.json_response(
-        {"error": {"code": error.code, "message": error.message}}, status=error.status, headers=error.headers or None
+        {"error": {**error.detail, "code": error.code, "message": error.message}}, status=error.status,
+        headers=error.headers or None,
     )
 
 

@@ -51,7 +51,12 @@ SCHEMAS: dict[str, dict] = {
             "error": {
                 "type": "object",
                 "required": ["code", "message"],
-                "properties": {"code": _string, "message": _string},
+                "properties": {
+                    "code": _string, "message": _string,
+                    "reason": {**_string, "description": "why a 503 at_capacity came: max_sessions, anonymous, "
+                               "synthesis (the speech budget), loop_lag or late_frames; draining"},
+                    "gateway": {**_string, "description": "in a fleet, the URL of a gateway that has room"},
+                },
             }
         },
     },
@@ -113,6 +118,10 @@ SCHEMAS: dict[str, dict] = {
             "engine": {"type": "boolean"},
             "accepting": {"type": "boolean"},
             "sessions": {"type": "integer", "minimum": 0},
+            "budget_rtf": {"type": ["number", "null"], "description": "seconds of audio per second the node can "
+                           "speak, measured (null until measured)"},
+            "demand_rtf": {"type": "number", "description": "seconds of audio per second its sessions are expected to speak"},
+            "reason": {**_string, "description": "why not ready: draining, engine, max_sessions, synthesis, loop_lag, late_frames"},
         },
     },
     "SessionCreateRequest": {
@@ -278,7 +287,7 @@ PATHS: dict[str, dict] = {
     "/healthz": {"get": _op("liveness", {"200": _json(_ref("Ok"), "the process is up"), **_errors()})},
     "/readyz": {
         "get": _op(
-            "readiness: 503 while draining, full, or restarting the engine",
+            "readiness: 503 while draining, full, near its speech budget, or restarting the engine",
             {"200": _json(_ref("Ready"), "ready"), "503": _json(_ref("Ready"), "not ready"), **_errors()},
         )
     },

@@ -179,11 +179,15 @@ async def handle_healthz(request: web.Request) -> web.Response:
 
 async def handle_readyz(request: web.Request) -> web.Response:
     gw: Gateway = request.app["gateway"]
-    ready = gw.accepting and gw.engine.ready and len(gw.sessions) < gw.settings.max_sessions
-    return web.json_response(
-        {"ready": ready, "engine": gw.engine.ready, "accepting": gw.accepting, "sessions": len(gw.sessions)},
-        status=200 if ready else 503,
-    )
+    ready, why = gw.admission.ready()
+    load = gw.admission.figures
+    body = {"ready": ready, "engine": gw.engine.ready, "accepting": gw.accepting, "sessions": len(gw.sessions),
+            # Admission's view (gateway/admission.py), in seconds of audio per second.
+            "budget_rtf": round(load.budget, 2) if load.budget != float("inf") else None,
+            "demand_rtf": round(load.expected, 2)}
+    if why is not None:
+        body["reason"] = why
+    return web.json_response(body, status=200 if ready else 503)
 
 
 async def handle_metrics(request: web.Request) -> web.Response:

@@ -267,9 +267,7 @@ async def handle_create(request: web.Request) -> web.Response:
         voice = checked_voice(gw.engine, body.get("voice"))
     except GatewayError as exc:
         return error_response(exc)
-    if key is not None and len(registry.by_key.get(key, ())) >= gw.settings.max_sessions_per_key:
-        return error_response(GatewayError("key_limit", f"this API key holds its maximum of {gw.settings.max_sessions_per_key} sessions", 429))
-    session = gw.create_session(voice=voice)
+    session = gw.create_session(voice=voice, key=key, key_sessions=len(registry.by_key.get(key, ())))
     track_session(request.app, session, owner=key)
     registry.made_ahead.add(session.id)
     if key is not None:

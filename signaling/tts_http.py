@@ -325,34 +325,6 @@ class _Timeline:
         )
 
 
-class TtsSlots:
-    """POST /v1/tts requests synthesizing now, in total and per caller (API key, or client
-    address without keys). Each also takes one of --max-sessions' slots."""
-
-    def __init__(self) -> None:
-        self.by_caller: dict[str, int] = {}
-
-    def acquire(self, gw, caller: str) -> None:
-        settings = gw.settings
-        if gw.tts_active >= settings.tts_max_concurrent or len(gw.sessions) + gw.tts_active >= settings.max_sessions:
-            raise GatewayError("at_capacity", "the server is synthesizing its maximum of requests; retry in a moment", 503)
-        if self.by_caller.get(caller, 0) >= settings.tts_max_concurrent_per_key:
-            raise GatewayError("too_many_requests", f"this caller has {settings.tts_max_concurrent_per_key} requests synthesizing; wait for one to finish", 429)
-        self.by_caller[caller] = self.by_caller.get(caller, 0) + 1
-        gw.tts_active += 1
-
-    def release(self, gw, caller: str) -> None:
-        gw.tts_active -= 1
-        left = self.by_caller.get(caller, 1) - 1
-        if left > 0:
-            self.by_caller[caller] = left
-        else:
-            self.by_caller.pop(caller, None)
-
-
-TTS_SLOTS = web.AppKey("tts_slots", TtsSlots)
-
-
 async def serve_speech(request: web.Request, parse: Callable[..., SpeechRequest], hint: str) -> web.StreamResponse:
     """Key, body, limits, synthesis and streaming for one speech request; `parse`
     turns the body into a SpeechRequest (raising GatewayError for a bad field)."""
@@ -362,20 +334,17 @@ async def serve_speech(request: web.Request, parse: Callable[..., SpeechRequest]
     from .server import client_address  # the server module imports this one
 
     caller = key if key is not None else client_address(request, gw.trusted_proxies)
-    slots = request.app[TTS_SLOTS]
     try:
         body = await read_json_object(request, body_limit(gw.settings), hint)
         job = parse(gw, body)
-        slots.acquire(gw, caller)
+        # In flight in total and per caller, each taking a session's slot, and the node's load.
+        gw.admission.start_request(caller)
     except GatewayError as exc:
-        response = error_response(exc)
-        if exc.status in (429, 503):
-            response.headers["Retry-After"] = "1"
-        return response
+        return error_response(exc)
     try:
         return await _synthesize(request, gw, job, timeline)
     finally:
-        slots.release(gw, caller)
+        gw.admission.end_request(caller)
 
 
 async def handle_tts(request: web.Request) -> web.StreamResponse:
@@ -486,5 +455,4 @@ async def _synthesize(request: web.Request, gw, job: SpeechRequest, timeline: _T
 
 
 def add_routes(app: web.Application) -> None:
-    app[TTS_SLOTS] = TtsSlots()
     app.router.add_post("/v1/tts", handle_tts)

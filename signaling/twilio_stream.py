@@ -224,7 +224,7 @@ class TwilioCall:
             except GatewayError as exc:
                 # No room (503): the call protocol has always said "unavailable".
                 code = "unavailable" if exc.status == 503 else exc.code
-                raise GatewayError(code, exc.message, fatal=True) from None
+                raise GatewayError(code, exc.message, fatal=True, detail=exc.detail) from None
             track_session(self.app, session)
             self.created = True
             return session

@@ -251,6 +251,11 @@ class Settings:
                                                low=1.0, high=600.0)
     caller_audio_buffer_ms: int = setting(1000, LIMITS, "caller audio a backend may leave unread (?audio=pcm16)",
                                           low=20, high=10000)
+    # Admission by measured headroom (gateway/admission.py; how to choose them: docs/scaling.md).
+    talk_share: float = setting(0.4, LIMITS, "share of the time a conversation is expected to speak", low=0.05, high=1.0)
+    ready_margin: float = setting(0.1, LIMITS, "share of the speech budget /readyz keeps free", low=0.0, high=0.5)
+    synthesis_budget: float = setting(0.0, LIMITS, "seconds of audio per second the node may speak", low=0.1,
+                                      high=100000.0, zero="measured")
     # Access
     api_key: list[str] = setting([], ACCESS, "API key for backends (repeatable; ps shows it: use the file)",
                                  metavar="KEY")
