@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -181,10 +182,19 @@ class PeerConnection:
             return  # the first channel the peer opens carries the protocol
         self.channel = channel
         session = self.session
+        limit = session.options.limits.max_buffered_bytes
 
         def send(event: dict) -> None:
-            if channel.readyState == "open":
-                channel.send(json.dumps(event))
+            if channel.readyState != "open" or session.closed:
+                return
+            # aiortc queues what the peer's SCTP has not acknowledged without end: a peer that never
+            # acknowledges would grow this process's memory for as long as it keeps sending.
+            if channel.bufferedAmount > limit:
+                log.warning("session %s: the peer left %d bytes of events unread (over --max-channel-buffer-kb); "
+                            "closing", session.id, channel.bufferedAmount, extra={"session_id": session.id})
+                asyncio.ensure_future(session.close("the peer does not read its data channel"))
+                return
+            channel.send(json.dumps(event))
 
         session.add_listener("peer", send)
 

@@ -25,6 +25,8 @@ class Limits:
     max_message_bytes: int = Settings.max_message_bytes
     max_text_chars: int = Settings.max_text_chars
     max_messages_per_s: float = Settings.max_messages_per_s
+    # Events a listener leaves unread (a data channel's bufferedAmount) before its session closes.
+    max_buffered_bytes: int = Settings.max_channel_buffer_kb * 1024
 
 
 class RateLimiter:

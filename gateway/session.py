@@ -262,7 +262,6 @@ class Session:
 
     # Inbound messages
     def handle_message(self, raw: str | bytes, source: str = "peer") -> None:
-        self.last_activity = time.monotonic()
         try:
             limiter = self._limiters.get(source)
             if limiter is None:
@@ -270,6 +269,9 @@ class Session:
             if not limiter.allow():
                 raise GatewayError("rate_limited", f"more than {self.options.limits.max_messages_per_s:g} messages per second; this one was refused")
             msg = parse(raw, self.options.limits)
+            # Only a message taken counts as activity: refused ones (over the rate, malformed)
+            # must not keep a session alive past its idle timeout.
+            self.last_activity = time.monotonic()
             self._dispatch(msg, source)
         except GatewayError as exc:
             self.stats["errors"] += 1

@@ -242,6 +242,8 @@ class Settings:
     max_utterance_chars: int = setting(20000, LIMITS, "characters of text per utterance", low=1, high=10000000)
     max_message_bytes: int = setting(65536, LIMITS, "bytes per data-channel or WebSocket message", low=1024, high=16777216)
     max_messages_per_s: float = setting(200.0, LIMITS, "messages per second per connection", low=1.0, high=100000.0)
+    max_channel_buffer_kb: int = setting(1024, LIMITS, "unread data-channel events before a close, KiB",
+                                         low=16, high=1048576)
     max_queued_utterances: int = setting(32, LIMITS, "utterances waiting per session", low=1, high=10000)
     tts_max_concurrent: int = setting(4, LIMITS, "POST /v1/tts requests synthesizing at once", low=1, high=10000)
     tts_max_concurrent_per_key: int = setting(2, LIMITS, "POST /v1/tts requests at once per key or address",
