@@ -64,6 +64,9 @@ class GatewayMetrics:
         self.opus_signal = Counter("voxgate_opus_signal_switches_total",
                                    "Sessions' Opus signal switches on their listeners' loss: to voice (in-band FEC on) or music",
                                    ["to"], registry=r)
+        self.http_refused = Counter("voxgate_http_connections_refused_total",
+                                    "HTTP connections refused with 503 at --max-connections or "
+                                    "--max-connections-per-ip", ["reason"], registry=r)
         self.ice_dropped = Counter("voxgate_ice_dropped_total",
                                    "STUN datagrams and checks the sessions' ICE guards dropped (gateway/ice.py): "
                                    "candidate_limit, stun_rate, check_budget, error", ["reason"], registry=r)

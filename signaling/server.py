@@ -23,7 +23,7 @@ from ..gateway.encode_pool import encode_pool, parse_threads
 from ..gateway.gateway import Gateway
 from ..gateway.peer import PeerConnection
 from .errors import error_response, read_json_object
-from . import openai_speech, openapi, sessions_api, tts_http, twilio_stream
+from . import http_guard, openai_speech, openapi, sessions_api, tts_http, twilio_stream
 
 log = logging.getLogger(__name__)
 
@@ -436,10 +436,14 @@ async def serve(settings: Settings) -> None:
                         "to them and frames may go late; give --encode-threads auto", type(asyncio.get_running_loop()).__name__)
         app = create_app(settings)
         gw: Gateway = app["gateway"]
-        runner = web.AppRunner(app, handle_signals=False, access_log=None)
+        runner = web.AppRunner(app, handle_signals=False, access_log=None, keepalive_timeout=http_guard.KEEPALIVE_S)
         await runner.setup()
-        for sock in sockets:
-            await web.SockSite(runner, sock).start()
+        http_guard.quiet_descriptor_exhaustion(asyncio.get_running_loop())
+        guard = http_guard.ConnectionGuard(
+            settings.header_timeout_s, settings.max_connections, settings.max_connections_per_ip,
+            exempt=gw.trusted_proxies, on_refused=lambda reason: gw.metrics.http_refused.labels(reason).inc(),
+        )
+        servers = await http_guard.start_servers(asyncio.get_running_loop(), guard, runner.server, sockets)
     except BaseException:
         for sock in sockets:
             sock.close()
@@ -468,6 +472,8 @@ async def serve(settings: Settings) -> None:
         await stop.wait()
         log.info("shutting down: draining for up to %.0f s", settings.drain_timeout_s)
         await gw.drain(settings.drain_timeout_s)
+        for server in servers:
+            server.close()  # no new connections; runner.cleanup closes the open ones
         await runner.cleanup()
     finally:
         # The young one first: it cannot raise, and the full one awaits.
