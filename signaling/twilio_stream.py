@@ -19,10 +19,12 @@ import base64
 import binascii
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import re
 import time
+from collections import OrderedDict
 
 import numpy as np
 from aiohttp import WSMsgType, web
@@ -35,11 +37,22 @@ from ..gateway.twilio_output import TwilioOutput
 from ..gateway.protocol import RateLimiter
 from ..gateway.errors import GatewayError
 from .errors import error_response
+from .http_guard import RateLimitedLog
 from .sessions_api import REGISTRY, join_session, track_session
 
 log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 64 * 1024
+# μ-law at 8 kHz is one byte a sample: Twilio sends 160 bytes (20 ms) a frame. Up to five
+# such frames at once are taken; a larger payload is refused before it is decoded, so that
+# at the frame rate limit a stream carries at most 20 times real time.
+MAX_MEDIA_BYTES = 800
+MAX_MEDIA_B64 = 4 * -(-MAX_MEDIA_BYTES // 3)
+# Signatures remembered to refuse replays: past this many, the oldest are forgotten first.
+MAX_SIGNATURES_SEEN = 100_000
+# What clients make this module log (their errors, refusals) is one line a second at most,
+# process-wide: the route is open to anyone who can reach it, Twilio configured or not.
+_client_log = RateLimitedLog()
 MULAW = "audio/x-mulaw"
 INBOUND_EVENTS = ("connected", "start", "media", "dtmf", "mark", "stop")
 # Twilio's ids (MZ..., CA...) are letters and digits; anything else is refused
@@ -64,24 +77,58 @@ def twilio_signature(auth_token: str, url: str) -> str:
     return base64.b64encode(digest).decode("ascii")
 
 
-def _signed_urls(request: web.Request, public_url: str | None) -> list[str]:
-    """The URLs Twilio may have signed: the stream's wss:// URL as configured or as seen."""
+def _from_trusted_proxy(request: web.Request, trusted: list) -> bool:
+    try:
+        ip = ipaddress.ip_address(request.remote or "")
+    except ValueError:
+        return False
+    return any(ip in net for net in trusted)
+
+
+def _signed_urls(request: web.Request, public_url: str | None, trusted: list) -> list[str]:
+    """The URLs Twilio may have signed: the stream's wss:// URL as configured or as seen.
+    X-Forwarded-Host/Proto count only from a --trusted-proxy: from anyone else they would let
+    a signature made for another host pass here."""
     if public_url:
         base = public_url.rstrip("/")
-    else:
+    elif _from_trusted_proxy(request, trusted):
         proto = request.headers.get("X-Forwarded-Proto", request.scheme)
         base = f"{proto}://{request.headers.get('X-Forwarded-Host', request.host)}"
+    else:
+        base = f"{request.scheme}://{request.host}"
     rest = base.split("://", 1)[-1] + request.path_qs
     return [f"wss://{rest}", f"https://{rest}", f"ws://{rest}", f"http://{rest}"]
 
 
-def signature_valid(request: web.Request, auth_token: str, public_url: str | None) -> bool:
+def signature_valid(request: web.Request, auth_token: str, public_url: str | None, trusted: list | None = None) -> bool:
     given = request.headers.get("X-Twilio-Signature", "")
     given_bytes = given.encode("utf-8", "surrogateescape")
     ok = False
-    for url in _signed_urls(request, public_url):
+    for url in _signed_urls(request, public_url, trusted or []):
         ok |= hmac.compare_digest(given_bytes, twilio_signature(auth_token, url).encode("ascii"))
     return ok and bool(given)
+
+
+class SeenSignatures:
+    """Signatures already used, each for its window: a stream URL signed once opens one stream.
+    Twilio signs the URL alone, so a captured handshake would otherwise open streams for ever."""
+
+    def __init__(self, window_s: float, limit: int = MAX_SIGNATURES_SEEN) -> None:
+        self.window_s = window_s
+        self.limit = limit
+        self.expires: OrderedDict[str, float] = OrderedDict()
+
+    def first_use(self, signature: str) -> bool:
+        now = time.monotonic()
+        while self.expires and (next(iter(self.expires.values())) <= now or len(self.expires) >= self.limit):
+            self.expires.popitem(last=False)
+        if signature in self.expires:
+            return False
+        self.expires[signature] = now + self.window_s
+        return True
+
+
+SEEN_SIGNATURES = web.AppKey("twilio_seen_signatures", SeenSignatures)
 
 
 class TwilioCall:
@@ -121,7 +168,7 @@ class TwilioCall:
     async def error(self, code: str, message: str) -> None:
         # Twilio never triggers these; a misbehaving client or stand-in reads them.
         # One line, no traceback, nothing the client wrote unescaped.
-        log.warning("telephony stream %s: %s: %s", _clean(self.stream_sid), code, _clean(message, 200))
+        _client_log(log.warning, f"telephony stream {_clean(self.stream_sid)}: {code}: {_clean(message, 200)}")
         if not self.ws.closed:
             await self.send({"event": "error", "code": code, "message": message})
 
@@ -239,6 +286,9 @@ class TwilioCall:
         media = msg.get("media")
         if not isinstance(media, dict) or not isinstance(media.get("payload"), str):
             raise GatewayError("invalid_message", "'media' needs media.payload")
+        if len(media["payload"]) > MAX_MEDIA_B64:
+            raise GatewayError("frame_too_large", f"media.payload over {MAX_MEDIA_BYTES} bytes of {MULAW} "
+                                                  "(Twilio sends 160, 20 ms); the frame was dropped")
         if media.get("track", "inbound") not in ("inbound", "inbound_track", "outbound", "outbound_track"):
             raise GatewayError("invalid_message", "media.track must be inbound or outbound")
         if media.get("track", "inbound") not in ("inbound", "inbound_track"):
@@ -290,8 +340,15 @@ class TwilioCall:
 async def handle_twilio(request: web.Request) -> web.StreamResponse:
     gw = request.app["gateway"]
     settings = gw.settings
-    if settings.twilio_auth_token and not signature_valid(request, settings.twilio_auth_token, settings.public_url):
-        return error_response(GatewayError("invalid_signature", "X-Twilio-Signature does not match this URL; check --twilio-auth-token and --public-url", 403))
+    if settings.twilio_auth_token:
+        if not signature_valid(request, settings.twilio_auth_token, settings.public_url, gw.trusted_proxies):
+            _client_log(log.warning, f"telephony: refused a stream from {_clean(request.remote)}: invalid_signature")
+            return error_response(GatewayError("invalid_signature", "X-Twilio-Signature does not match this URL; check --twilio-auth-token and --public-url", 403))
+        if not request.app[SEEN_SIGNATURES].first_use(request.headers["X-Twilio-Signature"]):
+            _client_log(log.warning, f"telephony: refused a stream from {_clean(request.remote)}: signature_replayed")
+            return error_response(GatewayError(
+                "signature_replayed", "this X-Twilio-Signature has opened a stream already; each stream URL must carry "
+                "a per-call value (e.g. ?call={{CallSid}}) to be signed anew", 403))
     from .server import client_address  # the server module imports this one
 
     ws = web.WebSocketResponse(heartbeat=None, max_msg_size=MAX_FRAME_BYTES, decode_text=False)
@@ -353,4 +410,5 @@ async def _close_unstarted(call: TwilioCall) -> None:
 
 
 def add_routes(app: web.Application) -> None:
+    app[SEEN_SIGNATURES] = SeenSignatures(app["gateway"].settings.twilio_replay_window_s)
     app.router.add_get("/v1/telephony/twilio", handle_twilio)

@@ -284,6 +284,8 @@ class Settings:
     turn_ttl_s: int = setting(600, ACCESS, "lifetime of TURN credentials, s", low=60, high=604800)
     twilio_auth_token: str | None = setting(None, ACCESS, "Twilio auth token: check X-Twilio-Signature", metavar="SECRET")
     twilio_auth_token_file: str | None = setting(None, ACCESS, "file holding --twilio-auth-token", metavar="FILE")
+    twilio_replay_window_s: int = setting(3600, ACCESS, "a Twilio signature is good for one stream in this long, s",
+                                          low=10, high=86400)
     # Fleet: the session directory in Redis (signaling/fleet.py); off without --redis-url.
     redis_url: str | None = setting(None, FLEET, "Redis holding the fleet's session directory (none: standalone)",
                                     metavar="URL")

@@ -7,10 +7,12 @@ limit, a full traceback in the log for each malformed frame, and a
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
 import json
+import time
 
 import aiohttp
 import pytest
@@ -102,3 +104,83 @@ async def test_a_stream_sid_cannot_forge_a_log_line(server_factory):
         assert event["event"] == "error" and event["code"] == "invalid_message"
     log = log_text(server)
     assert not any(line.startswith("2026-01-01") for line in log.splitlines()), log[-2000:]
+
+
+# Issue 39, findings 6, 7 and 10: oversized media, the log, replayed and re-hosted signatures.
+
+def _start(n: int) -> str:
+    return json.dumps({"event": "start", "start": {"streamSid": f"MZ{n}", "callSid": f"CA{n}"}})
+
+
+def _signed(server, call: str, secret: str = "twilio-secret", url: str | None = None) -> tuple[str, dict]:
+    target = f"{ws_url(server)}?call={call}"
+    return target, {"X-Twilio-Signature": twilio_signature(secret, url or target)}
+
+
+async def test_oversized_media_frames_are_refused(tone_server):
+    big = base64.b64encode(bytes(36 * 1024)).decode()  # 48 KiB of base64, as in the attack
+    async with aiohttp.ClientSession() as http, http.ws_connect(ws_url(tone_server)) as ws:
+        await ws.send_str(_start(1))
+        await ws.send_str(json.dumps({"event": "media", "media": {"track": "inbound", "payload": big}}))
+        await receive_event(ws, "frame_too_large")
+        # Twilio's own 160-byte frames still go through: the next error is the probe's, not theirs.
+        ok = base64.b64encode(bytes(160)).decode()
+        await ws.send_str(json.dumps({"event": "media", "media": {"track": "inbound", "payload": ok}}))
+        await ws.send_str(json.dumps({"event": "dtmf", "dtmf": {}}))
+        event = json.loads((await ws.receive(timeout=20)).data)
+        assert event["code"] == "invalid_message", event
+
+
+async def test_a_signature_opens_one_stream_and_forwarded_hosts_need_a_trusted_proxy(server_factory):
+    server = server_factory("tone", ["--twilio-auth-token", "twilio-secret"])
+    async with aiohttp.ClientSession() as http:
+        url, headers = _signed(server, "CA1")
+        async with http.ws_connect(url, headers=headers) as ws:
+            await ws.send_str(json.dumps({"event": "connected"}))
+        with pytest.raises(aiohttp.WSServerHandshakeError) as replayed:
+            await http.ws_connect(url, headers=headers)
+        assert replayed.value.status == 403
+        url, headers = _signed(server, "CA2")  # the next call's URL is signed anew
+        async with http.ws_connect(url, headers=headers):
+            pass
+        # A signature Twilio made for another host does not pass here by naming that host.
+        elsewhere = "wss://evil.example/v1/telephony/twilio?call=CA3"
+        url, headers = _signed(server, "CA3", url=elsewhere)
+        forwarded = {**headers, "X-Forwarded-Host": "evil.example", "X-Forwarded-Proto": "https"}
+        with pytest.raises(aiohttp.WSServerHandshakeError) as rehosted:
+            await http.ws_connect(url, headers=forwarded)
+        assert rehosted.value.status == 403
+    proxied = server_factory("tone", ["--twilio-auth-token", "twilio-secret", "--trusted-proxy", "127.0.0.0/8"])
+    async with aiohttp.ClientSession() as http:
+        url, headers = _signed(proxied, "CA3", url=elsewhere)
+        async with http.ws_connect(url, headers={**headers, "X-Forwarded-Host": "evil.example",
+                                                 "X-Forwarded-Proto": "https"}):
+            pass
+        # From here on the attack of finding 7: anyone's junk, on a server that needs signatures.
+        started = time.monotonic()
+        for _ in range(200):
+            with pytest.raises(aiohttp.WSServerHandshakeError):
+                await http.ws_connect(ws_url(proxied), headers={"X-Twilio-Signature": "forged"})
+        elapsed = time.monotonic() - started
+    lines = [line for line in log_text(proxied).splitlines() if "invalid_signature" in line]
+    # One line a second at most (and one more for the second the flood began in), not one each.
+    assert 1 <= len(lines) <= elapsed + 2, (len(lines), elapsed)
+
+
+async def test_client_errors_are_logged_at_a_bounded_rate(tone_server):
+    before = sum("unknown_event" in line for line in log_text(tone_server).splitlines())
+    started = time.monotonic()
+
+    async def junk(http) -> None:
+        async with http.ws_connect(ws_url(tone_server)) as ws:
+            for _ in range(50):
+                await ws.send_str('{"event": "x\\u001b[2J"}')
+            for _ in range(50):
+                event = json.loads((await ws.receive(timeout=20)).data)
+                assert event["code"] == "unknown_event", event
+
+    async with aiohttp.ClientSession() as http:
+        await asyncio.gather(*(junk(http) for _ in range(20)))  # 1,000 errors, every one answered
+    elapsed = time.monotonic() - started
+    lines = sum("unknown_event" in line for line in log_text(tone_server).splitlines()) - before
+    assert lines <= elapsed + 2, (lines, elapsed)
