@@ -53,6 +53,9 @@ class StreamChunk(AudioChunk):
     # When the worker began the step that made this chunk (time.monotonic, which
     # is the same clock in both processes).
     synth_started_at: float = 0.0
+    # When the chunk reached this process (time.perf_counter); a reader may take it much later,
+    # when the utterance waited for its listener or for the ones before it.
+    received_at: float = 0.0
 
 
 class TTSStream:
@@ -140,6 +143,7 @@ class TTSStream:
             unit_sent_at=self._units.get(msg.unit_index, 0.0),
             synth_s=msg.synth_s,
             synth_started_at=msg.synth_started_at,
+            received_at=time.perf_counter(),
         )
         self._queue.put_nowait(chunk)
 

@@ -110,7 +110,8 @@ class Feeder:
                     audio = UtteranceAudio(self.encoder, chunk.sample_rate)
                     if chunk.unit_sent_at and utt.stream.first_text_at:
                         self.metrics.aggregation_wait(chunk.unit_sent_at - utt.stream.first_text_at)
-                        self.metrics.first_chunk(time.perf_counter() - chunk.unit_sent_at)
+                        # Engine time alone: until the chunk arrived, not until this utterance's turn came.
+                        self.metrics.first_chunk((chunk.received_at or time.perf_counter()) - chunk.unit_sent_at)
                 if chunk.duration > 0:
                     self.metrics.engine_chunk(chunk.synth_s, chunk.duration)
                 # Words first, so a cancel while the chunk is being encoded still knows them.

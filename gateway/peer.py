@@ -88,6 +88,17 @@ def ask_for_dtx(sdp: str, payload_type: int) -> str:
     return sdp[:start] + section + sdp[end:]
 
 
+# Events a peer's data channel is sent on opening, at most: an utterance's start, its first audio, a
+# connection state or two, with room to spare.
+EARLY_EVENTS = 64
+
+
+def _transport_up(channel) -> bool:
+    """Whether the DTLS transport under a data channel can still send."""
+    dtls = getattr(channel.transport, "transport", None)
+    return dtls is None or dtls.state == "connected"
+
+
 class PeerConnection:
     """Binds one RTCPeerConnection to one Session."""
 
@@ -100,11 +111,19 @@ class PeerConnection:
         self.mic: Microphone | None = None
         self.silent: SilentOutput | None = None
         self.channel = None
+        # Events from before the peer's data channel opens (speech starts with the media, a little
+        # ahead of the channel): kept, up to EARLY_EVENTS, and sent once it opens.
+        self._early: list[dict] = []
+        session.add_listener("peer", self._keep_early)
         self.dropped_candidates = 0
         self.ice_guards: list = []
         self.pc.on("datachannel", self._on_datachannel)
         self.pc.on("connectionstatechange", self._on_state)
         session.on_close.append(self._on_session_close)
+
+    def _keep_early(self, event: dict) -> None:
+        if len(self._early) < EARLY_EVENTS:
+            self._early.append(event)
 
     async def answer(self, offer_sdp: str) -> str:
         validate_offer_sdp(offer_sdp)
@@ -185,7 +204,9 @@ class PeerConnection:
         limit = session.options.limits.max_buffered_bytes
 
         def send(event: dict) -> None:
-            if channel.readyState != "open" or session.closed:
+            # Not once the DTLS transport under the channel has gone (a closed tab): aiortc
+            # would queue the message and fail in a task nobody awaits, with a traceback.
+            if channel.readyState != "open" or session.closed or not _transport_up(channel):
                 return
             # aiortc queues what the peer's SCTP has not acknowledged without end: a peer that never
             # acknowledges would grow this process's memory for as long as it keeps sending.
@@ -196,16 +217,21 @@ class PeerConnection:
                 return
             channel.send(json.dumps(event))
 
-        session.add_listener("peer", send)
+        def opened() -> None:
+            early, self._early = self._early, []
+            session.add_listener("peer", send)
+            send(session.ready_event())
+            for event in early:
+                send(event)
 
         @channel.on("message")
         def on_message(message) -> None:
             session.handle_message(message, "peer")
 
         if channel.readyState == "open":
-            send(session.ready_event())
+            opened()
         else:
-            channel.on("open", lambda: send(session.ready_event()))
+            channel.on("open", opened)
 
     def _attach_mic(self, codec: str, payload_type: int) -> None:
         session = self.session
@@ -222,7 +248,9 @@ class PeerConnection:
 
     async def _on_state(self) -> None:
         state = self.pc.connectionState
-        log.info("session %s: connection %s", self.session.id, state, extra={"session_id": self.session.id})
+        # One line at info for each session that connects and for its end; the steps between at debug.
+        (log.debug if state in ("new", "connecting") else log.info)(
+            "session %s: connection %s", self.session.id, state, extra={"session_id": self.session.id})
         self.session.emit({"type": "connection.state", "state": state})
         if state in ("failed", "closed"):
             await self.session.close(f"connection {state}")

@@ -87,3 +87,30 @@ def test_garbage_collection_pauses_are_timed_until_unwatched():
         metrics.unwatch_collections()
     gc.collect()
     assert sample(metrics.render().decode(), full) == 1
+
+
+async def test_engine_first_chunk_counts_engine_time_not_the_wait_for_a_listener(tone_server):
+    """A backend's utterance queued before any listener joins: its first chunk is made at once and
+    waits for the listener; voxgate_engine_first_chunk_seconds counts only the engine's part. The
+    listener (as the page joins a backend's session) hears of the utterance's start too: speech
+    starts with the media, ahead of its data channel, and the events from before it opens reach it."""
+    from voxgate.client import VoxgateSession
+
+    name = 'voxgate_engine_first_chunk_seconds_{}{{engine="tone"}}'
+    wait_s = 2.0
+    async with aiohttp.ClientSession() as http, VoxgateSession(tone_server.url) as backend:
+        before = await metrics_text(http, tone_server)
+        backend_utterance = asyncio.ensure_future(backend.say("Queued before anyone listens."))
+        await backend.wait_for("utterance.queued")
+        await asyncio.sleep(wait_s)  # the scenario itself: nobody listens yet
+        async with RtcClient(tone_server.url, session_id=backend.session_id, token=backend.client_token) as listener:
+            ttfa_ms = (await listener.wait_for("audio.started", timeout=20))["ttfa_ms"]
+            await asyncio.wait_for(backend_utterance, 30)
+        after = await metrics_text(http, tone_server)
+    # The labelled series appears with its first observation.
+    had = name.format("count") in before
+    count = sample(after, name.format("count")) - (sample(before, name.format("count")) if had else 0)
+    seconds = sample(after, name.format("sum")) - (sample(before, name.format("sum")) if had else 0)
+    assert count == 1
+    # The engine's first chunk took a few ms of the tone engine, not the seconds the utterance waited.
+    assert seconds < 0.25 * wait_s, (seconds, ttfa_ms)
