@@ -206,7 +206,7 @@ class PeerConnection:
         def send(event: dict) -> None:
             # Not once the DTLS transport under the channel has gone (a closed tab): aiortc
             # would queue the message and fail in a task nobody awaits, with a traceback.
-            if channel.readyState != "open" or session.closed or not _transport_up(channel):
+            if channel.readyState != "open" or not _transport_up(channel):
                 return
             # aiortc queues what the peer's SCTP has not acknowledged without end: a peer that never
             # acknowledges would grow this process's memory for as long as it keeps sending.
