@@ -96,6 +96,8 @@ def parse(raw: str | bytes, limits: Limits) -> dict:
             raise GatewayError("text_too_long", f"text has {len(text)} characters; the limit per message is {limits.max_text_chars}", id=mid)
         if any(0xD800 <= ord(c) <= 0xDFFF for c in text):
             raise GatewayError("invalid_utf8", "text holds unpaired surrogates", id=mid)
+        if msg.get("voice") is not None and not isinstance(msg["voice"], str):
+            raise GatewayError("invalid_field", "'voice' must be a string", id=mid)
     if kind == "text.end" and mid is None and "id" in msg:
         raise GatewayError("invalid_field", "'id' must be a string", id=mid)
     if kind == "session.update":

@@ -287,11 +287,11 @@ class Session:
         if kind == "ping":
             self.emit({"type": "pong", "t": msg.get("t")}, only=source)
         elif kind == "speak":
-            utt = self._utterance_for(msg.get("id"), source, streaming=False)
+            utt = self._utterance_for(msg.get("id"), source, streaming=False, voice=msg.get("voice"))
             self._push(utt, msg["text"])
             self._end(utt)
         elif kind == "text.delta":
-            utt = self._utterance_for(msg.get("id"), source, streaming=True)
+            utt = self._utterance_for(msg.get("id"), source, streaming=True, voice=msg.get("voice"))
             self._push(utt, msg["text"])
         elif kind == "text.end":
             uid = msg.get("id") or self._open_by_source.get(source)
@@ -315,7 +315,7 @@ class Session:
                 return utt
         return None
 
-    def _utterance_for(self, uid: str | None, source: str, streaming: bool) -> Utterance:
+    def _utterance_for(self, uid: str | None, source: str, streaming: bool, voice: str | None = None) -> Utterance:
         if uid is None and streaming:
             uid = self._open_by_source.get(source)
         if uid is not None:
@@ -323,6 +323,10 @@ class Session:
             if utt is not None:
                 if utt.ended:
                     raise GatewayError("utterance_ended", f"utterance {uid!r} has already ended; use a new id", id=uid)
+                if voice is not None:
+                    # Refused, not ignored: one utterance speaks in one voice.
+                    raise GatewayError("invalid_field", f"utterance {uid!r} has started; 'voice' is chosen by the "
+                                       "message that starts an utterance", id=uid)
                 return utt
             if (source, uid) in self._interrupted_ids:
                 raise GatewayError("utterance_interrupted", f"utterance {uid!r} was interrupted; its text is not spoken", id=uid)
@@ -334,10 +338,15 @@ class Session:
         if uid is None:
             uid = "u-" + secrets.token_hex(8)  # unguessable: nobody can aim at an id before it exists
         try:
+            chosen = self.options.voice if voice is None else checked_voice(self.engine, voice)
+        except GatewayError as exc:
+            exc.id = uid
+            raise
+        try:
             # When the listener needs it: after the audio encoded ahead of it, and after the
             # utterance before it (still synthesizing, its length unknown); engine/worker.py.
             stream = self.engine.stream(
-                SynthesisOptions(voice=self.options.voice, rate=self.options.rate),
+                SynthesisOptions(voice=chosen, rate=self.options.rate),
                 start_in_s=self.playout.buffered_ms / 1000.0, held_s=self._listener_lag_s(),
                 after=self.utterances[-1].stream if self.utterances else None,
             )

@@ -260,7 +260,7 @@ async def handle_create(request: web.Request) -> web.Response:
     gw = request.app["gateway"]
     registry = request.app[REGISTRY]
     try:
-        body = await read_json_object(request, CREATE_BODY_LIMIT, "the body must be a JSON object, or empty", allow_empty=True)
+        body = await read_json_object(request, CREATE_BODY_LIMIT, "an empty body is fine too", allow_empty=True)
     except GatewayError as exc:
         return error_response(exc)
     try:

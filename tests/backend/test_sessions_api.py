@@ -42,6 +42,11 @@ async def test_api_key_and_session_lifecycle(keyed_server):
             assert resp.status == 401 and (await _json(resp))["error"]["code"] == "invalid_api_key"
         async with http.post(url + "/v1/sessions", headers={"X-API-Key": KEY}, data=b"{not json") as resp:
             assert resp.status == 400 and (await _json(resp))["error"]["code"] == "invalid_json"
+        async with http.post(url + "/v1/sessions", headers={"X-API-Key": KEY}, json=[1]) as resp:
+            error = (await _json(resp))["error"]
+            # Says it once: what the body must be, and that an empty one is fine.
+            assert (resp.status, error["code"]) == (400, "invalid_json") and error["message"].count("JSON object") == 1
+            assert "empty" in error["message"], error
         async with http.post(url + "/v1/sessions", headers={"X-API-Key": KEY}, json={"voice": "nobody"}) as resp:
             assert resp.status == 400 and (await _json(resp))["error"]["code"] == "unknown_voice"
         async with http.post(url + "/v1/sessions", headers={"Authorization": f"Bearer {KEY}"}) as resp:

@@ -43,6 +43,9 @@ BAD_MESSAGES = [
     ('{"type": "speak", "text": "x", "id": 5}', "invalid_field"),
     ('{"type": "session.update", "rate": "fast"}', "invalid_field"),
     ('{"type": "session.update", "voice": "nobody"}', "unknown_voice"),
+    # A voice on a message that starts an utterance applies to it, so it is checked, never ignored.
+    ('{"type": "speak", "text": "x", "voice": "nobody"}', "unknown_voice"),
+    ('{"type": "text.delta", "text": "x", "voice": 7}', "invalid_field"),
     ('{"type": "session.update", "vad": {"aggressiveness": 9}}', "invalid_field"),
     ('{"type": "text.end", "id": "never-started"}', "unknown_utterance"),
     ('{"type": "speak", "text": "' + "a" * 5000 + '"}', "text_too_long"),
@@ -59,9 +62,14 @@ async def test_bad_data_channel_messages_get_error_events_and_the_session_lives_
             error = await client.wait_for("error", timeout=5)
             assert error["code"] == code, (raw[:60], error)
             assert error["message"]
-        client.send({"type": "speak", "text": "Still alive.", "id": "ok"})
+        client.send({"type": "speak", "text": "Still alive.", "id": "ok", "voice": "tone"})
         done = await client.wait_for("utterance.done", id="ok", timeout=20)
         assert done["audio_ms"] > 0
+        # One utterance, one voice: a voice on a later piece is refused.
+        client.send({"type": "text.delta", "text": "Streaming ", "id": "s"})
+        client.send({"type": "text.delta", "text": "on.", "id": "s", "voice": "tone"})
+        error = await client.wait_for("error", timeout=5)
+        assert (error["code"], error["id"]) == ("invalid_field", "s") and "voice" in error["message"]
         await bystander.wait_for("utterance.done", id="b", timeout=20)
         assert not [e for _, e in bystander.event_log if e["type"] == "error"]
 
