@@ -66,6 +66,16 @@ MAX_REQUEST_BYTES = 256 * 1024
 # A speech-tag unit is a list of pieces; its text is capped like plain text.
 MAX_PIECES_PER_UNIT = 64
 MAX_START_IN_S = 3600.0
+# What a gateway takes from a pool or a replica (its info, its chunks, its load): a
+# gateway trusts no field it reads, since a pool is another machine on the network.
+MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 8000, 48000
+# A chunk's audio: a unit of MAX_UNIT_CHARS is at most ~20 s.
+MAX_CHUNK_S = 60.0
+# Durations a replica reports (a step, how long ago it ran, a load time): a day at most.
+MAX_REPORTED_S = 86400.0
+MAX_VOICES, MAX_NAME_CHARS, MAX_TAGS = 1024, 128, 64
+# A replica's load: listeners it keeps speaking, and speaking now.
+MAX_LISTENERS = 100_000.0
 
 
 class PoolProtocolError(ValueError):
@@ -160,6 +170,105 @@ def parse_header(data: bytes) -> dict:
     if not isinstance(header, dict) or header.get("kind") not in ("chunk", "error", "end"):
         raise PoolProtocolError("frame header has no known kind")
     return header
+
+
+def _number(value: object, low: float, high: float, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not low <= value <= high:
+        raise PoolProtocolError(f"{what} must be a number in {low:g}..{high:g}")
+    return float(value)
+
+
+def _rate(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not MIN_SAMPLE_RATE <= value <= MAX_SAMPLE_RATE:
+        raise PoolProtocolError(f"sample_rate must be an integer in {MIN_SAMPLE_RATE}..{MAX_SAMPLE_RATE}")
+    return value
+
+
+def _name(value: object, limit: int = MAX_NAME_CHARS) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= limit or not value.isprintable():
+        raise PoolProtocolError(f"a name must be printable text of 1..{limit} characters")
+    return value
+
+
+@dataclass
+class ChunkFields:
+    unit_index: int
+    sample_rate: int
+    text: str
+    words: list[tuple[str, float, float]]
+    unit_end: bool
+    synth_s: float
+    synth_ago_s: float
+
+
+def check_chunk(header: dict, n_pcm: int) -> ChunkFields:
+    """A chunk frame's header, every field checked for type and range, and its audio's
+    length against its rate: a rate of 10 made 4 MiB of PCM 58 hours of audio."""
+    try:
+        index = header["unit_index"]
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < 2**31:
+            raise PoolProtocolError("unit_index must be an integer in 0..2**31-1")
+        rate = _rate(header["sample_rate"])
+        if n_pcm / 2 / rate > MAX_CHUNK_S:
+            raise PoolProtocolError(f"a chunk of over {MAX_CHUNK_S:g} s of audio")
+        text = header.get("text", "")
+        if not isinstance(text, str) or len(text) > 4 * MAX_UNIT_CHARS:
+            raise PoolProtocolError(f"text must be a string of at most {4 * MAX_UNIT_CHARS} characters")
+        words = header.get("words", [])
+        if not isinstance(words, list) or len(words) > MAX_UNIT_CHARS:
+            raise PoolProtocolError(f"words must be a list of at most {MAX_UNIT_CHARS}")
+        checked = []
+        for word in words:
+            if not (isinstance(word, list) and len(word) == 3 and isinstance(word[0], str) and len(word[0]) <= MAX_UNIT_CHARS):
+                raise PoolProtocolError("a word is [text, start_s, end_s]")
+            start = _number(word[1], 0.0, MAX_REPORTED_S, "a word's start")
+            checked.append((word[0], start, _number(word[2], start, MAX_REPORTED_S, "a word's end")))
+        unit_end = header.get("unit_end", True)
+        if not isinstance(unit_end, bool):
+            raise PoolProtocolError("unit_end must be true or false")
+        return ChunkFields(index, rate, text, checked, unit_end,
+                           _number(header.get("synth_s", 0.0), 0.0, MAX_REPORTED_S, "synth_s"),
+                           _number(header.get("synth_ago_s", 0.0), 0.0, MAX_REPORTED_S, "synth_ago_s"))
+    except KeyError as exc:
+        raise PoolProtocolError(f"a chunk frame lacks {exc.args[0]}") from None
+
+
+def check_info(data: dict) -> dict:
+    """A pool's /v1/info, checked: the fields gateways use, where present, in range (a
+    refusal names the field); other fields kept only as short scalars (shown, never used)."""
+    info: dict = {}
+    for key, value in list(data.items())[:64]:
+        if not isinstance(key, str) or len(key) > 64:
+            continue
+        if key == "sample_rate":
+            info[key] = _rate(value)
+        elif key == "voices":
+            if not isinstance(value, list) or not 0 < len(value) <= MAX_VOICES:
+                raise PoolProtocolError(f"voices must be a list of 1..{MAX_VOICES} names")
+            info[key] = [_name(v) for v in value]
+        elif key == "supported_tags":
+            if not isinstance(value, list) or len(value) > MAX_TAGS:
+                raise PoolProtocolError(f"supported_tags must be a list of at most {MAX_TAGS} names")
+            info[key] = [_name(v, 32) for v in value]
+        elif key == "synthesis_cost":
+            # CPU seconds per audio second: a cost of 0 or NaN would make the pool's budget endless.
+            info[key] = None if value is None else _number(value, 1e-4, 100.0, "synthesis_cost")
+        elif key == "engine":
+            info[key] = _name(value, 64)
+        elif isinstance(value, bool) or (isinstance(value, (int, float)) and math.isfinite(value) and abs(value) <= 1e12):
+            info[key] = value
+        elif isinstance(value, str) and len(value) <= 1000 and value.isprintable():
+            info[key] = value
+    return info
+
+
+def check_load(load: dict) -> tuple[float | None, float]:
+    """A replica's load report (its /v1/stats "load"): (capacity, None while it has not
+    measured; speaking), both counts of listeners in range."""
+    capacity = load.get("capacity")
+    if capacity is not None:
+        capacity = _number(capacity, 0.0, MAX_LISTENERS, "capacity")
+    return capacity, _number(load.get("speaking", 0.0), 0.0, MAX_LISTENERS, "speaking")
 
 
 def replica_url(host: str, port: int, route_prefix: str = "/") -> str:

@@ -43,7 +43,7 @@ from .client import STREAM_WINDOW, EngineClient, EngineConfig
 from .errors import EngineCrashed, EngineStreamError, EngineUnavailable
 from .pool_protocol import (
     FRAME_HEAD, INFO_PATH, MAX_REPLICAS_LISTED, MAX_UNITS_PER_REQUEST, REPLICA_HEADER, REPLICAS_PATH, REPLICAS_REFRESH_S, STATS_PATH, STREAM_PATH, PoolProtocolError,
-    StreamRequest, frame_sizes, parse_header, parse_replicas,
+    StreamRequest, check_chunk, check_info, check_load, frame_sizes, parse_header, parse_replicas,
 )
 from .stream import TTSStream
 
@@ -125,8 +125,11 @@ class RemoteEngineClient(EngineClient):
         delay = 0.1
         while True:
             try:
-                self.info = await self._get_json(INFO_PATH)
+                self.info = check_info(await self._get_json(INFO_PATH))
                 break
+            except PoolProtocolError as exc:  # it answered, with what no engine says: waiting will not help
+                await self._http.close()
+                raise EngineUnavailable(f"the engine pool at {self.url} answered /v1/info out of range: {exc}") from None
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
                 if time.monotonic() + delay > deadline:
                     await self._http.close()
@@ -210,15 +213,18 @@ class RemoteEngineClient(EngineClient):
         if not loads:
             return
         capacity = speaking = 0.0
+        counted = 0
         for load in loads:
-            cap, spk = load.get("capacity"), load.get("speaking")
-            if cap is None:
-                capacity = math.inf  # a replica that has not measured yet
-            elif isinstance(cap, (int, float)) and not isinstance(cap, bool):
-                capacity += max(0.0, float(cap))
-            if isinstance(spk, (int, float)) and not isinstance(spk, bool):
-                speaking += max(0.0, float(spk))
-        self._pool_load = PoolLoad(capacity, speaking, len(loads), time.monotonic())
+            try:
+                cap, spk = check_load(load)
+            except PoolProtocolError as exc:  # that replica's report is left out, the others still count
+                log.warning("engine pool: a replica's load report refused: %s", exc)
+                continue
+            capacity = math.inf if cap is None else capacity + cap  # None: a replica that has not measured yet
+            speaking += spk
+            counted += 1
+        if counted:
+            self._pool_load = PoolLoad(capacity, speaking, counted, time.monotonic())
 
     async def _watch_load(self) -> None:
         while not self._closing:
@@ -516,7 +522,7 @@ class RemoteTransport:
             now = time.monotonic()
             if self.first_audio_at is None:
                 self.first_audio_at = now
-            chunk = chunk_message(self.sid, header, now)
+            chunk = chunk_message(self.sid, header, now, n_pcm)
             self.audio_s += (n_pcm // 2) / chunk.sample_rate
             self.credit -= 1
             stream.on_chunk(chunk, pcm)
@@ -533,22 +539,14 @@ async def _read_frame(content: aiohttp.StreamReader) -> tuple[dict, bytes]:
     return header, (await content.readexactly(n_pcm) if n_pcm else b"")
 
 
-def chunk_message(sid: int, header: dict, received_at: float) -> proto.Chunk:
-    """A chunk frame's header as the Chunk a TTSStream takes; shapes checked, since they came over a network."""
-    try:
-        chunk = proto.Chunk(
-            sid=sid,
-            unit_index=int(header["unit_index"]),
-            sample_rate=int(header["sample_rate"]),
-            text=str(header.get("text", "")),
-            words=[WordTiming(str(w[0]), float(w[1]), float(w[2])) for w in header.get("words", [])],
-            unit_end=bool(header.get("unit_end", True)),
-            synth_s=float(header.get("synth_s", 0.0)),
-        )
-        # The replica's clock is not ours: when its step began, in our time.
-        chunk.synth_started_at = received_at - float(header.get("synth_ago_s", 0.0)) - chunk.synth_s
-    except (KeyError, TypeError, ValueError, IndexError):
-        raise PoolProtocolError("a chunk frame's header lacks a field or has one of the wrong type") from None
-    if chunk.sample_rate <= 0:
-        raise PoolProtocolError("chunk without a sample rate")
+def chunk_message(sid: int, header: dict, received_at: float, n_pcm: int = 0) -> proto.Chunk:
+    """A chunk frame's header as the Chunk a TTSStream takes; every field checked (check_chunk),
+    since they came over a network."""
+    fields = check_chunk(header, n_pcm)
+    chunk = proto.Chunk(
+        sid=sid, unit_index=fields.unit_index, sample_rate=fields.sample_rate, text=fields.text,
+        words=[WordTiming(*w) for w in fields.words], unit_end=fields.unit_end, synth_s=fields.synth_s,
+    )
+    # The replica's clock is not ours: when its step began, in our time.
+    chunk.synth_started_at = received_at - fields.synth_ago_s - chunk.synth_s
     return chunk
