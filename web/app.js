@@ -13,6 +13,7 @@ import { StatsReader } from './stats.js';
 const $ = (id) => document.getElementById(id);
 const LOG_LIMIT = 400;
 const STATS_MS = 500;
+const RECENT = 5; // utterances whose TTFA the figures list
 
 const state = {
   ice: 'new', connection: 'new', channel: 'closed', session: 'none',
@@ -91,8 +92,9 @@ function onClosed(message, reason) {
   stopStreams();
   afterClose();
   setState('session', 'closed');
-  note(reason);
+  // One line in the log: the error (which logs itself), or the reason of a normal end.
   if (message) showError(message);
+  else note(reason);
 }
 
 function onTrack(stream) {
@@ -318,10 +320,9 @@ function renderQueue() {
       row.id = `utt-${u.id}`;
       for (let i = 0; i < 6; i++) row.insertCell();
       row.cells[0].textContent = u.id;
-      row.cells[5].textContent = u.text;
-      row.cells[5].title = u.text;
       rows.set(u.id, row);
     }
+    showText(row.cells[5], u);
     row.dataset.state = u.state;
     row.cells[1].textContent = u.state + (u.reason ? ` (${u.reason})` : '');
     row.cells[2].textContent = ms(u.server_ttfa_ms);
@@ -336,6 +337,38 @@ function renderQueue() {
     $('fig-page-ttfa').textContent = latest.page_ttfa_ms === null ? 'listening…'
       : `${ms(latest.page_ttfa_ms)} (${latest.id})`;
   }
+  const server = all.map((u) => u.server_ttfa_ms).filter((v) => v !== null);
+  const page = all.map((u) => u.page_ttfa_ms).filter((v) => v !== null);
+  $('fig-ttfa-p50').textContent = server.length === 0 ? '–'
+    : `${ms(median(server))} / ${ms(median(page))} (${server.length})`;
+  $('fig-ttfa-recent').textContent = server.length === 0 ? '–'
+    : server.slice(-RECENT).map((v) => v.toFixed(0)).join(' · ') + ' ms';
+}
+
+function median(values) {
+  if (values.length === 0) return null;
+  const sorted = [...values].sort((a, b) => a - b);
+  const mid = sorted.length >> 1;
+  return sorted.length % 2 ? sorted[mid] : (sorted[mid - 1] + sorted[mid]) / 2;
+}
+
+// The text, and after an interruption what the listener heard of it (played_text) apart from the rest.
+function showText(cell, u) {
+  const key = `${u.text}\u0000${u.played_text}`;
+  if (cell.dataset.key === key) return;
+  cell.dataset.key = key;
+  cell.title = u.played_text === null ? u.text : `heard: ${u.played_text}`;
+  if (u.played_text === null) {
+    cell.textContent = u.text;
+    return;
+  }
+  const heard = document.createElement('span');
+  heard.className = 'heard';
+  heard.textContent = u.played_text;
+  const rest = document.createElement('s');
+  rest.className = 'unheard';
+  rest.textContent = u.text.startsWith(u.played_text) ? u.text.slice(u.played_text.length) : '';
+  cell.replaceChildren(heard, rest);
 }
 
 metrics.onChange = () => renderQueue();
@@ -391,7 +424,6 @@ function updateControls() {
   const ready = connected && state.session === 'ready';
   $('connect').disabled = connected;
   $('disconnect').disabled = !connected;
-  $('mic').disabled = connected;
   for (const id of ['speak', 'stop', 'voice', 'rate', 'vad']) $(id).disabled = !ready;
 }
 
@@ -412,6 +444,22 @@ $('rate').addEventListener('input', () => {
 });
 $('rate').addEventListener('change', () => update({ rate: Number($('rate').value) }));
 $('vad').addEventListener('change', () => update({ vad: { enabled: $('vad').checked } }));
+$('mic').addEventListener('change', async () => {
+  state.mic = $('mic').checked;
+  if (!conn) return; // applies when connecting
+  try {
+    await conn.setMic(state.mic);
+    note(state.mic ? 'microphone on' : 'microphone off');
+  } catch (err) {
+    $('mic').checked = state.mic = false;
+    showError(err);
+  }
+});
 $('error-close').addEventListener('click', hideError);
+// A tab closing ends its connection at once (the gateway sees the DTLS close), instead of
+// the gateway waiting half a minute for ICE consent to fail.
+window.addEventListener('pagehide', () => {
+  if (conn) conn.close();
+});
 $('log-clear').addEventListener('click', () => $('log').replaceChildren());
 updateControls();

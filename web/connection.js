@@ -4,6 +4,9 @@
 const GATHER_TIMEOUT_MS = 5000;
 const READY_TIMEOUT_MS = 15000;
 
+// session.closed reasons that are a normal end (gateway/session.py callers), not an error.
+const NORMAL_ENDS = ['ended through the session API'];
+
 // An error whose message is meant for the person at the page.
 export class PageError extends Error {}
 
@@ -38,11 +41,9 @@ export class GatewayConnection {
     });
     pc.addEventListener('track', (e) => this.onTrack(e.streams[0] || new MediaStream([e.track])));
 
-    if (this.micStream) {
-      pc.addTransceiver(this.micStream.getAudioTracks()[0], { direction: 'sendrecv', streams: [this.micStream] });
-    } else {
-      pc.addTransceiver('audio', { direction: 'recvonly' });
-    }
+    // Always sendrecv, so the microphone can be turned on later without a new offer (setMic).
+    const track = this.micStream ? this.micStream.getAudioTracks()[0] : 'audio';
+    this.transceiver = pc.addTransceiver(track, { direction: 'sendrecv', streams: this.micStream ? [this.micStream] : [] });
 
     const channel = pc.createDataChannel('control');
     this.channel = channel;
@@ -65,7 +66,11 @@ export class GatewayConnection {
           resolve(msg);
         }
         this.onEvent(msg);
-        if (msg.type === 'session.closed') this.fail(`The gateway closed the session: ${msg.reason}.`);
+        if (msg.type === 'session.closed') {
+          // A backend ending its conversation is a normal end: a line in the log, no error.
+          const normal = NORMAL_ENDS.includes(msg.reason);
+          this.fail(normal ? null : `The gateway closed the session: ${msg.reason}.`, `session ended: ${msg.reason}`);
+        }
       });
     });
     channel.addEventListener('open', () => this.onState('channel', channel.readyState));
@@ -120,6 +125,24 @@ export class GatewayConnection {
     return resp.json();
   }
 
+  // Turn the microphone on or off on a live connection: the track on the sender changes, nothing is renegotiated.
+  async setMic(on) {
+    if (!this.transceiver) return;
+    if (on && !this.micStream) {
+      const stream = await openMicrophone();
+      if (this.closed) {
+        stream.getTracks().forEach((t) => t.stop());
+        return;
+      }
+      this.micStream = stream;
+      await this.transceiver.sender.replaceTrack(stream.getAudioTracks()[0]);
+    } else if (!on && this.micStream) {
+      await this.transceiver.sender.replaceTrack(null);
+      this.micStream.getTracks().forEach((t) => t.stop());
+      this.micStream = null;
+    }
+  }
+
   send(msg) {
     if (!this.channel || this.channel.readyState !== 'open') {
       throw new PageError('Not connected: press Connect first.');
@@ -127,7 +150,7 @@ export class GatewayConnection {
     this.channel.send(JSON.stringify(msg));
   }
 
-  // The connection broke on its own; `message` is for the person, `reason` for the log.
+  // The connection ended on its own; `message` is for the person (null: not an error), `reason` for the log.
   fail(message, reason = message) {
     if (this.closed) return;
     if (this.rejectReady) this.rejectReady(new PageError(message || reason));

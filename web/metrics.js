@@ -10,6 +10,8 @@
 export const AUDIBLE_RMS = 0.01;
 // After an utterance ends, its last packets may still be in the jitter buffer.
 const TAIL_MS = 120;
+// Events that make a row for an utterance this page did not send.
+const BACKEND_START = new Set(['utterance.queued', 'utterance.started', 'audio.started']);
 
 export class UtteranceMetrics {
   constructor() {
@@ -23,6 +25,8 @@ export class UtteranceMetrics {
     this.onChange = () => {};
   }
 
+  // `mode`: 'speak' or 'stream' for what this page sent, 'backend' for what another sender
+  // (a backend on the session API) sent: its clock starts when the page hears of it.
   sent(id, text, mode, now) {
     this.utterances[id] = {
       id, text, mode,
@@ -38,6 +42,7 @@ export class UtteranceMetrics {
       last_audible_at: null,
       audible_ms: 0,              // ms with RMS over AUDIBLE_RMS while this one played
       audio_ms: null,             // from utterance.done / utterance.interrupted (played_ms)
+      played_text: null,          // utterance.interrupted: the text the listener heard
       done_at: null,
       reason: null,
     };
@@ -49,8 +54,14 @@ export class UtteranceMetrics {
   }
 
   event(msg, now) {
-    const u = msg.id !== undefined ? this.utterances[msg.id] : undefined;
+    let u = msg.id !== undefined ? this.utterances[msg.id] : undefined;
+    if (!u && BACKEND_START.has(msg.type) && typeof msg.id === 'string') {
+      // Another sender's utterance, such as a backend's on a session this page joined.
+      this.sent(msg.id, msg.text || '', 'backend', now);
+      u = this.utterances[msg.id];
+    }
     if (!u) return;
+    if (!u.text && typeof msg.text === 'string') u.text = msg.text;
     switch (msg.type) {
       case 'utterance.queued':
         u.state = 'queued';
@@ -69,6 +80,7 @@ export class UtteranceMetrics {
       case 'utterance.interrupted':
         u.state = msg.type === 'utterance.done' ? 'done' : 'interrupted';
         u.audio_ms = msg.type === 'utterance.done' ? msg.audio_ms : msg.played_ms;
+        if (msg.type === 'utterance.interrupted') u.played_text = msg.played_text ?? null;
         u.reason = msg.reason || null;
         u.done_at = now;
         this.schedule({ at: now + this.playoutDelayMs + TAIL_MS, id: null, from: u.id });

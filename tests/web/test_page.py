@@ -272,6 +272,19 @@ def test_microphone_barge_in_and_vad_toggle(page, piper_server):
     assert page.errors == []
 
 
+def test_microphone_turned_on_after_connecting(page, tone_server):
+    # Connected without it, then turned on: the same connection carries it (no new offer), and the
+    # server hears the fake microphone's question.
+    offers: list[str] = []
+    page.on("request", lambda r: offers.append(r.url) if r.url.endswith("/v1/offer") else None)
+    open_page(page, tone_server)
+    t = page.evaluate("performance.now()")
+    page.check("#mic")
+    wait_event(page, "speech.started", after=t, timeout=15000)
+    assert len(offers) == 1 and page.evaluate("window.voxgate.state.mic") is True
+    assert page.errors == []
+
+
 def test_errors_in_plain_words(browser, server_factory):
     # A gateway that holds one session, so a second connection is refused.
     server = server_factory("tone", ["--max-sessions", "1"])
