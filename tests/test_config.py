@@ -224,3 +224,21 @@ def test_every_flag_has_its_details_in_docs_settings():
     doc = open(os.path.join(ROOT, "docs", "settings.md"), encoding="utf-8").read()
     missing = [flag_of(f.name) for kind in (Settings, PoolSettings) for f in fields(kind) if f"`{flag_of(f.name)}" not in doc]
     assert missing == []
+
+
+def test_every_option_of_say_and_probe_says_what_it_does():
+    """`voxgate say --help` once listed --engine, --voice and --device with no text (issue 38, bug 8)."""
+    env = {**os.environ, "COLUMNS": "120"}
+    for command in (["say"], ["probe"]):
+        done = subprocess.run([sys.executable, "-m", "voxgate.cli", *command, "--help"], capture_output=True, text=True,
+                              timeout=30, env=env)
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.split("options:", 1)[1].splitlines()
+        for i, line in enumerate(lines):
+            if not line.startswith("  -"):
+                continue
+            described = re.match(r"  \S.*?\s{2,}\S", line) or (lines + [""])[i + 1].startswith(" " * 10)
+            assert described, f"voxgate {' '.join(command)}: {line.strip()} has no help text"
+        if command == ["say"]:
+            [voice] = [line for line in lines if line.lstrip().startswith("--voice")]
+            assert "joe" in voice + lines[lines.index(voice) + 1], voice
