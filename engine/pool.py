@@ -48,7 +48,7 @@ from .pool_protocol import (
     pack_frame, replica_url,
 )
 from .registry import create_engine
-from .worker import Scheduler
+from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from voxgate.engine import proto
 from voxgate.engine.base import SynthesisOptions
 from voxgate.engine.client import EngineClient, EngineConfig
 from voxgate.engine.piper_engine import PiperEngine
-from voxgate.engine.worker import Scheduler
+from voxgate.engine.scheduler import Scheduler
 
 BIG_CREDIT = 1000  # no backpressure: the order is the scheduler's alone
 
@@ -223,7 +223,7 @@ def test_a_cancel_stops_the_streams_running_step(engine):
 
 
 def test_a_deadline_walks_a_bounded_queue(engine):
-    from voxgate.engine.worker import MAX_QUEUE_DEPTH
+    from voxgate.engine.scheduling import MAX_QUEUE_DEPTH
 
     run = Run(engine)
     try:

@@ -25,7 +25,7 @@ from voxgate.engine.base import SynthesisOptions
 from voxgate.engine.capacity import calibrate
 from voxgate.engine.client import STREAM_WINDOW
 from voxgate.engine.piper_engine import PiperEngine
-from voxgate.engine.worker import Scheduler
+from voxgate.engine.scheduler import Scheduler
 
 ENCODE_AHEAD_S = 1.0  # gateway/feeder.py ENCODE_AHEAD_MS
 GAP_S = 0.02  # one 20 ms frame of silence inside an utterance
