@@ -24,7 +24,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -34,12 +34,10 @@ from .base import (
     AudioChunk,
     Engine,
     EngineError,
-    StepStopped,
     StopSignal,
     SynthesisJob,
     SynthesisOptions,
     WordTiming,
-    words_by_length,
 )
 from ..config import SPIN_POLICIES, threads_or_every_core
 from .other_load import OtherLoad, shared_other_load, usable_cores
@@ -48,11 +46,12 @@ from .piper_voice import (
     EMBEDDED_NAMES,
     MAX_LOADED_VOICES,
     LoadedVoice,
-    StageSessions,
     choose_providers,
     embedded_voice_path,
     voice_catalog,
 )
+from .piper_runner import StepRunner
+from .piper_words import split_words_over, word_timings
 from .units import cap_phonemes, cap_text
 from .windows import WindowSchedule, chunk_text, flow_end, says_last_word, words_in_window
 
@@ -66,64 +65,6 @@ FLOW_AHEAD_FRAMES = 512
 # a faster machine or a GPU is only safer): running ahead lengthens a step by
 # this much per extra frame, times the streams sharing each core.
 FLOW_S_PER_FRAME = 0.0002
-
-
-class _Runner:
-    """Runs one step's model calls on the sessions for its thread count, stoppably.
-
-    Which set of every-core sessions a call runs on (spinning threads or
-    sleeping ones) is asked afresh before each call: a step that began alone
-    on a quiet machine stops spinning from its next model run once another
-    step starts beside it (the run under way spins to its end: one prior pass
-    or one window, or a whole sentence for a voice that did not split).
-    """
-
-    def __init__(
-        self,
-        voice: LoadedVoice | None,
-        threads: int,
-        stop: StopSignal | None,
-        quiet: Callable[[], bool] | None = None,
-        on_spin: Callable[[], None] | None = None,
-    ) -> None:
-        self.threads = threads
-        self.stop = stop
-        self.quiet = quiet
-        self.on_spin = on_spin
-        self.pinned: StageSessions | None = None  # one set, whatever the machine (load()'s warm-up of each)
-        self.voice: LoadedVoice | None = None
-        if voice is not None:
-            self.bind(voice)
-
-    def bind(self, voice: LoadedVoice) -> None:
-        self.voice = voice
-
-    @property
-    def sessions(self) -> StageSessions:
-        if self.pinned is not None:
-            return self.pinned
-        assert self.voice is not None
-        return self.voice.sessions_for(self.threads, self.quiet is not None and self.quiet())
-
-    def __call__(self, stage: str, feed: dict) -> list:
-        sessions = self.sessions
-        session = getattr(sessions, stage)
-        if self.stop is not None and self.stop.requested:
-            raise StepStopped()
-        if sessions.spin and sessions.threads > 1 and self.on_spin is not None:
-            self.on_spin()
-        if self.stop is None:
-            return session.run(None, feed)
-        import onnxruntime
-
-        options = onnxruntime.RunOptions()
-        self.stop.on_request(lambda: setattr(options, "terminate", True))
-        try:
-            return session.run(None, feed, options)
-        except Exception:
-            if self.stop.requested:
-                raise StepStopped() from None
-            raise
 
 
 @dataclass
@@ -269,7 +210,7 @@ class PiperEngine(Engine):
             for sessions in sets.values():
                 job = self.start("Ready.", SynthesisOptions())
                 self._bind(job)
-                run = _Runner(job.voice, sessions.threads, None)
+                run = StepRunner(job.voice, sessions.threads, None)
                 run.pinned = sessions
                 while not job.done:
                     self._step(job, run)
@@ -325,7 +266,7 @@ class PiperEngine(Engine):
             self._in_flight += 1
         try:
             return [
-                self._step(job, _Runner(job.voice, threads, stop, quiet, self._count_spin))  # type: ignore[union-attr]
+                self._step(job, StepRunner(job.voice, threads, stop, quiet, self._count_spin))  # type: ignore[union-attr]
                 for job in jobs
             ]
         finally:
@@ -356,7 +297,7 @@ class PiperEngine(Engine):
     # One step. A step changes its job only after a model call has returned,
     # so a stopped step leaves the job as it was.
 
-    def _step(self, job: PiperJob, run: "_Runner") -> AudioChunk | None:
+    def _step(self, job: PiperJob, run: StepRunner) -> AudioChunk | None:
         if job.voice is None:
             self._bind(job)
             run.bind(job.voice)
@@ -408,7 +349,7 @@ class PiperEngine(Engine):
             feed["sid"] = job.voice.speaker
         return {k: v for k, v in feed.items() if k in inputs}
 
-    def _encode(self, job: PiperJob, run: "_Runner") -> None:
+    def _encode(self, job: PiperJob, run: StepRunner) -> None:
         """Text encoder and duration predictor (and the flow, in a two-stage split)."""
         loaded, s = job.voice, job.current
         graphs = loaded.graphs
@@ -425,7 +366,7 @@ class PiperEngine(Engine):
             id_samples = (np.asarray(outputs[-1]).reshape(-1) * loaded.hop).astype(np.int64)
         s.words = word_timings(s.text, s.phonemes, s.ids, id_samples, loaded, s.frames / loaded.frames_per_s)
 
-    def _window(self, job: PiperJob, run: "_Runner") -> AudioChunk:
+    def _window(self, job: PiperJob, run: StepRunner) -> AudioChunk:
         loaded, s = job.voice, job.current
         graphs = loaded.graphs
         slack = None if job.slack_s is None else job.slack_s * loaded.frames_per_s
@@ -468,7 +409,7 @@ class PiperEngine(Engine):
             job.current = None
         return self._chunk(job, s, samples, words, last, says_last_word(s.words, t0, t1, last))
 
-    def _whole(self, job: PiperJob, run: "_Runner") -> AudioChunk:
+    def _whole(self, job: PiperJob, run: StepRunner) -> AudioChunk:
         """The fallback for a graph that would not split: the sentence in one run."""
         loaded, s = job.voice, job.current
         inputs = tuple(i.name for i in run.sessions.whole.get_inputs())
@@ -498,61 +439,3 @@ class PiperEngine(Engine):
         )
         job.chunks += 1
         return chunk
-
-
-def split_words_over(text: str, sentences: list[list[str]]) -> list[str]:
-    """Share a unit's written text among espeak's sentences, by phoneme count."""
-    if len(sentences) <= 1:
-        return [text]
-    words = text.split(" ")
-    counts = [max(1, p.count(" ") + 1) for p in sentences]
-    out, pos = [], 0
-    for i, n in enumerate(counts):
-        if i == len(counts) - 1:
-            out.append(" ".join(words[pos:]))
-        else:
-            out.append(" ".join(words[pos : pos + n]) + " ")
-            pos += n
-    return out
-
-
-def word_timings(text, phonemes, ids, id_samples, loaded, duration) -> list[WordTiming]:
-    """Word timings from Piper's phoneme alignment.
-
-    espeak marks word gaps with a space phoneme. When its word count matches the
-    written words, each written word gets its phonemes' span; otherwise (numbers
-    expanded into several words, say) the words are spread by length.
-    """
-    words = text.split()
-    if id_samples is None or len(id_samples) != len(ids) or not words:
-        return words_by_length(text, duration)
-    id_map = loaded.voice.config.phoneme_id_map
-    pad = id_map.get("_", [0])
-    # Sample offset at which each phoneme starts: BOS + pad, then phoneme + pad each.
-    sr = loaded.sample_rate
-    samples = np.asarray(id_samples, dtype=np.float64).reshape(-1)
-    pos = 0
-    idx = 0
-    # BOS (^) and its pad
-    bos = id_map.get("^", [])
-    step = len(bos) + len(pad)
-    pos += samples[idx : idx + step].sum()
-    idx += step
-    spans: list[list[float]] = []
-    current_start = None
-    for ph in phonemes:
-        n = len(id_map.get(ph, [])) + len(pad)
-        seg = samples[idx : idx + n].sum()
-        if ph == " ":
-            if current_start is not None:
-                spans.append([current_start, pos])
-                current_start = None
-        elif current_start is None and ph not in ",.!?;:":
-            current_start = pos
-        pos += seg
-        idx += n
-    if current_start is not None:
-        spans.append([current_start, pos])
-    if len(spans) != len(words):
-        return words_by_length(text, duration)
-    return [WordTiming(w, s / sr, e / sr) for w, (s, e) in zip(words, spans)]

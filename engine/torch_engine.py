@@ -28,7 +28,8 @@ import numpy as np
 
 from ..config import threads_or_every_core
 from .base import AudioChunk, Engine, EngineError, SynthesisJob, SynthesisOptions, WordTiming
-from .piper_engine import DEFAULT_VOICE, PiperEngine, split_words_over, word_timings
+from .piper_engine import DEFAULT_VOICE, PiperEngine
+from .piper_words import split_words_over, word_timings
 from .units import cap_phonemes, cap_text
 from .windows import FIRST_WINDOW_FRAMES, Window, WindowSchedule, chunk_text, flow_end, says_last_word, words_in_window
 
