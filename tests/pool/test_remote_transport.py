@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from voxgate.engine.remote import RemoteTransport
+from voxgate.engine.remote_stream import RemoteTransport
 
 
 class NoStreams:
