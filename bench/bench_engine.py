@@ -228,7 +228,7 @@ async def token_stream(client: EngineClient, reps: int) -> dict:
             for i in range(len(tokens)):
                 loop.call_at(t0 + i / TOKENS_PER_S, push, i)
             first_at = None
-            async for chunk in stream:
+            async for _chunk in stream:
                 if first_at is None:
                     first_at = time.perf_counter()
             start = pushed[0]

@@ -308,7 +308,7 @@ async def measure(args, python: str = sys.executable) -> dict:
     tasks = []
     try:
         await asyncio.get_running_loop().run_in_executor(None, wait_ready, url)
-        for i in range(args.listeners):
+        for _ in range(args.listeners):
             client = RtcClient(url)
             await client.connect()
             clients.append(client)

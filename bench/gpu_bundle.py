@@ -29,7 +29,6 @@ import hashlib
 import io
 import json
 import lzma
-import os
 import shutil
 import subprocess
 import sys

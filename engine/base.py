@@ -182,7 +182,7 @@ class Engine(ABC):
         """
         raise NotImplementedError(f"the {self.name} engine is not stepwise")
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook: most engines hold nothing to release
         """Release models and devices."""
 
     def info(self) -> dict:

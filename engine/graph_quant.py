@@ -56,7 +56,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .graph_fuse import MIN_OPSET, _ancestors, _attribute, _Constants, _default_opset, _fresh, _names, _nodes_within, _subgraph_reads
-from .piper_split import SplitError, flow_input
+from .piper_split import flow_input
 
 log = logging.getLogger(__name__)
 

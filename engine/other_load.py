@@ -88,6 +88,7 @@ def _cgroup_quotas(proc: str, root: str) -> list[float]:
         if len(parts) != 3:
             continue
         controllers, path = parts[1].split(","), parts[2].strip("/")
+        files: tuple[str, ...]
         if parts[1] == "":  # v2: one unified hierarchy
             base, files = root, ("cpu.max",)
         elif "cpu" in controllers:  # v1: the cpu controller's own hierarchy
@@ -108,8 +109,8 @@ def _read_quota(folder: str, files: tuple[str, ...]) -> float | None:
     try:
         if len(files) == 1:
             with open(os.path.join(folder, files[0]), "rb") as f:
-                quota, period = f.read(64).split()[:2]
-            return None if quota == b"max" else int(quota) / int(period)
+                raw_quota, raw_period = f.read(64).split()[:2]
+            return None if raw_quota == b"max" else int(raw_quota) / int(raw_period)
         with open(os.path.join(folder, files[0]), "rb") as f:
             quota = int(f.read(32))
         with open(os.path.join(folder, files[1]), "rb") as f:

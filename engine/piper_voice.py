@@ -16,8 +16,12 @@ import logging
 import threading
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import onnx
 
 from .base import DEFAULT_PRIOR_PRECISION, EngineError
 from .graph_band import MAX_BAND_DURATION_DIFF, MIN_BAND_SNR_DB, band_relative_attention

@@ -14,7 +14,6 @@ Worker to gateway: `Ready` or `Fatal` once at start; per stream `Chunk`,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
 
 from .base import WordTiming
 
@@ -27,7 +26,7 @@ MAX_HELD_S = 0.2
 MAX_ENDED = 1024
 
 # A unit as it travels: plain text, or speech-tag pieces (engine/tags.py, to_wire).
-UnitPayload = Union[str, list]
+UnitPayload = str | list
 
 
 # Gateway -> worker
@@ -139,5 +138,5 @@ class StreamError:
     message: str  # the engine's own words: for the server log, not for clients
 
 
-ToWorker = Union[OpenStream, PushUnit, EndInput, Credit, CancelStream, Ping, Shutdown]
-FromWorker = Union[Ready, Fatal, Pong, Load, Chunk, StreamDone, StreamError]
+ToWorker = OpenStream | PushUnit | EndInput | Credit | CancelStream | Ping | Shutdown
+FromWorker = Ready | Fatal | Pong | Load | Chunk | StreamDone | StreamError

@@ -103,7 +103,7 @@ class Segmenter:
         return Unit(raw=raw, speak=speakable(raw), first=first)
 
     def _drain(self, final: bool) -> list[Unit]:
-        units = []
+        units: list[Unit] = []
         while True:
             cut = self._find_cut(final)
             if cut is None:

@@ -23,7 +23,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Iterator, Union
+from typing import Iterator
 
 import numpy as np
 
@@ -68,7 +68,7 @@ class Pause:
     ms: int
 
 
-Piece = Union[Speech, Pause]
+Piece = Speech | Pause
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ class Directory:
         self.signer = RecordSigner(secret)
         # One retry at once: after a Redis restart the pooled connections are dead,
         # and the retry reconnects; a Redis that is really down fails fast.
-        options = dict(decode_responses=True, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S,
+        options: dict[str, Any] = dict(decode_responses=True, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S,
                        retry=Retry(NoBackoff(), 1))
         if password:
             options["password"] = password  # else the URL's own, if it has one

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import cast
 
 import av
 import numpy as np
+from av.audio.codeccontext import AudioCodecContext
 
 from ..config import Settings
 from . import opus
@@ -111,12 +113,12 @@ def _opus_silence(settings: OpusSettings) -> bytes:
 # own G.711 codecs, built once, so they match what peers decode.
 def _g711_tables(name: str) -> tuple[np.ndarray, np.ndarray]:
     samples = np.arange(-32768, 32768, dtype=np.int16)
-    enc = av.CodecContext.create(f"pcm_{name}", "w")
+    enc = cast(AudioCodecContext, av.CodecContext.create(f"pcm_{name}", "w"))
     enc.sample_rate, enc.layout, enc.format = 8000, "mono", "s16"
     frame = av.AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16", layout="mono")
     frame.sample_rate = 8000
     encode_table = np.frombuffer(b"".join(bytes(p) for p in enc.encode(frame)), dtype=np.uint8)
-    dec = av.CodecContext.create(f"pcm_{name}", "r")
+    dec = cast(AudioCodecContext, av.CodecContext.create(f"pcm_{name}", "r"))
     dec.sample_rate, dec.layout = 8000, "mono"
     packet = av.Packet(bytes(range(256)))
     decode_table = np.concatenate([f.to_ndarray().reshape(-1) for f in dec.decode(packet)]).astype(np.int16)

@@ -163,7 +163,7 @@ class IcePolicy:
         return "\r\n".join(kept) + "\r\n", dropped
 
 
-def parse_networks(values: list[str]) -> list[ipaddress._BaseNetwork]:
+def parse_networks(values: list[str]) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
     nets = []
     for value in values:
         try:

@@ -24,6 +24,7 @@ import asyncio
 import math
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .frames import FRAME_S
@@ -53,8 +54,8 @@ class MonotonicClock:
             timer.cancel()
 
 
-def _resolve(future: asyncio.Future) -> None:
-    if not future.done():
+def _resolve(future: asyncio.Future | None) -> None:
+    if future is not None and not future.done():
         future.set_result(None)
 
 
@@ -218,8 +219,8 @@ class Pacer:
         self._sleeper: asyncio.Future | None = None
         self._woken = False
         self._clock_stalls = 0  # the clock's stall count at the last departure
-        self.on_frame = None  # optional callable(interval_s, late_s) for metrics
-        self.on_keepalive = None  # optional callable(frames covered) for metrics
+        self.on_frame: Callable[[float, float], None] | None = None  # (interval_s, late_s), for metrics
+        self.on_keepalive: Callable[[int], None] | None = None  # (frames covered), for metrics
 
     @property
     def clock(self) -> FrameClock:

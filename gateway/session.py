@@ -295,12 +295,12 @@ class Session:
             self._push(utt, msg["text"])
         elif kind == "text.end":
             uid = msg.get("id") or self._open_by_source.get(source)
-            utt = self._find(uid, source)
-            if utt is None:
+            found = self._find(uid, source)
+            if found is None:
                 if (source, uid) in self._interrupted_ids:
                     return  # ending an interrupted utterance is fine and does nothing
                 raise GatewayError("unknown_utterance", f"no open utterance {uid!r} to end", id=uid)
-            self._end(utt)
+            self._end(found)
         elif kind == "cancel":
             self.interrupt("cancel")
         elif kind == "session.update":
@@ -438,7 +438,7 @@ class Session:
         self._restart_feeder()
         if dropped:
             self._pending_cancel_at = t0
-        for i, play in enumerate(dropped):
+        for play in dropped:
             self.stats["interrupted"] += 1
             self.metrics.utterance("interrupted")
             self.emit(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from fractions import Fraction
 
 import av
@@ -40,7 +41,7 @@ class SpeechTrack(MediaStreamTrack):
         self.set_clock_rate(clock_rate)
         self._pts = 0
         self._last: float | None = None
-        self.on_departure = None  # callable(departure_time) after each frame
+        self.on_departure: Callable[[float], None] | None = None  # (departure_time) after each frame
         playout.on_ready = self.pacer.wake
 
     def set_clock_rate(self, clock_rate: int) -> None:

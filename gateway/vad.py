@@ -51,7 +51,7 @@ class VadSettings:
             self.hangover_ms = _int_in(data["hangover_ms"], "hangover_ms", 100, 10000)
 
 
-def _int_in(value: object, name: str, low: int, high: int) -> int:
+def _int_in(value: object, name: str, low: float, high: float) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or not low <= value <= high:
         raise ValueError(f"vad '{name}' must be a number from {low} to {high}")
     return int(value)
@@ -63,7 +63,7 @@ class VoiceActivityDetector:
         self._vad = webrtcvad.Vad(self.settings.aggressiveness)
         self._mode = self.settings.aggressiveness
         self._pending = np.zeros(0, dtype=np.int16)
-        self._floor_db = None  # tracked noise floor
+        self._floor_db: float | None = None  # tracked noise floor
         self._recent: deque = deque()
         self._voiced = 0  # how many of _recent are True
         self._silent_ms = 0
@@ -96,10 +96,11 @@ class VoiceActivityDetector:
         level_db = 20 * math.log10(rms)
         if self._floor_db is None:
             self._floor_db = level_db
+        floor_db = self._floor_db
         # The energy gate first: webrtcvad runs only on frames loud enough to count, over the
         # room's noise and over what the bot's own echo could be (gateway/echo.py).
         voiced = (
-            level_db > self._floor_db + s.floor_margin_db
+            level_db > floor_db + s.floor_margin_db
             and (guard_db is None or level_db > guard_db)
             and self._vad.is_speech(frame.tobytes(), VAD_RATE)
         )
@@ -119,12 +120,11 @@ class VoiceActivityDetector:
     def _follow_floor(self, level_db: float) -> None:
         """The floor follows quiet frames quickly and loud ones slowly, so it settles on
         steady noise but not on speech."""
-        if self._floor_db is None:
-            self._floor_db = level_db
-        rate = 0.2 if level_db < self._floor_db else 0.01
-        self._floor_db += rate * (level_db - self._floor_db)
+        floor_db = level_db if self._floor_db is None else self._floor_db
+        rate = 0.2 if level_db < floor_db else 0.01
+        floor_db += rate * (level_db - floor_db)
         # Digital silence must not drag the floor to nothing (-70 dBFS).
-        self._floor_db = max(self._floor_db, 20.0)
+        self._floor_db = max(floor_db, 20.0)
 
     @property
     def quiet(self) -> bool:

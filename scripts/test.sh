@@ -26,4 +26,7 @@ pip_install() { python3 -m pip install -q --disable-pip-version-check --retries 
 pip_install "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
 pip_install -e ".[test,gpu,scale]"
 
+# ruff, mypy and the import contracts: seconds, before minutes of tests.
+bash scripts/lint.sh
+
 exec python3 -m pytest -q -ra -p no:cacheprovider "$@"

@@ -19,6 +19,10 @@ def error_response(error: GatewayError) -> web.Response:
     )
 
 
+# The largest offer (SDP) and trickle candidate bodies a client may send.
+MAX_OFFER_BYTES = 256 * 1024
+MAX_CANDIDATE_BYTES = 8192
+
 # A body that has not arrived in full after this long is refused (slow senders
 # must not hold a request open, and a connection slot with it, for ever).
 BODY_TIMEOUT_S = 30.0

@@ -40,9 +40,8 @@ from prometheus_client import Counter, Gauge
 
 from ..gateway.directory import Directory, DirectoryUnavailable, RecordRefused, key_id
 from ..gateway.session import Session
-from . import server
 from ..gateway.errors import GatewayError
-from .errors import READ_AHEAD, error_response, read_body
+from .errors import MAX_CANDIDATE_BYTES, MAX_OFFER_BYTES, READ_AHEAD, error_response, read_body
 from .sessions_api import SIGNER, TRACK_HOOKS, bearer_of, check_api_key
 
 log = logging.getLogger(__name__)
@@ -202,7 +201,7 @@ async def route(request: web.Request, handler):
     key = None
     try:
         if label == "offer":
-            body = request[READ_AHEAD] = await read_body(request, server.MAX_OFFER_BYTES)
+            body = request[READ_AHEAD] = await read_body(request, MAX_OFFER_BYTES)
             sid = _offer_session(body)
         elif label == "create":
             sid = None
@@ -213,7 +212,7 @@ async def route(request: web.Request, handler):
             if label in KEYED:
                 key = check_api_key(request)
             elif label == "candidates":
-                body = request[READ_AHEAD] = await read_body(request, server.MAX_CANDIDATE_BYTES)
+                body = request[READ_AHEAD] = await read_body(request, MAX_CANDIDATE_BYTES)
     except GatewayError as exc:
         return error_response(exc)
     if sid is None:

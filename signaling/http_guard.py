@@ -33,6 +33,8 @@ import socket
 import time
 from typing import Callable
 
+from aiohttp import web
+
 log = logging.getLogger(__name__)
 
 # Idle time allowed on a kept-alive connection, from one answer to the next request's head
@@ -236,9 +238,28 @@ def quiet_descriptor_exhaustion(loop: asyncio.AbstractEventLoop) -> None:
 
 
 async def start_servers(loop: asyncio.AbstractEventLoop, guard: ConnectionGuard,
-                        factory: Callable[[], asyncio.Protocol], sockets: list[socket.socket]) -> list[asyncio.AbstractServer]:
+                        factory: Callable[[], asyncio.Protocol], sockets: list[socket.socket]) -> list[asyncio.Server]:
     """Serve aiohttp's protocol factory on each listening socket, behind the guard."""
     servers = []
     for sock in sockets:
         servers.append(await loop.create_server(guard.wrap(factory), sock=sock))
     return servers
+
+
+def client_address(request: web.Request, trusted: list) -> str:
+    """The client's address: the peer's, or the one a trusted reverse proxy names in
+    X-Forwarded-For (the right-most address the proxies did not add themselves)."""
+    remote = request.remote or "unknown"
+    if not trusted:
+        return remote
+    chain = [remote]
+    for value in request.headers.getall("X-Forwarded-For", []):
+        chain[:0] = [part.strip() for part in value.split(",") if part.strip()]
+    for address in reversed(chain):
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return address[:64]
+        if not any(ip in net for net in trusted):
+            return address
+    return chain[0]

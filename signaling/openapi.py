@@ -38,7 +38,7 @@ def _errors(*codes: int) -> dict:
     return {str(c): _error(names[c]) for c in sorted({*codes, 403, 405, 421})}
 
 
-KEYED = [{"ApiKey": []}, {"Bearer": []}, {}]  # {}: servers started without --api-key are open
+KEYED: list[dict[str, list[str]]] = [{"ApiKey": []}, {"Bearer": []}, {}]  # {}: servers started without --api-key are open
 
 _string = {"type": "string"}
 _id = {"type": "string", "minLength": 1, "maxLength": 64}

@@ -6,7 +6,6 @@ Every error is JSON `{"error": {"code", "message"}}` with a fitting status.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import signal
 import socket
@@ -22,14 +21,13 @@ from ..gateway import heap, ice, priority, speex
 from ..gateway.encode_pool import encode_pool, parse_threads
 from ..gateway.gateway import Gateway
 from ..gateway.peer import PeerConnection
-from .errors import error_response, read_json_object
+from .errors import MAX_CANDIDATE_BYTES, MAX_OFFER_BYTES, error_response, read_json_object
+from .http_guard import client_address
 from . import http_guard, openai_speech, openapi, sessions_api, tts_http, twilio_stream
 
 log = logging.getLogger(__name__)
 
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
-MAX_OFFER_BYTES = 256 * 1024
-MAX_CANDIDATE_BYTES = 8192
 OPENAPI = web.AppKey("openapi", dict)
 # Paths a load balancer or kubelet probes by IP address: answered whatever the Host.
 HOST_CHECK_EXEMPT = ("/healthz", "/readyz")
@@ -43,25 +41,6 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Cross-Origin-Opener-Policy": "same-origin",
 }
-
-
-def client_address(request: web.Request, trusted: list) -> str:
-    """The client's address: the peer's, or the one a trusted reverse proxy names in
-    X-Forwarded-For (the right-most address the proxies did not add themselves)."""
-    remote = request.remote or "unknown"
-    if not trusted:
-        return remote
-    chain = [remote]
-    for value in request.headers.getall("X-Forwarded-For", []):
-        chain[:0] = [part.strip() for part in value.split(",") if part.strip()]
-    for address in reversed(chain):
-        try:
-            ip = ipaddress.ip_address(address)
-        except ValueError:
-            return address[:64]
-        if not any(ip in net for net in trusted):
-            return address
-    return chain[0]
 
 
 async def handle_offer(request: web.Request) -> web.Response:

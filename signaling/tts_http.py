@@ -39,6 +39,7 @@ from ..gateway.resample import StreamResampler
 from ..gateway.text_pump import TEXT_SLICE_CHARS
 from ..gateway.errors import GatewayError, checked_voice
 from .errors import error_response, read_json_object
+from .http_guard import client_address
 from .sessions_api import check_api_key
 
 log = logging.getLogger(__name__)
@@ -331,7 +332,6 @@ async def serve_speech(request: web.Request, parse: Callable[..., SpeechRequest]
     timeline = _Timeline()
     key = check_api_key(request)  # raises a JSON 401
     gw = request.app["gateway"]
-    from .server import client_address  # the server module imports this one
 
     caller = key if key is not None else client_address(request, gw.trusted_proxies)
     try:

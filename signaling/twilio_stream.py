@@ -26,7 +26,6 @@ import re
 import time
 from collections import OrderedDict
 
-import numpy as np
 from aiohttp import WSMsgType, web
 
 from ..gateway.clock import CaptureClock
@@ -37,7 +36,7 @@ from ..gateway.twilio_output import TwilioOutput
 from ..gateway.protocol import RateLimiter
 from ..gateway.errors import GatewayError
 from .errors import error_response
-from .http_guard import RateLimitedLog
+from .http_guard import RateLimitedLog, client_address
 from .sessions_api import REGISTRY, join_session, track_session
 
 log = logging.getLogger(__name__)
@@ -349,7 +348,6 @@ async def handle_twilio(request: web.Request) -> web.StreamResponse:
             return error_response(GatewayError(
                 "signature_replayed", "this X-Twilio-Signature has opened a stream already; each stream URL must carry "
                 "a per-call value (e.g. ?call={{CallSid}}) to be signed anew", 403))
-    from .server import client_address  # the server module imports this one
 
     ws = web.WebSocketResponse(heartbeat=None, max_msg_size=MAX_FRAME_BYTES, decode_text=False)
     await ws.prepare(request)

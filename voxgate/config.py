@@ -23,6 +23,7 @@ import ipaddress
 import math
 import os
 from dataclasses import MISSING, Field, dataclass, field, fields
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -110,7 +111,7 @@ def flag_of(name: str) -> str:
 
 
 def default_of(f: Field) -> Any:
-    return f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+    return f.default_factory() if f.default is MISSING else f.default  # type: ignore[operator]
 
 
 def shown_default(f: Field) -> str:
@@ -530,7 +531,7 @@ class _HelpFormatter(argparse.HelpFormatter):
         return super()._format_action_invocation(action)
 
 
-def add_arguments(parser: argparse.ArgumentParser, kind: type = None) -> None:
+def add_arguments(parser: argparse.ArgumentParser, kind: type | None = None) -> None:
     """The settings of `kind` as flags, grouped as GROUPS says, one line each."""
     kind = kind or Settings
     prefix = _PREFIXES[kind]
@@ -556,17 +557,17 @@ def add_arguments(parser: argparse.ArgumentParser, kind: type = None) -> None:
             group.add_argument(flag, dest=f.name, type=arg_type, default=None, metavar=_metavar(f), help=help_line(f))
 
 
-def settings_from(args: argparse.Namespace | None = None, environ: dict | None = None, kind: type = None):
+def settings_from(args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None, kind: type | None = None):
     """Settings from flags, then VOXGATE_* variables, then defaults; raises ConfigError for a value that does not parse."""
     kind = kind or Settings
     prefix = _PREFIXES[kind]
-    environ = os.environ if environ is None else environ
+    env_vars: Mapping[str, str] = os.environ if environ is None else environ
     settings = kind()
     for f in fields(kind):
         value = getattr(args, f.name, None) if args is not None else None
         env = _env_name(f.name, prefix)
-        if value is None and env in environ:
-            raw = environ[env]
+        if value is None and env in env_vars:
+            raw = env_vars[env]
             current = getattr(settings, f.name)
             try:
                 if isinstance(current, bool):

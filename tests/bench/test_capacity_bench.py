@@ -23,9 +23,9 @@ from voxgate.rtc_client import RtcClient
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
 sys.path.insert(0, BENCH)
 
-import baseline_aiortc
-import bench_capacity
-from _common import free_port
+import baseline_aiortc  # noqa: E402 - bench/ is on the path only now
+import bench_capacity  # noqa: E402
+from _common import free_port  # noqa: E402
 
 
 def test_histogram_arithmetic() -> None:

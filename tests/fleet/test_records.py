@@ -18,7 +18,7 @@ from aiohttp import web
 
 from voxgate.gateway.directory import KEY_PREFIX, RecordSigner, SessionRecord, key_id
 
-from .conftest import KEY, OTHER_KEY, TOKEN_SECRET, TTL_S
+from .conftest import KEY, TOKEN_SECRET, TTL_S
 from .test_routing import AUTH, OTHER, answer, make_session, wait_until
 
 

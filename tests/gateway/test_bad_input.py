@@ -95,7 +95,6 @@ async def test_crafted_stun_datagrams_are_dropped_inside_their_session(caplog):
     import socket
     import struct
 
-    from aiohttp import web
     from aioice import stun
 
     from tests.conftest import in_process_gateway

@@ -86,7 +86,10 @@ async def test_ice_servers_default_empty_and_turn_credentials_are_short_lived(se
     [entry] = body["ice_servers"]
     expiry, user = entry["username"].split(":")
     assert user == made["session_id"] and entry["urls"] == ["turn:turn.example.com:3478"] and body["ttl"] == 600
-    import base64, hashlib, hmac, time
+    import base64
+    import hashlib
+    import hmac
+    import time
 
     assert 0 < int(expiry) - time.time() <= 600
     expected = base64.b64encode(hmac.new(b"s3cret", entry["username"].encode(), hashlib.sha1).digest()).decode()

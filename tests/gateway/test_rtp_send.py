@@ -111,12 +111,12 @@ async def test_a_header_the_template_cannot_make_ends_this_tracks_sending_cleanl
 
     sender = RTCRtpSender("audio", RTCDtlsTransport(RTCIceTransport(RTCIceGatherer()), [RTCCertificate.generateCertificate()]))
     ext_map = extensions_map(MID_URI)
-    setattr(sender, "_RTCRtpSender__rtp_header_extensions_map", ext_map)
-    setattr(sender, "_RTCRtpSender__mid", "m" * 300)
+    sender._RTCRtpSender__rtp_header_extensions_map = ext_map
+    sender._RTCRtpSender__mid = "m" * 300
     track = Track()
     codec = RTCRtpCodecParameters(mimeType="audio/opus", clockRate=48000, channels=2, payloadType=111)
     await asyncio.wait_for(rtp_send.RtpSender(sender, track, codec).run(), 5)
-    assert track.stopped and getattr(sender, "_RTCRtpSender__rtp_exited").is_set()
+    assert track.stopped and sender._RTCRtpSender__rtp_exited.is_set()
 
 
 def test_sequence_numbers_start_in_the_lower_half():

@@ -14,7 +14,7 @@ def keyed(server_factory):
     return server_factory("tone", ["--api-key", "k1"])
 
 
-@pytest.mark.parametrize("value", ["ключ".encode("utf-8"), b"\xff\xfe\x80", "k1é".encode("latin-1")])
+@pytest.mark.parametrize("value", ["ключ".encode(), b"\xff\xfe\x80", "k1é".encode("latin-1")])
 @pytest.mark.parametrize("header", [b"X-API-Key", b"Authorization"])
 def test_non_ascii_keys_are_refused_with_json(keyed, value, header):
     host, port = host_port(keyed.url)

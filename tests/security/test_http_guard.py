@@ -43,7 +43,7 @@ def _closed_by_server(sock: socket.socket, timeout: float) -> bool:
     sock.settimeout(timeout)
     try:
         return sock.recv(1) == b""
-    except socket.timeout:
+    except TimeoutError:
         return False
     except OSError:
         return True  # reset: closed as well

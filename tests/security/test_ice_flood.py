@@ -24,7 +24,6 @@ from aioice import stun
 from tests.conftest import in_process_gateway
 from voxgate.gateway.ice import MAX_CHECKS_PER_SOURCE, MAX_REMOTE_CANDIDATES, remote_candidate_count
 from voxgate.rtc_client import RtcClient
-from voxgate.signaling.sessions_api import SIGNER
 
 from sec_helpers import http_json
 
