@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 import time
+from typing import cast
 
 from ..logs import setup_logging
 from . import proto, wire
@@ -64,7 +65,7 @@ def run_worker(
                 scheduler.inbox.put(proto.Shutdown())
                 return
             message, _ = wire.unpack(record)
-            scheduler.inbox.put(message)
+            scheduler.inbox.put(cast(proto.ToWorker, message))  # the gateway sends only these
 
     threading.Thread(target=reader, name="worker-reader", daemon=True).start()
     scheduler.serve()
