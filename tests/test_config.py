@@ -130,7 +130,7 @@ def test_defaults_are_written_once():
 
     # ... and write no literal of their own for a setting's default.
     owners = {"gateway/encoder.py": "OpusSettings", "gateway/vad.py": "VadSettings", "gateway/protocol.py": "Limits",
-              "gateway/session.py": "SessionOptions", "engine/client.py": "EngineConfig", "engine/pool.py": "PoolConfig"}
+              "gateway/session.py": "SessionOptions", "engine/client.py": "EngineConfig", "engine/pool_host.py": "PoolConfig"}
     setting_names = {f.name for kind in (Settings, PoolSettings) for f in fields(kind)}
     for path, name in owners.items():
         tree = ast.parse(open(os.path.join(ROOT, path), encoding="utf-8").read())
