@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import webrtcvad
 
-from ..config import Settings, bounds
+from ..config import Settings
+from ..config_fields import bounds
 
 VAD_RATE = 16000
 FRAME_SAMPLES = VAD_RATE // 50

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import math
 import os
-from dataclasses import MISSING, Field, dataclass, field, fields
+from dataclasses import dataclass, fields
 from collections.abc import Mapping
-from typing import Any
 from urllib.parse import urlsplit
+
+from .config_fields import (
+    ConfigError, HelpFormatter, add_flag, check_ranges, flag_of, parse_raw, setting,
+)
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 # Settings that hold secrets: each also has a `<name>_file` setting.
@@ -67,115 +69,12 @@ GROUPS = {
     LOGGING: "log lines",
 }
 SETTINGS_DOC = "docs/settings.md"
-# --help fits each flag on one line of this many columns.
-HELP_WIDTH = 120
-
-
-class ConfigError(ValueError):
-    """A setting that cannot work; the message says what to do."""
 
 
 def threads_or_every_core(threads: int | float | None = 0) -> int:
     """A thread count where 0 (or None) means every core: the one place that rule is resolved."""
     count = int(threads or 0)
     return count if count > 0 else (os.cpu_count() or 1)
-
-
-def setting(
-    default: Any,
-    group: str,
-    help: str,
-    *,
-    low: float | None = None,
-    high: float | None = None,
-    zero: str | None = None,
-    choices: tuple[str, ...] | None = None,
-    shown: str | None = None,
-    metavar: str | None = None,
-) -> Any:
-    """One setting: its default (written only here), its --help group and one line of help, and its range.
-
-    `low`..`high` bound a number; `zero` says what 0 means where 0 is allowed outside that range;
-    `choices` lists the allowed words (with `low`/`high` too: a word or a number); `shown` is how
-    --help and the README show a default that is not a plain value.
-    """
-    meta = {"group": group, "help": help, "low": low, "high": high, "zero": zero, "choices": choices,
-            "shown": shown, "metavar": metavar}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def flag_of(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def default_of(f: Field) -> Any:
-    return f.default_factory() if f.default is MISSING else f.default  # type: ignore[operator]
-
-
-def shown_default(f: Field) -> str:
-    """A setting's default the way --help and the README show it."""
-    if f.metadata.get("shown"):
-        return f.metadata["shown"]
-    value = default_of(f)
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if value is None or value == []:
-        return "none"
-    return _number(value)
-
-
-def _number(value: float) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def allowed_values(f: Field) -> str | None:
-    """What a setting may be, in words: '1 to 65535', 'auto, always or never', '0, or 50 to 100000'."""
-    m = f.metadata
-    parts = []
-    if m.get("choices"):
-        parts.append(", ".join(m["choices"]))
-    if m.get("low") is not None:
-        span = f"{_number(m['low'])} to {_number(m['high'])}"
-        parts.append(f"0 ({m['zero']}), or {span}" if m.get("zero") else span)
-    return " or ".join(parts) or None
-
-
-def _check_field(f: Field, value: Any) -> None:
-    m = f.metadata
-    choices, low = m.get("choices"), m.get("low")
-    if choices is None and low is None:
-        return
-    flag = flag_of(f.name)
-    if isinstance(value, str) and choices is not None:
-        word = value.upper() if choices is LOG_LEVELS else value
-        if word in choices:
-            return
-        if low is None:
-            raise ConfigError(f"{flag} {value!r}: choose one of {', '.join(choices)}")
-        try:
-            value = int(value.strip())
-        except ValueError:
-            raise ConfigError(f"{flag} {value!r}: give {allowed_values(f)}") from None
-    number_ok = (
-        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        and (isinstance(value, int) or isinstance(default_of(f), float))
-    )
-    if not number_ok or not ((value == 0 and m.get("zero")) or low <= value <= m["high"]):
-        raise ConfigError(f"{flag} {value!r}: give {allowed_values(f)}")
-
-
-def check_ranges(settings: Any) -> None:
-    """Every setting inside its range, before anything loads; raises ConfigError naming the flag and the range."""
-    for f in fields(settings):
-        _check_field(f, getattr(settings, f.name))
-
-
-def bounds(kind: type, name: str) -> tuple[float, float]:
-    """A number setting's range, for the modules that check the same quantity from clients."""
-    meta = next(f for f in fields(kind) if f.name == name).metadata
-    return meta["low"], meta["high"]
 
 
 @dataclass
@@ -483,59 +382,11 @@ def _env_name(name: str, prefix: str = "VOXGATE_") -> str:
     return prefix + name.upper()
 
 
-def _parse_bool(value: str) -> bool:
-    v = value.strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{value!r} is not a boolean; use true or false")
-
-
-def _parse_number(raw: str, kind: type) -> float:
-    try:
-        return kind(raw)
-    except ValueError:
-        raise ValueError("not a whole number" if kind is int else "not a number") from None
-
-
-def _metavar(f: Field) -> str:
-    if f.metadata.get("metavar"):
-        return f.metadata["metavar"]
-    if f.metadata.get("choices") and f.metadata.get("low") is None:
-        return "WORD"
-    return "S" if f.name.endswith("_s") else "MS" if f.name.endswith("_ms") else "N"
-
-
-def help_line(f: Field) -> str:
-    """One line of --help: what it does, its range, its default."""
-    m = f.metadata
-    if m.get("choices") and m.get("low") is None:
-        tail = f"{'|'.join(m['choices'])}; default {shown_default(f)}"
-    elif m.get("low") is not None:
-        tail = f"{_number(m['low'])}-{_number(m['high'])}{', 0: ' + m['zero'] if m.get('zero') else ''}; default {shown_default(f)}"
-    else:
-        tail = f"default {shown_default(f)}"
-    return f"{m['help']} [{tail}]".replace("%", "%%")
-
-
-class _HelpFormatter(argparse.HelpFormatter):
-    """One line per flag: a wide help column, and `--[no-]name` for a switch."""
-
-    def __init__(self, prog: str) -> None:
-        super().__init__(prog, max_help_position=34, width=HELP_WIDTH)
-
-    def _format_action_invocation(self, action: argparse.Action) -> str:
-        if isinstance(action, argparse.BooleanOptionalAction):
-            return "--[no-]" + action.option_strings[0][2:]
-        return super()._format_action_invocation(action)
-
-
 def add_arguments(parser: argparse.ArgumentParser, kind: type | None = None) -> None:
     """The settings of `kind` as flags, grouped as GROUPS says, one line each."""
     kind = kind or Settings
     prefix = _PREFIXES[kind]
-    parser.formatter_class = _HelpFormatter
+    parser.formatter_class = HelpFormatter
     parser.usage = "%(prog)s [flags]"
     parser.description = (
         f"Every flag --some-name is also read from the environment as {prefix}SOME_NAME (lists comma-separated); "
@@ -547,14 +398,7 @@ def add_arguments(parser: argparse.ArgumentParser, kind: type | None = None) -> 
         name = f.metadata["group"]
         if name not in groups:
             groups[name] = parser.add_argument_group(f"{name} ({GROUPS[name]})")
-        group, flag, default = groups[name], flag_of(f.name), default_of(f)
-        if isinstance(default, bool):
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_line(f))
-        elif isinstance(default, list):
-            group.add_argument(flag, dest=f.name, action="append", default=None, metavar=_metavar(f), help=help_line(f))
-        else:
-            arg_type = type(default) if default is not None else str
-            group.add_argument(flag, dest=f.name, type=arg_type, default=None, metavar=_metavar(f), help=help_line(f))
+        add_flag(groups[name], f)
 
 
 def settings_from(args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None, kind: type | None = None):
@@ -570,16 +414,7 @@ def settings_from(args: argparse.Namespace | None = None, environ: Mapping[str, 
             raw = env_vars[env]
             current = getattr(settings, f.name)
             try:
-                if isinstance(current, bool):
-                    value = _parse_bool(raw)
-                elif isinstance(current, list):
-                    value = [v.strip() for v in raw.split(",") if v.strip()]
-                elif isinstance(current, int):
-                    value = _parse_number(raw, int)
-                elif isinstance(current, float):
-                    value = _parse_number(raw, float)
-                else:
-                    value = raw
+                value = parse_raw(raw, current)
             except ValueError as exc:
                 raise ConfigError(f"{env}={raw!r}: {exc}") from None
         if value is not None:
