@@ -14,8 +14,9 @@ report. libopus switches modes between two frames without a click; each switch
 applies from the next frame encoded.
 
 Receiver reports reach an aiortc sender through its private
-`_handle_rtcp_packet`; `watch_reports` wraps it. If an aiortc upgrade renames
-it, `watch_reports` says so and the session keeps voice (FEC) throughout.
+`_handle_rtcp_packet`; `watch_reports` wraps it (through rtc_internals.py). If
+an aiortc upgrade renames it, `watch_reports` says so and the session keeps
+voice (FEC) throughout.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from __future__ import annotations
 import logging
 import math
 from typing import Callable
+
+from . import rtc_internals
+from .rtc_internals import RtcpRrPacket, RtcpSrPacket
 
 log = logging.getLogger(__name__)
 
@@ -62,21 +66,17 @@ class SignalPolicy:
 def watch_reports(sender, on_fraction_lost: Callable[[float], None]) -> bool:
     """Call on_fraction_lost(fraction) for each receiver report about `sender`'s
     stream, after aiortc has read it. False when aiortc offers no place to watch."""
-    handle = getattr(sender, "_handle_rtcp_packet", None)
-    if handle is None:
-        log.warning("aiortc's RTCRtpSender has no _handle_rtcp_packet: Opus keeps in-band FEC (signal voice) throughout")
-        return False
-    from aiortc.rtp import RtcpRrPacket, RtcpSrPacket
-
-    async def handle_and_watch(packet) -> None:
-        await handle(packet)
+    def watch(packet) -> None:
         if isinstance(packet, (RtcpRrPacket, RtcpSrPacket)):
+            ssrc = rtc_internals.sender_ssrc(sender)
             for report in packet.reports:
-                if report.ssrc == sender._ssrc:
+                if report.ssrc == ssrc:
                     try:
                         on_fraction_lost(report.fraction_lost / 256.0)
                     except Exception:  # aiortc's receive loop ends the transport on an error: never from here
                         log.exception("a loss report could not be applied")
 
-    sender._handle_rtcp_packet = handle_and_watch
+    if not rtc_internals.watch_rtcp(sender, watch):
+        log.warning("aiortc's RTCRtpSender has no _handle_rtcp_packet or _ssrc: Opus keeps in-band FEC (signal voice) throughout")
+        return False
     return True

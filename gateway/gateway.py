@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from ..config import Settings
 from ..engine.client import EngineClient, EngineConfig
-from . import priority
+from . import priority, rtc_internals
 from .admission import Admission
 from .encoder import OpusSettings
 from .errors import checked_voice
@@ -75,6 +75,7 @@ class Gateway:
         self.tts_active = 0  # speech requests (POST /v1/tts and its kin) synthesizing; they take session slots too
         self.trusted_proxies = parse_networks(settings.trusted_proxy)
         self.accepting = True
+        self.fast_paths: dict[str, bool] = {}  # rtc_internals.check_fast_paths(), at start
         # Called with the sessions and /v1/tts requests still open, after a session is forgotten.
         self.on_session_closed: list[Callable[[int], None]] = []
         self._tasks: list[asyncio.Task] = []
@@ -92,6 +93,11 @@ class Gateway:
         return parse_networks(nets)
 
     async def start(self) -> None:
+        self.fast_paths = rtc_internals.check_fast_paths()
+        if self.settings.rtp_sender != "voxgate":
+            self.fast_paths.update(rtp_sender=False, direct_wire=False)
+        for path, active in self.fast_paths.items():
+            self.metrics.fast_path.labels(path).set(1 if active else 0)
         restrict_host_addresses(self.settings.ice_hosts or None)
         await self.engine.start()
         self.engine.listeners.append(self._on_engine_event)

@@ -21,11 +21,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import aioice
-import aioice.ice
-import aioice.stun
 from aiortc import RTCConfiguration, RTCIceServer
 
+from . import rtc_internals
 from .turn import turn_credentials
 
 log = logging.getLogger(__name__)
@@ -42,7 +40,6 @@ MAX_STUN_REQUESTS_PER_S = 200
 MAX_CHECKS_PER_SOURCE = 3
 CHECK_REFILL_S = 10.0
 
-_original_get_host_addresses = aioice.ice.get_host_addresses
 _host_addresses: list[str] | None = None
 
 
@@ -70,12 +67,12 @@ def restrict_host_addresses(addresses: list[str] | None) -> None:
     """
     global _host_addresses
     _host_addresses = list(addresses) if addresses else None
-    aioice.ice.get_host_addresses = _host_addresses_hook
+    rtc_internals.set_host_addresses(_host_addresses_hook)
 
 
 def _host_addresses_hook(use_ipv4: bool, use_ipv6: bool) -> list[str]:
     if _host_addresses is None:
-        return _original_get_host_addresses(use_ipv4, use_ipv6)
+        return rtc_internals.original_host_addresses(use_ipv4, use_ipv6)
     out = []
     for addr in _host_addresses:
         version = ipaddress.ip_address(addr).version
@@ -86,7 +83,7 @@ def _host_addresses_hook(use_ipv4: bool, use_ipv6: bool) -> list[str]:
 
 def offered_host_addresses() -> list[str]:
     """The local addresses peers are offered as host candidates, as aioice will gather them now."""
-    return list(aioice.ice.get_host_addresses(use_ipv4=True, use_ipv6=True))
+    return rtc_internals.host_addresses()
 
 
 def parse_ice_server(url: str) -> RTCIceServer:
@@ -181,14 +178,14 @@ def guard_ice(pc, on_drop: Callable[[str], None] | None = None) -> list["IceGuar
     the guard drops ("candidate_limit", "stun_rate", "check_budget").
     """
     guards = []
-    for connection in _ice_connections(pc):
-        if not all(hasattr(connection, name) for name in ("_remote_candidates", "_check_list", "_protocols")):
+    for connection in rtc_internals.ice_connections(pc):
+        if not rtc_internals.ice_guardable(connection):
             global _warned_unguarded
             if not _warned_unguarded:
                 _warned_unguarded = True
                 log.warning("this aioice (%s) lacks what the ICE flood guard reads; remote candidates and checks "
                             "are not bounded (pyproject.toml pins the versions it was tested with)",
-                            getattr(aioice, "__version__", "?"))
+                            rtc_internals.versions()["aioice"])
             continue
         guards.append(IceGuard(connection, on_drop))
     return guards
@@ -199,20 +196,7 @@ _warned_unguarded = False
 
 def remote_candidate_count(pc) -> int:
     """How many remote candidates the peer connection's ICE holds (signalled and learned)."""
-    return max((len(connection._remote_candidates) for connection in _ice_connections(pc)), default=0)
-
-
-def _ice_connections(pc) -> list:
-    """The aioice connections under a peer connection's DTLS transports (one with BUNDLE)."""
-    dtls = [t.sender.transport for t in pc.getTransceivers()]
-    if pc.sctp is not None:
-        dtls.append(pc.sctp.transport)
-    found: dict[int, object] = {}
-    for transport in dtls:
-        connection = getattr(getattr(transport, "transport", None), "_connection", None)
-        if connection is not None:
-            found[id(connection)] = connection
-    return list(found.values())
+    return max((len(rtc_internals.remote_candidates(c)) for c in rtc_internals.ice_connections(pc)), default=0)
 
 
 class IceGuard:
@@ -242,7 +226,7 @@ class IceGuard:
 
     def __init__(self, connection, on_drop: Callable[[str], None] | None = None) -> None:
         self.connection = connection
-        self._remote = connection._remote_candidates  # aioice only appends to this list
+        self._remote = rtc_internals.remote_candidates(connection)  # aioice only appends to this list
         self._known: set[tuple[str, int]] = set()
         self._known_len = -1
         self._on_drop = on_drop or (lambda reason: None)
@@ -250,11 +234,7 @@ class IceGuard:
         self._requests = TokenBucket(MAX_STUN_REQUESTS_PER_S, MAX_STUN_REQUESTS_PER_S)
         self._check_budgets: dict[tuple[str, int], TokenBucket] = {}
         self._answered: set[tuple[str, int]] = set()
-        for protocol in getattr(connection, "_protocols", ()):
-            if hasattr(protocol, "datagram_received"):
-                protocol.datagram_received = self._receiver(protocol.datagram_received)
-            if hasattr(protocol, "send_stun"):
-                protocol.send_stun = self._sender(protocol.send_stun)
+        rtc_internals.wrap_protocols(connection, self._receiver, self._sender)
 
     def _drop(self, reason: str) -> None:
         self.dropped[reason] += 1
@@ -268,7 +248,7 @@ class IceGuard:
             return True
         remote = self._remote
         if len(remote) != self._known_len:
-            self._known = {(c._network_host, c.port) for c in remote}
+            self._known = {rtc_internals.candidate_key(c) for c in remote}
             self._known_len = len(remote)
         if len(remote) >= MAX_REMOTE_CANDIDATES and (addr[0], addr[1]) not in self._known:
             self._drop("candidate_limit")
@@ -289,7 +269,7 @@ class IceGuard:
             budget = self._check_budgets[key] = TokenBucket(MAX_CHECKS_PER_SOURCE, 1 / CHECK_REFILL_S)
         if budget.take():
             return True
-        if any(p.remote_addr == key and p.state == aioice.ice.CandidatePair.State.SUCCEEDED for p in self.connection._check_list):
+        if rtc_internals.has_succeeded(self.connection, key):
             self._answered.add(key)
             self._check_budgets.pop(key, None)
             return True
@@ -311,7 +291,7 @@ class IceGuard:
 
     def _sender(self, send_stun):
         def guarded(message, addr) -> None:
-            if message.message_class == aioice.stun.Class.REQUEST and not self.may_check(addr):
+            if rtc_internals.is_binding_request(message) and not self.may_check(addr):
                 return  # as if lost: aioice's transaction retransmits or times out as it would
             send_stun(message, addr)
 

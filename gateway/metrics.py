@@ -70,6 +70,10 @@ class GatewayMetrics:
         self.ice_dropped = Counter("voxgate_ice_dropped_total",
                                    "STUN datagrams and checks the sessions' ICE guards dropped (gateway/ice.py): "
                                    "candidate_limit, stun_rate, check_budget, error", ["reason"], registry=r)
+        self.fast_path = Gauge("voxgate_fast_path_active",
+                               "1 where a media fast path below aiortc's public API applies (gateway/rtc_internals.py, "
+                               "checked at start against the installed aiortc, aioice and pylibsrtp; rtp_sender and "
+                               "direct_wire 0 with --rtp-sender aiortc), 0 where aiortc's own path runs", ["path"], registry=r)
         self.caller_audio_frames = Counter("voxgate_caller_audio_frames_total",
                                            "Frames of callers' audio for backends that asked for it (?audio=pcm16): sent, "
                                            "or dropped because the backend read too slowly", ["outcome"], registry=r)

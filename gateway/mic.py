@@ -34,7 +34,8 @@ asyncio.Queue, wake its receive task, read the clock through `datetime` and
 parse the whole packet into objects first, which was most of a microphone's
 cost per packet. Everything else (DTLS, the data channel, RTCP) still goes to
 aiortc's queue. Where this aiortc or aioice lacks what that reads, packets
-take aiortc's path as before.
+take aiortc's path as before, and the log says so. Every private name these
+paths read is in rtc_internals.py.
 """
 
 from __future__ import annotations
@@ -45,9 +46,8 @@ import struct
 from typing import Callable, NamedTuple
 
 import numpy as np
-import pylibsrtp
 
-from . import opus
+from . import opus, rtc_internals
 from .clock import CaptureClock, SessionClock
 from .encoder import alaw_decode, ulaw_decode
 from .frames import FRAME_MS
@@ -68,8 +68,7 @@ QUIET_DBOV = 55
 FULL_SCALE_DB = 20 * math.log10(32767)
 
 
-MAX_SRTP_BYTES = 1500  # pylibsrtp's buffer: a longer SRTP or SRTCP datagram cannot be unprotected
-_DTLS_RX_COUNTERS = ("_RTCDtlsTransport__rx_bytes", "_RTCDtlsTransport__rx_packets")
+MAX_SRTP_BYTES = rtc_internals.MAX_SRTP_BYTES
 
 
 class RtpFields(NamedTuple):
@@ -118,8 +117,9 @@ def level_reader(extensions_map) -> Callable[[int, bytes], tuple[bool, int] | No
     elements' contents are not read. Where this aiortc keeps the ids elsewhere,
     its own `get` reads the level.
     """
-    ids = getattr(extensions_map, "_HeaderExtensionsMap__ids", None)
-    if ids is None or not hasattr(ids, "audio_level"):
+    ids = rtc_internals.extension_ids(extensions_map)
+    if ids is None:
+        log.warning("this aiortc keeps its header-extension ids elsewhere: each packet's audio level is read by aiortc's map")
         return lambda profile, block: extensions_map.get(profile, block).audio_level
 
     def read(profile: int, block: bytes) -> tuple[bool, int] | None:
@@ -162,30 +162,6 @@ def _level(block: bytes, pos: int, length: int) -> tuple[bool, int]:
         raise ValueError("an audio level is one byte")
     value = block[pos]
     return (value & 0x80 == 0x80, value & 0x7F)
-
-
-def _demultiplex(protocol, data_received: Callable[[bytes, int], None]) -> None:
-    """Hand `protocol`'s RTP and RTCP datagrams straight to `data_received`.
-
-    aioice tries to parse every datagram as STUN and passes it on when that
-    raises: an exception per microphone packet. By their first byte (RFC 7983),
-    128-191 is RTP or RTCP and never STUN, whose first byte is 0-3; everything
-    else still goes through aioice.
-    """
-    candidate = getattr(protocol, "local_candidate", None)
-    if candidate is None or not hasattr(protocol, "datagram_received"):
-        return
-    component = candidate.component
-    to_aioice = protocol.datagram_received
-
-    def datagram_received(data: bytes, addr) -> None:
-        if data and 127 < data[0] < 192:
-            data_received(data, component)
-        else:
-            to_aioice(data, addr)
-
-    # asyncio's datagram transport looks this up on the protocol for every datagram.
-    protocol.datagram_received = datagram_received
 
 
 class Microphone:
@@ -235,35 +211,19 @@ class Microphone:
     def attach(self, receiver) -> None:
         """Take the receiver's RTP packets from now on: as datagrams where this aiortc allows,
         and from aiortc's packet handler for whatever still reaches it."""
-        receiver._handle_rtp_packet = self._on_rtp
-        self.direct = self._take_datagrams(getattr(receiver, "transport", None))
+        rtc_internals.replace_rtp_handler(receiver, self._on_rtp)
+        self.direct = self._take_datagrams(rtc_internals.receiver_dtls(receiver))
 
     def _take_datagrams(self, dtls) -> bool:
-        connection = getattr(getattr(dtls, "transport", None), "_connection", None)
-        extensions = getattr(dtls, "_rtp_header_extensions_map", None)
-        if (connection is None or extensions is None or not hasattr(connection, "data_received")
-                or not all(hasattr(dtls, name) for name in ("_rx_srtp", *_DTLS_RX_COUNTERS))):
-            log.info("this aiortc's transports lack what the direct microphone path reads; using aiortc's")
+        extensions = rtc_internals.header_extensions_map(dtls)
+        if extensions is None:
+            log.warning("this aiortc's DTLS transport has no header-extension map: the microphone takes aiortc's path")
             return False
-        to_aiortc = connection.data_received
         read_level = level_reader(extensions)
 
-        def data_received(data: bytes, component: int) -> None:
+        def on_rtp(plain: bytes) -> None:
             # Called from asyncio's datagram callback: nothing a peer sends may raise out of
             # here (the loop would log a traceback per datagram for every session to pay for).
-            if not data or (127 < data[0] < 192 and len(data) > MAX_SRTP_BYTES):
-                return  # aiortc fails on these (an index error, pylibsrtp's buffer) and closes the transport
-            srtp = dtls._rx_srtp
-            # SRTP but not SRTCP (RFC 5761 demultiplexing, as aiortc's), once the keys exist.
-            if srtp is None or len(data) < 12 or not 127 < data[0] < 192 or 192 <= data[1] <= 208:
-                to_aiortc(data, component)
-                return
-            try:
-                plain = srtp.unprotect(data)
-            except (pylibsrtp.Error, ValueError):
-                return  # aiortc drops these too
-            dtls._RTCDtlsTransport__rx_bytes += len(data)
-            dtls._RTCDtlsTransport__rx_packets += 1
             fields = parse_rtp(plain)
             if fields is None:
                 return
@@ -278,10 +238,9 @@ class Microphone:
                 if self.failures == 1:
                     log.exception("microphone packet handling failed (logged once per session)")
 
-        # aioice's protocol looks this up on the connection for every datagram.
-        connection.data_received = data_received
-        for protocol in getattr(connection, "_protocols", ()):
-            _demultiplex(protocol, data_received)
+        if not rtc_internals.take_srtp_datagrams(dtls, on_rtp):
+            log.warning("this aiortc's transports lack what the direct microphone path reads; using aiortc's")
+            return False
         return True
 
     def _ticks(self, payload: bytes) -> int:

@@ -8,8 +8,8 @@ import logging
 import re
 
 from aiortc import RTCPeerConnection, RTCSessionDescription
-from aiortc.sdp import SessionDescription, candidate_from_sdp
 
+from .rtc_internals import SessionDescription, candidate_from_sdp
 from .ice import MAX_REMOTE_CANDIDATES, IcePolicy, guard_ice, remote_candidate_count
 from . import fec, rtp_send
 from .mic import Microphone

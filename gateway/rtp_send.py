@@ -17,10 +17,11 @@ coroutines.
 This replaces one private method of the sender (`_run_rtp`) and keeps the
 state aiortc's RTCP loop reads for its sender reports (packet and octet
 counts, the last RTP and NTP timestamps), the way `mic.py` reads the receiver
-one step below its public API. `install` checks that state exists; where it
-does not (an aiortc release that renamed it), aiortc's own loop runs, and the
-track's `recv()` serves it as before. `--rtp-sender aiortc` chooses that loop
-on purpose.
+one step below its public API; every private name it reads is in
+rtc_internals.py. `install` checks that state exists; where it does not (an
+aiortc release that renamed it), aiortc's own loop runs, and the track's
+`recv()` serves it as before, with a warning. `--rtp-sender aiortc` chooses
+that loop on purpose.
 """
 
 from __future__ import annotations
@@ -30,28 +31,23 @@ import logging
 import os
 import struct
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
-from aioice.ice import StunProtocol
 from aiortc.mediastreams import MediaStreamError
-from aiortc.rtcdtlstransport import State
-from aiortc.rtcrtpsender import random_sequence_number
-from aiortc.rtp import HeaderExtensions
+
+from . import rtc_internals
+from .rtc_internals import HeaderExtensions, direct_wire, random_sequence_number
 
 if TYPE_CHECKING:
     from .track import SpeechTrack
 
 log = logging.getLogger(__name__)
 
-_PRIVATE = "_RTCRtpSender__"
-# What aiortc's RTCP loop and stop() read from the sender; install() checks each.
-_STATE = ("rtp_started", "rtp_exited", "rtp_header_extensions_map", "mid",
-          "ntp_timestamp", "rtp_timestamp", "octet_count", "packet_count")
 NTP_EPOCH_OFFSET = 2208988800  # seconds from 1900 (NTP) to 1970 (Unix)
 _FIXED = struct.Struct("!BBHLL")
 _SEQ_TS = struct.Struct("!HL")
 _ABS_PROBE = 0x123456
-_DTLS_TX = ("_state", "_tx_srtp", "_RTCDtlsTransport__tx_bytes", "_RTCDtlsTransport__tx_packets")
+__all__ = ["RtpSender", "PacketWriter", "direct_wire", "header_template", "install", "ntp_now", "supported"]
 
 
 def ntp_now() -> int:
@@ -60,7 +56,7 @@ def ntp_now() -> int:
 
 
 def supported(sender) -> bool:
-    return all(hasattr(sender, _PRIVATE + name) for name in _STATE) and hasattr(sender, "_ssrc")
+    return rtc_internals.sender_supported(sender)
 
 
 def install(sender, track: SpeechTrack) -> bool:
@@ -73,8 +69,8 @@ def install(sender, track: SpeechTrack) -> bool:
         sender.voxgate_rtp = RtpSender(sender, track, codec)  # kept for its counters
         return sender.voxgate_rtp.run()
 
-    # An instance attribute shadows the method: RTCRtpSender.send() starts this with the codec.
-    sender._run_rtp = run
+    # RTCRtpSender.send() starts this with the codec.
+    rtc_internals.replace_rtp_loop(sender, run)
     return True
 
 
@@ -91,36 +87,6 @@ def header_template(extensions_map, mid: str | None) -> tuple[int, bytes, int | 
     if offset is not None and (len(with_zero) != len(with_probe) or differ[-1] - offset > 2):
         raise ValueError("unexpected abs-send-time header extension layout")
     return profile, with_zero, offset
-
-
-def direct_wire(dtls) -> Callable[[bytes], bool] | None:
-    """SRTP and the socket for `dtls`'s RTP in one plain call, or None where this aiortc or
-    aioice lacks what it reads.
-
-    aiortc's `_send_rtp` hands each packet down through four coroutines (its ICE
-    transport, aioice's `send`, `sendto` and the protocol's `send_data`) that end
-    in the datagram transport's `sendto`. This does what they do (the state
-    check, SRTP, the counters, the nominated pair's socket) in one call. It
-    returns False, having sent nothing, whenever that path would not be the
-    same: not connected (aiortc raises), no pair, a protocol of another kind, or
-    a packet aiortc would protect as RTCP; the caller then awaits aiortc's path.
-    """
-    connection = getattr(getattr(dtls, "transport", None), "_connection", None)
-    if not hasattr(connection, "_nominated") or not all(hasattr(dtls, name) for name in _DTLS_TX):
-        return None
-
-    def send(data: bytes) -> bool:
-        pair = connection._nominated.get(1)
-        if (dtls._state is not State.CONNECTED or pair is None or type(pair.protocol) is not StunProtocol
-                or 192 <= data[1] <= 208):  # what aiortc would take for RTCP (payload types 64-80 with the marker)
-            return False
-        data = dtls._tx_srtp.protect(data)
-        pair.protocol.transport.sendto(data, pair.remote_addr)  # what StunProtocol.send_data does
-        dtls._RTCDtlsTransport__tx_bytes += len(data)
-        dtls._RTCDtlsTransport__tx_packets += 1
-        return True
-
-    return send
 
 
 class PacketWriter:
@@ -159,11 +125,10 @@ class RtpSender:
         self.direct_packets = 0  # of those, sent by direct_wire rather than aiortc's _send_rtp
 
     def _writer(self) -> PacketWriter:
+        extensions_map, mid = rtc_internals.sender_header(self.sender)
         return PacketWriter(
-            payload_type=self.codec.payloadType,
-            ssrc=self.sender._ssrc,
-            extensions_map=getattr(self.sender, _PRIVATE + "rtp_header_extensions_map"),
-            mid=getattr(self.sender, _PRIVATE + "mid"),
+            payload_type=self.codec.payloadType, ssrc=rtc_internals.sender_ssrc(self.sender),
+            extensions_map=extensions_map, mid=mid,
         )
 
     async def run(self) -> None:
@@ -171,13 +136,14 @@ class RtpSender:
         replaceTrack, setTransport or the sender being disabled after it starts: the gateway
         never renegotiates a session, and aiortc has no ICE restart."""
         sender, track = self.sender, self.track
-        getattr(sender, _PRIVATE + "rtp_started").set()
-        send = sender.transport._send_rtp  # the DTLS transport: SRTP protect, then the ICE pair's socket
-        direct = direct_wire(sender.transport) or (lambda data: False)
-        # What aiortc's RTCP loop puts in its sender reports, under their private names.
-        ntp_name, rtp_name, packets_name, octets_name = (
-            _PRIVATE + name for name in ("ntp_timestamp", "rtp_timestamp", "packet_count", "octet_count")
-        )
+        rtc_internals.sender_started(sender)
+        send = rtc_internals.aiortc_send_rtp(sender.transport)  # SRTP protect, then the ICE pair's socket
+        direct = direct_wire(sender.transport)
+        if direct is None:
+            log.warning("this aiortc's DTLS transport or aioice's connection lacks what the direct RTP path reads; "
+                        "speech packets take aiortc's _send_rtp")
+            direct = _never
+        record_sent = rtc_internals.record_sent  # what aiortc's RTCP loop puts in its sender reports
         try:
             # Inside the try: a peer's odd offer (a mid too long for a header extension)
             # ends this track's sending, not aiortc's connect task.
@@ -194,14 +160,15 @@ class RtpSender:
                 self.packets += 1
                 self.octets += len(payload)
                 self.sequence = (self.sequence + 1) & 0xFFFF
-                setattr(sender, ntp_name, ntp)
-                setattr(sender, rtp_name, rtp_time)
-                setattr(sender, packets_name, self.packets)
-                setattr(sender, octets_name, self.octets)
+                record_sent(sender, ntp, rtp_time, self.packets, self.octets)
         except (asyncio.CancelledError, ConnectionError, MediaStreamError):
             pass
         except Exception:
             log.exception("the speech track's RTP sender failed; this session sends no audio")
         finally:
             track.stop()
-            getattr(sender, _PRIVATE + "rtp_exited").set()
+            rtc_internals.sender_exited(sender)
+
+
+def _never(data: bytes) -> bool:
+    return False

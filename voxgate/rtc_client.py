@@ -19,6 +19,7 @@ import numpy as np
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
+from .gateway import rtc_internals
 from .gateway.ice import restrict_host_addresses
 
 
@@ -313,7 +314,7 @@ class RtcClient:
         """
         for receiver in self.pc.getReceivers():
             if receiver.track is not None and receiver.track.kind == "audio":
-                streams = getattr(receiver, "_RTCRtpReceiver__remote_streams", None)
+                streams = rtc_internals.receiver_remote_streams(receiver)
                 if streams:
                     return sum(s.packets_received for s in streams.values())
         return None

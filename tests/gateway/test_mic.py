@@ -422,7 +422,7 @@ def test_the_level_follows_the_map_configured_after_the_reader_is_made():
 def test_rtp_and_rtcp_skip_aioices_stun_parse_and_the_rest_does_not():
     from types import SimpleNamespace
 
-    from voxgate.gateway.mic import _demultiplex
+    from voxgate.gateway.rtc_internals import _demultiplex
 
     to_aioice, direct = [], []
     protocol = SimpleNamespace(local_candidate=SimpleNamespace(component=1))
