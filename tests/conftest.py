@@ -30,6 +30,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def loopback_offer_sdp() -> str:
+    """A real offer from aiortc (audio recvonly + data channel), ICE on loopback."""
+    from aiortc import RTCConfiguration, RTCPeerConnection
+
+    from voxgate.gateway.ice import restrict_host_addresses
+
+    async def make() -> str:
+        restrict_host_addresses(["127.0.0.1"])
+        pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        pc.addTransceiver("audio", direction="recvonly")
+        pc.createDataChannel("control")
+        await pc.setLocalDescription(await pc.createOffer())
+        sdp = pc.localDescription.sdp
+        await pc.close()
+        return sdp
+
+    return asyncio.run(make())
+
+
 @contextlib.asynccontextmanager
 async def in_process_gateway(**settings):
     """A tone-engine gateway in this test's own event loop, on loopback: (app, url). For tests that

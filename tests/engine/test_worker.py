@@ -17,6 +17,15 @@ async def collect(stream):
     return [chunk async for chunk in stream]
 
 
+async def spoken(client, text: str) -> str:
+    """What a fresh stream of `client` says for `text` (the tone engine's decoding)."""
+    stream = client.stream()
+    stream.push_text(text)
+    stream.end_input()
+    pcm = np.concatenate([c.pcm for c in await collect(stream)])
+    return tone.decode(pcm, tone.SAMPLE_RATE)
+
+
 async def test_tone_stream_roundtrips_text_exactly_in_order(tone_client):
     text = "Hello there, this is the tone engine. It speaks every byte; even ünïcode!"
     stream = tone_client.stream()
@@ -50,11 +59,7 @@ async def test_cancel_stops_the_stream_and_the_worker_serves_the_next(tone_clien
     rest = await collect(stream)
     assert rest == []
     assert tone_client.active_streams == 0
-    again = tone_client.stream()
-    again.push_text("After cancel.")
-    again.end_input()
-    pcm = np.concatenate([c.pcm for c in await collect(again)])
-    assert tone.decode(pcm, tone.SAMPLE_RATE) == "After cancel."
+    assert await spoken(tone_client, "After cancel.") == "After cancel."
 
 
 async def test_slow_consumer_does_not_grow_the_queue(tone_client):
@@ -94,11 +99,7 @@ async def test_a_killed_worker_ends_streams_with_an_error_and_restarts(tone_clie
         await asyncio.sleep(0.05)
     assert tone_client.ready and tone_client.worker_pid != old_pid
     assert tone_client.restarts == 1
-    again = tone_client.stream()
-    again.push_text("Back again.")
-    again.end_input()
-    pcm = np.concatenate([c.pcm for c in await collect(again)])
-    assert tone.decode(pcm, tone.SAMPLE_RATE) == "Back again."
+    assert await spoken(tone_client, "Back again.") == "Back again."
 
 
 async def test_first_unit_goes_out_on_timeout_without_a_boundary():

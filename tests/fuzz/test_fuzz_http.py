@@ -13,7 +13,6 @@ reach the server exactly as generated.
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
 import os
@@ -58,21 +57,9 @@ def check(status: int, content_type: str, data: bytes, path: str) -> dict | None
 @pytest.fixture(scope="module")
 def offer_sdp() -> str:
     """A real offer from aiortc (audio recvonly + data channel), ICE on loopback."""
-    from aiortc import RTCConfiguration, RTCPeerConnection
+    from tests.conftest import loopback_offer_sdp
 
-    from voxgate.gateway.ice import restrict_host_addresses
-
-    async def make() -> str:
-        restrict_host_addresses(["127.0.0.1"])
-        pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
-        pc.addTransceiver("audio", direction="recvonly")
-        pc.createDataChannel("control")
-        await pc.setLocalDescription(await pc.createOffer())
-        sdp = pc.localDescription.sdp
-        await pc.close()
-        return sdp
-
-    return asyncio.run(make())
+    return loopback_offer_sdp()
 
 
 @pytest.fixture(scope="module")

@@ -22,16 +22,21 @@ from voxgate.gateway.vad import VadSettings, VoiceActivityDetector
 REPLY = corpus.BOT_REPLIES[0]
 
 
+async def _start_reply(client, update: dict | None) -> None:
+    """Connect `client`, apply `update` to its session, and have the bot speak REPLY."""
+    await client.connect()
+    if update:
+        client.send({"type": "session.update", **update})
+        await client.wait_for("session.updated", timeout=10)
+    client.send({"type": "speak", "text": REPLY, "id": "r"})
+
+
 async def _speak_over_echo(url: str, *, echo_db: float, delay_ms: int, update: dict | None = None) -> tuple:
     """The bot speaks REPLY while the microphone hears its echo: (the utterance's end, events seen)."""
     client = corpus.echo_client(url, echo_db=echo_db, delay_ms=delay_ms,
                                 background=corpus.room_noise(4.0, -60.0, delay_ms))
-    await client.connect()
     try:
-        if update:
-            client.send({"type": "session.update", **update})
-            await client.wait_for("session.updated", timeout=10)
-        client.send({"type": "speak", "text": REPLY, "id": "r"})
+        await _start_reply(client, update)
         end = await client.wait_for_any(("utterance.done", "utterance.interrupted"), timeout=40)
         return end, [e["type"] for _, e in client.event_log]
     finally:
@@ -51,12 +56,8 @@ async def test_the_bots_own_echo_never_interrupts_it(piper_server):
 async def _caller_over_echo(url: str, clip: np.ndarray, *, echo_db: float | None, update: dict | None = None,
                             after_frames: int = 100) -> tuple:
     client = corpus.echo_client(url, echo_db=echo_db, delay_ms=150, background=corpus.room_noise(4.0, -60.0, 3))
-    await client.connect()
     try:
-        if update:
-            client.send({"type": "session.update", **update})
-            await client.wait_for("session.updated", timeout=10)
-        client.send({"type": "speak", "text": REPLY, "id": "r"})
+        await _start_reply(client, update)
         started = await client.wait_for("audio.started", id="r", timeout=30)
         await client.wait_frames_after(started, after_frames)  # two seconds of the reply
         assert not [e for _, e in client.event_log if e["type"] in ("speech.started", "utterance.interrupted")]

@@ -8,12 +8,9 @@ body in two writes with a pause between them.
 
 from __future__ import annotations
 
-import asyncio
 import json
 
-from aiortc import RTCConfiguration, RTCPeerConnection
-
-from voxgate.gateway.ice import restrict_host_addresses
+from tests.conftest import loopback_offer_sdp
 
 from sec_helpers import host_port, raw_request
 
@@ -39,17 +36,7 @@ def test_session_body_in_two_writes(tone_server):
 
 
 def test_large_offer_in_two_writes(tone_server):
-    async def make() -> str:
-        restrict_host_addresses(["127.0.0.1"])
-        pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
-        pc.addTransceiver("audio", direction="recvonly")
-        pc.createDataChannel("control")
-        await pc.setLocalDescription(await pc.createOffer())
-        sdp = pc.localDescription.sdp
-        await pc.close()
-        return sdp
-
-    sdp = asyncio.run(make())
+    sdp = loopback_offer_sdp()
     # Padded past 200 kB with attribute lines a parser skips, like a big real offer.
     padding = "".join(f"a=x-pad:{i:06d}{'p' * 90}\r\n" for i in range(2200))
     sdp = sdp.replace("a=mid:0\r\n", "a=mid:0\r\n" + padding, 1)
