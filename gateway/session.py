@@ -24,24 +24,23 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from ..config import Settings
-from ..engine.base import SynthesisOptions
 from ..engine.client import EngineClient
-from ..engine.errors import EngineUnavailable
-from ..engine.stream import TTSStream
 from .caller_audio import CallerAudio
 from .clock import SessionClock
 from . import speex
 from .barge_in import BargeInSettings
 from .echo import EchoCanceller, ReferenceTap
 from .encode_pool import FIRST, encode_pool
-from .encoder import FrameEncoder, OpusEncoder, OpusSettings, create_encoder
+from .encoder import FrameEncoder, OpusSettings
 from .fec import SignalPolicy
-from .feeder import Feeder, listener_lag_s
+from .feeder import Feeder
 from .frames import FRAME_MS
-from .playout import Playout, UtterancePlay
+from .playout import Playout
 from .errors import GatewayError, checked_voice
 from .protocol import Limits, RateLimiter, parse
 from .session_metrics import SessionMetrics
+from .session_output import SessionOutput
+from .session_queue import Utterance, UtteranceQueue
 from .text_pump import TextPump
 from .vad import VadSettings, VoiceActivityDetector
 
@@ -93,23 +92,16 @@ class SessionOptions:
     max_queued_utterances: int = Settings.max_queued_utterances
 
 
-@dataclass
-class Utterance:
-    id: str
-    stream: TTSStream
-    play: UtterancePlay
-    source: str
-    chars: int = 0
-    ended: bool = False
-    started_sent: bool = False
-
-
-class Session:
+class Session(SessionOutput, UtteranceQueue):
     """One listener's conversation: messages in, events out, speech through one output.
 
     It is the one place that knows an utterance's whole life (queued, spoken,
     interrupted), so that a cancel or barge-in can stop every part of it at once
-    and report what was heard, whatever transport carries the session.
+    and report what was heard, whatever transport carries the session. By concern:
+    this module holds messages in, events out, settings, the caller's audio (VAD,
+    echo, barge-in) and closing; the utterance queue and the interrupt are
+    `UtteranceQueue` (session_queue.py), the codec, FEC policy, feeder and playout
+    reports `SessionOutput` (session_output.py).
     """
 
     def __init__(
@@ -185,21 +177,6 @@ class Session:
             except Exception:
                 log.exception("session %s: listener failed", self.id, extra={"session_id": self.id})
 
-    def attach_output(self, codec: str) -> None:
-        """Choose the wire codec ('opus', 'pcmu', 'pcma') once the output is known."""
-        self.output_codec = codec
-        if codec != "opus":
-            self.signal_policy = None  # G.711 or no audio: nothing to switch
-        self.encoder = self._new_encoder(codec)
-        self.playout.silence = self.encoder.silence()
-        # Text queued before anyone could listen: waiting for a listener is not TTFA.
-        now = time.perf_counter()
-        for play in self.playout.queue:
-            play.ready_at = now
-        if self._feeder is None:
-            self._start_feeder()
-        self._configure_echo()
-
     def _configure_echo(self) -> None:
         """Start or stop the echo canceller as barge_in.echo_cancel says, where there is audio to cancel."""
         want = (self.options.barge_in.echo_cancel and self.output_codec in ("opus", "pcmu", "pcma")
@@ -212,48 +189,6 @@ class Session:
             # A job still running keeps its own reference; the canceller goes with it.
             self.echo = None
             self.playout.tap = None
-
-    def _listener_lag_s(self) -> float:
-        """What this session's feeder keeps back from the listener (feeder.listener_lag_s),
-        at the engine's rate and the wire's; before the output is attached, Opus's."""
-        engine_rate = self.engine.info.get("sample_rate")
-        if not isinstance(engine_rate, int) or engine_rate <= 0:
-            return 0.0
-        wire_rate = self.encoder.sample_rate if self.encoder is not None else self.options.opus.input_rate
-        return listener_lag_s(engine_rate, wire_rate)
-
-    def _new_encoder(self, codec: str) -> FrameEncoder:
-        encoder = create_encoder(codec, self.options.opus)
-        if isinstance(encoder, OpusEncoder) and self.signal_policy is not None:
-            encoder.use_signal(self.signal_policy.signal)
-        return encoder
-
-    def on_loss_report(self, fraction_lost: float) -> None:
-        """One RTCP receiver report from the listener (gateway/fec.py): with
-        --opus-signal auto, in-band FEC goes on while it loses packets."""
-        if self.signal_policy is None:
-            return
-        before = self.signal_policy.signal
-        signal = self.signal_policy.report(fraction_lost, time.monotonic())
-        if signal != before:
-            log.info("session %s: listener lost %.1f %% of packets; Opus signal %s", self.id, 100 * fraction_lost,
-                     signal, extra={"session_id": self.id})
-            self.metrics.opus_signal_switch(signal)
-        if isinstance(self.encoder, OpusEncoder):
-            self.encoder.use_signal(signal)
-
-    def keep_fec(self) -> None:
-        """No loss reports can be watched: in-band FEC throughout (signal voice)."""
-        if self.signal_policy is None:
-            return  # a fixed --opus-signal stays as set
-        self.signal_policy.pin_voice()
-        if isinstance(self.encoder, OpusEncoder):
-            self.encoder.use_signal("voice")
-
-    @property
-    def has_output(self) -> bool:
-        """Whether an output (a WebRTC track, a phone call) is attached: only one may be."""
-        return self.encoder is not None
 
     @property
     def speaking(self) -> bool:
@@ -306,78 +241,6 @@ class Session:
         elif kind == "session.update":
             self._update(msg)
 
-    def _find(self, uid: str | None, source: str) -> Utterance | None:
-        """This source's utterance `uid`; another source's is refused, never written to."""
-        for utt in self.utterances:
-            if utt.id == uid:
-                if utt.source != source:
-                    raise GatewayError("id_in_use", f"utterance {uid!r} belongs to another sender; use an id of your own", id=uid)
-                return utt
-        return None
-
-    def _utterance_for(self, uid: str | None, source: str, streaming: bool, voice: str | None = None) -> Utterance:
-        if uid is None and streaming:
-            uid = self._open_by_source.get(source)
-        if uid is not None:
-            utt = self._find(uid, source)
-            if utt is not None:
-                if utt.ended:
-                    raise GatewayError("utterance_ended", f"utterance {uid!r} has already ended; use a new id", id=uid)
-                if voice is not None:
-                    # Refused, not ignored: one utterance speaks in one voice.
-                    raise GatewayError("invalid_field", f"utterance {uid!r} has started; 'voice' is chosen by the "
-                                       "message that starts an utterance", id=uid)
-                return utt
-            if (source, uid) in self._interrupted_ids:
-                raise GatewayError("utterance_interrupted", f"utterance {uid!r} was interrupted; its text is not spoken", id=uid)
-        if len(self.utterances) >= self.options.max_queued_utterances:
-            raise GatewayError("queue_full", f"{len(self.utterances)} utterances are queued; the limit is "
-                f"{self.options.max_queued_utterances}. Wait for utterance.done or send cancel.", id=uid)
-        # With no output attached yet (a session made ahead through the session
-        # API), text is accepted and queued; the feeder starts on attach_output.
-        if uid is None:
-            uid = "u-" + secrets.token_hex(8)  # unguessable: nobody can aim at an id before it exists
-        try:
-            chosen = self.options.voice if voice is None else checked_voice(self.engine, voice)
-        except GatewayError as exc:
-            exc.id = uid
-            raise
-        try:
-            # When the listener needs it: after the audio encoded ahead of it, and after the
-            # utterance before it (still synthesizing, its length unknown); engine/worker.py.
-            stream = self.engine.stream(
-                SynthesisOptions(voice=chosen, rate=self.options.rate),
-                start_in_s=self.playout.buffered_ms / 1000.0, held_s=self._listener_lag_s(),
-                after=self.utterances[-1].stream if self.utterances else None,
-            )
-        except EngineUnavailable as exc:
-            raise GatewayError("engine_unavailable", str(exc), id=uid) from None
-        play = UtterancePlay(id=uid, ready_at=time.perf_counter())
-        utt = Utterance(id=uid, stream=stream, play=play, source=source)
-        self.utterances.append(utt)
-        self.playout.add(play)
-        if streaming:
-            self._open_by_source[source] = uid
-        self.stats["utterances"] += 1
-        self.emit({"type": "utterance.queued", "id": uid, "position": len(self.utterances) - 1})
-        if self._feeder is not None:
-            self._feeder.wake()
-        return utt
-
-    def _push(self, utt: Utterance, text: str) -> None:
-        if utt.chars + len(text) > self.options.max_utterance_chars:
-            raise GatewayError("utterance_too_long", f"utterance {utt.id!r} would exceed {self.options.max_utterance_chars} characters; end it and start another", id=utt.id)
-        utt.chars += len(text)
-        self._text.push(utt.stream, text)
-
-    def _end(self, utt: Utterance) -> None:
-        if utt.ended:
-            return
-        utt.ended = True
-        if self._open_by_source.get(utt.source) == utt.id:
-            del self._open_by_source[utt.source]
-        self._text.push(utt.stream, None)
-
     def _update(self, msg: dict) -> None:
         if "voice" in msg and msg["voice"] is not None:
             self.options.voice = checked_voice(self.engine, msg["voice"])
@@ -419,79 +282,6 @@ class Session:
             "supported_tags": self.engine.info.get("supported_tags", []),
             "at_ms": self.clock.at_ms(),
         }
-
-    # Barge-in and cancel
-    def interrupt(self, reason: str) -> None:
-        t0 = time.perf_counter()
-        self.metrics.interrupted(reason, t0)
-        dropped = self.playout.clear()
-        utterances, self.utterances = self.utterances, []
-        self._open_by_source.clear()
-        self._text.clear()
-        # Newest first: the engine never sees a queued stream whose predecessor is
-        # cancelled while it is still open (it would rank as a listener waiting now).
-        for utt in reversed(utterances):
-            utt.stream.cancel()
-            self._interrupted_ids.add((utt.source, utt.id))
-        if len(self._interrupted_ids) > 1000:
-            self._interrupted_ids = set(list(self._interrupted_ids)[-500:])
-        self._restart_feeder()
-        if dropped:
-            self._pending_cancel_at = t0
-        for play in dropped:
-            self.stats["interrupted"] += 1
-            self.metrics.utterance("interrupted")
-            self.emit(
-                {
-                    "type": "utterance.interrupted",
-                    "id": play.id,
-                    "reason": reason,
-                    "played_ms": play.played_ms,
-                    "played_text": play.played_text(),
-                    "at_ms": self.clock.at_ms(t0),
-                }
-            )
-
-    def on_frame_paced(self, interval: float, lateness: float) -> None:
-        """The output's pacer reports each frame's spacing and lateness."""
-        self.metrics.frame_sent(interval, lateness)
-
-    def on_keepalive(self, frames: int) -> None:
-        """The output sent a DTX keep-alive covering `frames` frames."""
-        self.metrics.keepalive(frames)
-
-    def on_departure(self, now: float) -> None:
-        """Called by the output after each frame; measures cancel-to-silence."""
-        if self._pending_cancel_at is not None:
-            self.metrics.cancel_to_silence(now - self._pending_cancel_at)
-            self._pending_cancel_at = None
-
-    def _restart_feeder(self) -> None:
-        if self._feeder is not None:
-            self._feeder.stop()
-        if self.has_output and not self._closed:
-            # A fresh encoder: the cancelled audio must not colour what comes next.
-            self.encoder = self._new_encoder(self.output_codec or "opus")
-            self._start_feeder()
-
-    def _start_feeder(self) -> None:
-        assert self.encoder is not None
-        self._feeder = Feeder(
-            self.encoder, self.playout, next_utterance=self._next_to_feed, emit=self.emit, metrics=self.metrics
-        )
-        self._feeder.task.add_done_callback(self._feeder_done)
-
-    def _next_to_feed(self) -> Utterance | None:
-        return next((u for u in self.utterances if not u.play.input_done), None)
-
-    def _feeder_done(self, task: asyncio.Task) -> None:
-        if task.cancelled() or task.exception() is None:
-            return
-        # A bug in the audio path: report it, drop what was queued, keep the session.
-        log.error("session %s: feeder failed", self.id, exc_info=task.exception(), extra={"session_id": self.id})
-        self.emit({"type": "error", "code": "internal", "message": "the audio path failed; queued speech was dropped"})
-        if not self._closed and self._feeder is not None and task is self._feeder.task:
-            self.interrupt("error")
 
     # Inbound audio (microphone / caller)
     @property
@@ -583,21 +373,6 @@ class Session:
                     self.emit({"type": "speech.backchannel", "id": self._turn_over,
                                "speech_ms": self.vad.turn_voiced_ms, "at_ms": at_ms})
                 self._turn_over = None
-
-    def _on_underrun(self) -> None:
-        self.metrics.underrun("webrtc" if self.output_codec == "opus" else "telephony")
-
-    def _on_audio_started(self, play: UtterancePlay, at: float) -> None:
-        ttfa = max(0.0, at - (play.ready_at or at))
-        if play.ready_at is not None and play.first_queued_at is not None:
-            self.metrics.ttfa_parts(play.first_queued_at - play.ready_at, at - play.first_queued_at)
-        self.metrics.ttfa(ttfa)
-        self.emit({"type": "audio.started", "id": play.id, "ttfa_ms": round(ttfa * 1000.0, 1), "at_ms": self.clock.at_ms(at)})
-
-    def _on_done(self, play: UtterancePlay) -> None:
-        self.utterances = [u for u in self.utterances if u.play is not play]
-        self.metrics.utterance("done")
-        self.emit({"type": "utterance.done", "id": play.id, "audio_ms": play.played_ms, "text": play.full_text()})
 
     # Lifecycle
     async def close(self, reason: str = "closed") -> None:
