@@ -65,7 +65,7 @@ class CosyVoice2Engine(Engine):
             self.prompt_speech = load_wav(self.prompt_wav, 16000)
 
     def voices(self) -> list[str]:
-        speakers = []
+        speakers: list[str] = []
         if self.model is not None and hasattr(self.model, "list_available_spks"):
             speakers = list(self.model.list_available_spks())
         if self.prompt_speech is not None:

@@ -125,23 +125,23 @@ def band_relative_attention(model: onnx.ModelProto) -> int:
         base = _fresh(f"{term.product.name or term.product.output[0]}/band", taken)
         name = lambda part, base=base: f"{base}/{part}"  # noqa: E731
         if term.kind == "keys":
-            table = _constant(graph, name("table_t"), np.ascontiguousarray(term.table.T))
+            table_name = _constant(graph, name("table_t"), np.ascontiguousarray(term.table.T))
             nodes = [
-                helper.make_node("MatMul", [term.source, table], [name("near")], name=name("MatMul")),
+                helper.make_node("MatMul", [term.source, table_name], [name("near")], name=name("MatMul")),
                 *_gather(graph, name, name("near"), key_index, name("term")),
             ]
         else:
-            table = _constant(graph, name("table"), np.ascontiguousarray(term.table))
+            table_name = _constant(graph, name("table"), np.ascontiguousarray(term.table))
             nodes = [
                 *_gather(graph, name, term.source, value_index, name("near_weights")),
-                helper.make_node("MatMul", [name("near_weights"), table], [name("term")], name=name("MatMul")),
+                helper.make_node("MatMul", [name("near_weights"), table_name], [name("term")], name=name("MatMul")),
             ]
         before[position[id(term.product)]].extend(nodes)
         for user in consumers[term.dense]:
             for k, tensor in enumerate(user.input):
                 if tensor == term.dense:
                     user.input[k] = name("term")
-    ordered = []
+    ordered: list[onnx.NodeProto] = []
     for n, node in enumerate(graph.node):
         ordered.extend(before.get(n, ()))
         ordered.append(node)

@@ -182,8 +182,8 @@ def _over_last_axis(node: onnx.NodeProto, constants: _Constants, opset: int) -> 
     if node.op_type != "ReduceMean" or _attribute(node, "keepdims", 1) != 1:
         return False
     if opset >= _AXES_AS_INPUT_OPSET:
-        axes = constants.get(node.input[1]) if len(node.input) > 1 and node.input[1] else None
-        axes = None if axes is None else [int(a) for a in axes.reshape(-1)]
+        given = constants.get(node.input[1]) if len(node.input) > 1 and node.input[1] else None
+        axes = None if given is None else [int(a) for a in given.reshape(-1)]
     else:
         axes = _attribute(node, "axes")
     return axes is not None and list(axes) == [-1]

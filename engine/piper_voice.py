@@ -183,7 +183,7 @@ class LoadedVoice:
         # fallback to whole units runs the rewritten graph too.
         self.fused_layer_norms = fuse_layer_norms(model)
         # No session of its own: only phonemize() and phonemes_to_ids() are used.
-        self.voice = PiperVoice(session=None, config=config)  # type: ignore[arg-type]
+        self.voice = PiperVoice(session=None, config=config)
         # espeak-ng keeps global state; one phonemizer call at a time.
         self.phonemize_lock = threading.Lock()
         self.path = path
@@ -387,16 +387,19 @@ class LoadedVoice:
         frames, schedule = probe_plan(self.graphs)
         rng = np.random.default_rng(0)
         probe = rng.standard_normal((1, _channels(self.graphs), frames)).astype(np.float32)
+        flow, decoder = sessions.flow, sessions.decoder
+        assert decoder is not None  # split graphs have their sessions
         if self.graphs.flow is not None:
+            assert flow is not None
             stage = self.graphs.flow
             mask = np.ones((1, 1, frames), dtype=np.float32)
-            run = lambda a, b: sessions.flow.run(None, self._feed(stage, (probe[:, :, a:b], mask[:, :, a:b])))[0]
+            run = lambda a, b: flow.run(None, self._feed(stage, (probe[:, :, a:b], mask[:, :, a:b])))[0]
             latent = run(0, frames)
             _compare("the flow", latent, _windowed(run, frames, stage.context, schedule, 1))
         else:
             latent = probe
         stage = self.graphs.decoder
-        run = lambda a, b: sessions.decoder.run(None, self._feed(stage, (latent[:, :, a:b],)))[0]
+        run = lambda a, b: decoder.run(None, self._feed(stage, (latent[:, :, a:b],)))[0]
         _compare("the decoder", run(0, frames), _windowed(run, frames, stage.context, schedule, self.hop))
 
     def _feed(self, stage: Stage, values: tuple) -> dict:

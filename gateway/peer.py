@@ -45,7 +45,8 @@ def negotiated_codec(answer_sdp: str) -> tuple[str, int] | None:
     for media in desc.media:
         if media.kind == "audio" and media.rtp.codecs:
             codec = media.rtp.codecs[0]
-            return codec.mimeType.split("/")[-1].lower(), codec.payloadType
+            if codec.payloadType is not None:  # always, in a parsed answer
+                return codec.mimeType.split("/")[-1].lower(), codec.payloadType
     return None
 
 

@@ -33,6 +33,7 @@ import asyncio
 import base64
 import json
 import logging
+from typing import cast
 
 import aiohttp
 from aiohttp import WSMsgType, web
@@ -71,7 +72,7 @@ ROUTES = {
 # so a request without a valid key never costs a lookup or a hop.
 KEYED = ("get", "delete", "ws")
 
-FLEET = web.AppKey("fleet", object)
+FLEET = web.AppKey("fleet", object)  # a Fleet: the class comes below
 
 
 class Fleet:
@@ -98,7 +99,7 @@ class Fleet:
         )
         self.gateway = gw
         self.max_ws_message = max(4 * s.max_message_bytes, 1 << 20)  # as the local handler
-        self.client: aiohttp.ClientSession | None = None
+        self._client: aiohttp.ClientSession | None = None
         self.sockets: set[web.WebSocketResponse] = set()
 
     def track(self, session: Session, owner: str | None) -> None:
@@ -111,8 +112,14 @@ class Fleet:
     async def start(self) -> None:
         # No connection limit: proxied WebSockets hold theirs for the session's
         # life, and the gateways' own --max-sessions bound them.
-        self.client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+        self._client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
         await self.directory.start()
+
+    @property
+    def client(self) -> aiohttp.ClientSession:
+        """The HTTP client to the other gateways, from `start` on."""
+        assert self._client is not None, "the fleet has not started"
+        return self._client
 
     async def shutdown(self) -> None:
         for ws in list(self.sockets):
@@ -120,8 +127,8 @@ class Fleet:
 
     async def stop(self) -> None:
         await self.directory.close()
-        if self.client is not None:
-            await self.client.close()
+        if self._client is not None:
+            await self._client.close()
 
 
 def setup(app: web.Application) -> None:
@@ -196,7 +203,7 @@ async def route(request: web.Request, handler):
     label = ROUTES.get((request.method, resource.canonical if resource is not None else ""))
     if label is None:
         return await handler(request)
-    fleet: Fleet = request.app[FLEET]
+    fleet = cast(Fleet, request.app[FLEET])
     body = b""
     key = None
     try:
@@ -256,7 +263,7 @@ async def _settle_new_session(fleet: Fleet, response: web.StreamResponse) -> web
     if response.status not in (200, 201) or not isinstance(response, web.Response) or not response.body:
         return response
     try:
-        sid = json.loads(response.body).get("session_id")
+        sid = json.loads(cast(bytes, response.body)).get("session_id")
     except (ValueError, TypeError, AttributeError):
         return response
     if isinstance(sid, str) and not await fleet.directory.claimed(sid):

@@ -113,7 +113,7 @@ async def handle_candidate(request: web.Request) -> web.Response:
         candidate = body.get("candidate")
         if candidate is not None and not isinstance(candidate, str):
             raise GatewayError("invalid_candidate", "'candidate' must be a string, or null to end the candidates")
-        accepted = await peer.add_candidate(candidate and body)
+        accepted = await peer.add_candidate(body if candidate else None)  # "" or null: the end of the candidates
     except GatewayError as exc:
         return error_response(exc)
     except Exception as exc:
@@ -142,7 +142,7 @@ async def handle_ice_servers(request: web.Request) -> web.Response:
         url = server.urls if isinstance(server.urls, str) else server.urls[0]
         if session_id is None and (server.username or url.startswith("turn")):
             continue
-        entry = {"urls": [server.urls] if isinstance(server.urls, str) else server.urls}
+        entry: dict[str, str | list[str] | None] = {"urls": [server.urls] if isinstance(server.urls, str) else server.urls}
         if server.username:
             entry["username"] = server.username
             entry["credential"] = server.credential
@@ -160,7 +160,7 @@ async def handle_readyz(request: web.Request) -> web.Response:
     gw: Gateway = request.app["gateway"]
     ready, why = gw.admission.ready()
     load = gw.admission.figures
-    body = {"ready": ready, "engine": gw.engine.ready, "accepting": gw.accepting, "sessions": len(gw.sessions),
+    body: dict[str, object] = {"ready": ready, "engine": gw.engine.ready, "accepting": gw.accepting, "sessions": len(gw.sessions),
             # Admission's view (gateway/admission.py), in seconds of audio per second.
             "budget_rtf": round(load.budget, 2) if load.budget != float("inf") else None,
             "demand_rtf": round(load.expected, 2)}
@@ -422,6 +422,7 @@ async def serve(settings: Settings) -> None:
             settings.header_timeout_s, settings.max_connections, settings.max_connections_per_ip,
             exempt=gw.trusted_proxies, on_refused=lambda reason: gw.metrics.http_refused.labels(reason).inc(),
         )
+        assert runner.server is not None  # made by setup()
         servers = await http_guard.start_servers(asyncio.get_running_loop(), guard, runner.server, sockets)
     except BaseException:
         for sock in sockets:

@@ -24,10 +24,11 @@ import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, cast
 
 import av
 import numpy as np
+from av.audio.stream import AudioStream
 from aiohttp import web
 
 from ..engine.base import SynthesisOptions
@@ -159,7 +160,7 @@ class EncodedFormatter(Formatter):
         self.resampler = StreamResampler(engine_rate, self._rate)
         self.sink = _Sink()
         self.container = av.open(self.sink, "w", format=self.container_format, options=dict(self.options))
-        self.stream = self.container.add_stream(self.codec, rate=self._rate)
+        self.stream = cast(AudioStream, self.container.add_stream(self.codec, rate=self._rate))
         self.stream.layout = "mono"
         self.pts = 0
 
@@ -435,7 +436,8 @@ async def _synthesize(request: web.Request, gw, job: SpeechRequest, timeline: _T
         except (EngineStreamError, EngineCrashed, EngineUnavailable) as exc:
             # Headers are gone: cut the body short so the client sees it incomplete.
             log.warning("tts: engine failed mid-response: %s", exc)
-            request.transport and request.transport.close()
+            if request.transport is not None:
+                request.transport.close()
             return response
         await body.write(await loop.run_in_executor(_pool, formatter.finish))
         await body.end(sent_samples / rate)

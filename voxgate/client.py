@@ -118,10 +118,10 @@ async def coalesce(tokens: AsyncIterable[str], batch_s: float = 0.1) -> AsyncIte
 
 async def _as_async(tokens: AsyncIterable[str] | Iterable[str]) -> AsyncIterator[str]:
     if hasattr(tokens, "__aiter__"):
-        async for token in tokens:  # type: ignore[union-attr]
+        async for token in tokens:
             yield token
     else:
-        for token in tokens:  # type: ignore[union-attr]
+        for token in tokens:
             yield token
 
 
@@ -151,7 +151,7 @@ class VoxgateSession:
         self.ready: dict = {}  # the session.ready event; 'role' says whether we may write
         self.history: list[dict] = []
         self._http: aiohttp.ClientSession | None = None
-        self._ws: aiohttp.ClientWebSocketResponse | None = None
+        self._ws: aiohttp.ClientWebSocketResponse[bool] | None = None
         self._reader: asyncio.Task | None = None
         self._queue: asyncio.Queue = asyncio.Queue()  # for wait_for
         self._subscribers: list[asyncio.Queue] = []

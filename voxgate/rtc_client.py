@@ -11,12 +11,13 @@ import fractions
 import json
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
 import av
 import numpy as np
-from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+from aiortc import RTCConfiguration, RTCDataChannel, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from .gateway import rtc_internals
@@ -155,7 +156,7 @@ class RtcClient:
         *,
         mic: bool = False,
         codecs: list[str] | None = None,
-        ice_hosts: list[str] | None = ("127.0.0.1",),
+        ice_hosts: Sequence[str] | None = ("127.0.0.1",),
         voice: str | None = None,
         session_id: str | None = None,
         token: str | None = None,
@@ -177,7 +178,7 @@ class RtcClient:
         self.audio = ReceivedAudio()
         self.session_id: str | None = None
         self.ready: dict | None = None
-        self._channel = None
+        self._channel: RTCDataChannel | None = None
         self._audio_task: asyncio.Task | None = None
         self._opened = asyncio.Event()
 
@@ -193,9 +194,9 @@ class RtcClient:
             caps = RTCRtpSender.getCapabilities("audio")
             wanted = [c for c in caps.codecs if c.mimeType.split("/")[-1].lower() in self.codecs]
             transceiver.setCodecPreferences(wanted)
-        self._channel = pc.createDataChannel("control")
+        self._channel = channel = pc.createDataChannel("control")
 
-        @self._channel.on("message")
+        @channel.on("message")
         def on_message(message: str) -> None:
             event = json.loads(message)
             self.event_log.append((time.perf_counter(), event))
@@ -258,6 +259,8 @@ class RtcClient:
     def send(self, message: dict | str | bytes) -> float:
         if isinstance(message, dict):
             message = json.dumps(message)
+        if self._channel is None:
+            raise RuntimeError("RtcClient.send before connect()")
         self._channel.send(message)
         return time.perf_counter()
 

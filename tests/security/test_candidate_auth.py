@@ -58,3 +58,6 @@ async def test_with_the_token_candidates_are_checked_by_network(tone_server):
     assert status == 200 and body == {"ok": True}
     status, body, _ = await http_json("POST", path, body={"candidate": cand("64:ff9b::a00:1"), "sdpMid": "0", "sdpMLineIndex": 0}, headers=auth)
     assert (status, body["error"]["code"]) == (403, "candidate_refused")
+    # An empty candidate is how a browser says its candidates are all there, as null is.
+    status, body, _ = await http_json("POST", path, body={"candidate": "", "sdpMid": "0", "sdpMLineIndex": 0}, headers=auth)
+    assert status == 200 and body == {"ok": True}, (status, body)

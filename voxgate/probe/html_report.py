@@ -91,7 +91,7 @@ class _Plot:
 
     def legend(self, items: list[tuple[str, str, str]], y: float = 18) -> None:
         """(label, color, shape) right-aligned at height y; shape is 'box', 'dot' or 'line'."""
-        x = self.w - self.right
+        x: float = self.w - self.right
         for label, color, shape in reversed(items):
             width = 7.2 * len(label) + 22
             x -= width
@@ -159,11 +159,13 @@ def svg_ttfa_histogram(report: ProbeReport, width: int = 1080, height: int = 320
 
 def svg_latency_over_time(report: ProbeReport, width: int = 1080, height: int = 320) -> str:
     utts = report.utterances
-    points = [
+    points: list[tuple[str, str, list[tuple[float, float]]]] = [
         ("client ttfa", COLORS["client"], [(u.sent_at, u.client_ttfa_ms) for u in utts if u.client_ttfa_ms is not None]),
         ("server ttfa", COLORS["server"], [(u.sent_at, u.server_ttfa_ms) for u in utts if u.server_ttfa_ms is not None]),
-        ("cancel → silence", COLORS["cancel"], [(u.interrupt_at, u.interrupt_to_silence_ms) for u in utts if u.interrupt_kind == "cancel" and u.interrupt_to_silence_ms is not None]),
-        ("voice → silence", COLORS["voice"], [(u.interrupt_at, u.interrupt_to_silence_ms) for u in utts if u.interrupt_kind == "voice" and u.interrupt_to_silence_ms is not None]),
+        ("cancel → silence", COLORS["cancel"], [(u.interrupt_at, u.interrupt_to_silence_ms) for u in utts
+                                                if u.interrupt_kind == "cancel" and u.interrupt_at is not None and u.interrupt_to_silence_ms is not None]),
+        ("voice → silence", COLORS["voice"], [(u.interrupt_at, u.interrupt_to_silence_ms) for u in utts
+                                              if u.interrupt_kind == "voice" and u.interrupt_at is not None and u.interrupt_to_silence_ms is not None]),
     ]
     points = [p for p in points if p[2]]
     plot = _Plot(width, height)
@@ -209,11 +211,11 @@ def svg_timeline(report: ProbeReport, width: int = 1080) -> str:
             if u.first_sound_at is not None:
                 plot.add(_bar(xmap, u.sent_at, u.first_sound_at, y + h / 2 - 2, 4, COLORS["waiting"], f"{u.id}: waiting for first audio {u.client_ttfa_ms or 0:.0f} ms"))
                 speech_end = u.last_sound_at or u.first_sound_at
-                interrupted = u.interrupt_at is not None and u.outcome == "interrupted"
-                cut = min(speech_end, u.interrupt_at) if interrupted else speech_end
+                interrupt_at = u.interrupt_at if u.outcome == "interrupted" else None
+                cut = min(speech_end, interrupt_at) if interrupt_at is not None else speech_end
                 plot.add(_bar(xmap, u.first_sound_at, cut, y, h, COLORS["speech"], f"{u.id}: speech ({u.outcome})"))
-                if interrupted and speech_end > u.interrupt_at:
-                    plot.add(_bar(xmap, u.interrupt_at, speech_end, y, h, COLORS["tail"], f"{u.id}: still audible after the interruption {u.interrupt_to_silence_ms or 0:.0f} ms"))
+                if interrupt_at is not None and speech_end > interrupt_at:
+                    plot.add(_bar(xmap, interrupt_at, speech_end, y, h, COLORS["tail"], f"{u.id}: still audible after the interruption {u.interrupt_to_silence_ms or 0:.0f} ms"))
             if u.interrupt_at is not None:
                 x = xmap(u.interrupt_at)
                 color = COLORS["voice"] if u.interrupt_kind == "voice" else COLORS["cancel"]
@@ -282,7 +284,7 @@ def render_html(report: ProbeReport) -> str:
 
     rows = []
     for s in report.sessions:
-        for u in s.utterances or [None]:
+        for u in s.utterances or [None]:  # type: ignore[list-item]  # None: a row for a session without utterances
             if u is None:
                 rows.append(f"<tr><td>{s.index}</td><td colspan=8>{html.escape(s.failure or 'no utterances')}</td></tr>")
                 continue

@@ -48,7 +48,9 @@ class ProbeReport:
                 "mismatch": sum(u.accuracy == "mismatch" for u in tone_checked),
             }
         if voice_checked:
-            errors = [abs(u.words_played - u.words_expected) for u in voice_checked]
+            # analysis.py sets both counts wherever it says "words_error".
+            errors = [abs(played - expected) for u in voice_checked
+                      if (played := u.words_played) is not None and (expected := u.words_expected) is not None]
             accuracy["voice"] = {
                 "checked": len(voice_checked),
                 "mean_abs_word_error": float(np.mean(errors)),

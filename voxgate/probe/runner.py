@@ -6,7 +6,7 @@ import asyncio
 import random
 import re
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -19,6 +19,9 @@ from .config import (
     plan_texts,
 )
 from .metrics import fetch_metrics
+
+if TYPE_CHECKING:
+    from ..rtc_client import RtcClient
 from .progress import ProgressTracker
 from .report import ProbeReport
 from .results import ProbeProgress, SessionResult, UtteranceResult
@@ -50,7 +53,13 @@ class SessionRunner:
         self.progress = progress
         self.rng = random.Random(config.seed * 1000 + index)
         self.result = SessionResult(index=index, started_at=0.0, interrupts=config.interrupts(index))
-        self.client = None
+        self._client: RtcClient | None = None
+
+    @property
+    def client(self) -> RtcClient:
+        """The session's client, from the moment `run` makes it."""
+        assert self._client is not None, "the session has not started"
+        return self._client
 
     def _rel(self, t: float | None) -> float | None:
         return None if t is None else t - self.t0
@@ -61,7 +70,7 @@ class SessionRunner:
         cfg = self.config
         self.result.started_at = time.perf_counter() - self.t0
         client = RtcClient(cfg.url, mic=cfg.barge_in == "voice", voice=cfg.voice)
-        self.client = client
+        self._client = client
         try:
             try:
                 ready = await client.connect(timeout=min(cfg.timeout_s, 30.0))
