@@ -24,10 +24,8 @@ gather, as the scores it is added to are. The output is the original graph's
 to float rounding (a product with a different inner size may group its sums
 differently); the joe voice's is bit-identical at lengths 1-187. On the joe
 voice's prior as served (with the int8 rewrite after it) this takes 2,554
-nodes to 2,136. The gain is small: the prior takes 0.94-0.98x its time over
-nine first sentences (p50, one process, interleaved: bench_streaming.py
---only prior; 0.975x on 1 thread and 0.940x on 2 in
-bench/results/streaming-band-int8.json).
+nodes to 2,136. The gain is small (`python bench/bench_streaming.py --only prior`;
+docs/benchmarks.md).
 
 What is matched is the shape of the export, not its arithmetic: an initializer
 [1, 2w+1, d] that reaches a MatMul's second input through a pad and slices,

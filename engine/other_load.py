@@ -2,9 +2,9 @@
 
 The engine asks before each model run on every core whether the rest of the
 machine is quiet: only then may onnxruntime's pool threads spin between ops,
-which cuts the first chunk of a long sentence by about a tenth on an idle
-machine but makes it 1.5x slower beside one busy process (bench/
-bench_streaming.py --only spinning; bench/results/streaming-spin.json). The answer comes from /proc/stat (every
+which speeds up the first chunk of a long sentence on an idle machine but
+slows it beside a busy process (`python bench/bench_streaming.py --only
+spinning`; docs/benchmarks.md). The answer comes from /proc/stat (every
 process's CPU time, steal included) less this process's own (os.times), over
 the last `window_s`: a daemon thread takes a reading every `window_s` (some
 tens of microseconds each), so the answer is never older than that, however

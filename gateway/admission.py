@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 # Sent with a refusal for capacity: the client may try again shortly.
 RETRY_LATER = {"Retry-After": "5"}
 # What the media of one speaking session costs this process, in cores, until measured:
-# 1.2-1.6 % of a core on this project's 2-core machines (docs/scaling.md).
+# a cautious default above the figures in docs/benchmarks.md.
 MEDIA_COST_S = 0.015
 # The measured media cost is taken only from seconds with at least this many sessions
 # speaking (fewer say more about the process's fixed costs than about media), and is

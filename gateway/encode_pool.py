@@ -24,7 +24,7 @@ result that is ready, so the cost is per batch, not per slice. An utterance's
 first audio jumps the queue there too.
 
 Why the loop is the default: at 40 sessions on 2 cores, in alternating runs of
-`bench/bench_capacity.py` (docs/scaling.md), encoding on the loop cost less CPU
+`bench/bench_capacity.py` (docs/benchmarks.md), encoding on the loop cost less CPU
 per session and sent fewer late frames than one thread, with continuous
 speech and in conversations alike. The thread and the loop hand the GIL to
 each other around every libopus call and every send, and each hand-off wakes

@@ -77,8 +77,7 @@ class YoungCollections:
 
     Owns generations 0 and 1 of the thresholds; `FullCollections` owns generation 2's. Generation 1
     comes every `MIDDLE_EVERY`th young collection rather than every 10th, so it too walks fewer
-    objects (with 10, the longest young collection at 200-280 conversations reached the 3-5 ms
-    bucket in one run, where every 5th mostly stayed at 2-3 ms: docs/scaling.md). An object that survives one generation-1
+    objects (chosen by measurement: docs/benchmarks.md). An object that survives one generation-1
     collection moves to generation 2, and with collections this frequent that happens within a
     second or so of its birth rather than several: a cycle it ends in then waits for the next full
     collection. What that holds back between full collections was not measured.
