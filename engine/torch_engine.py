@@ -22,7 +22,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Sequence, cast
 
 import numpy as np
 
@@ -97,7 +97,7 @@ class _TorchVoice:
         self.model = model
         # No onnxruntime session: only phonemize() and phonemes_to_ids() are used.
         # The attribute names match piper_voice.LoadedVoice so its word_timings() applies.
-        self.voice = PiperVoice(session=None, config=config)  # type: ignore[arg-type]
+        self.voice = PiperVoice(session=None, config=config)
         self.sample_rate = config.sample_rate
         self.hop = model.hop
         self.flow_context = model.flow_context()
@@ -124,6 +124,18 @@ class _Sentence:
     @property
     def frames(self) -> int:
         return self.aligned.frames if self.aligned is not None else 0
+
+    @property
+    def z_p(self) -> "torch.Tensor":
+        """The prior's latent, once the sentence is aligned."""
+        assert self.aligned is not None, "the sentence is not aligned yet"
+        return self.aligned.z_p
+
+    @property
+    def flow_out(self) -> "torch.Tensor":
+        """The flow's output so far, once a flow segment has run."""
+        assert self.z is not None, "no flow segment has run yet"
+        return self.z
 
 
 @dataclass
@@ -285,7 +297,7 @@ class TorchEngine(Engine):
             generator=generator,
         )
 
-    def step(self, jobs: Sequence[TorchJob], threads: int = 1, stop: object = None) -> list[AudioChunk | None]:
+    def step(self, jobs: Sequence[SynthesisJob], threads: int = 1, stop: object = None) -> list[AudioChunk | None]:
         """Advance every job by one chunk in as few forward passes as possible.
 
         Returns one entry per job, in order: its next chunk, or None once the
@@ -294,6 +306,7 @@ class TorchEngine(Engine):
         is ignored: torch runs every pass on all its threads (set at load);
         so is `stop`: a batched pass serves several streams and runs to its end.
         """
+        jobs = cast("Sequence[TorchJob]", jobs)  # this engine's own jobs (start_job)
         results: list[AudioChunk | None] = [None] * len(jobs)
         by_voice: dict[int, list[int]] = {}
         for i, job in enumerate(jobs):
@@ -345,21 +358,21 @@ class TorchEngine(Engine):
         model = voice.model
 
         # 1. Jobs between sentences: encoder and duration predictor, batched.
-        fresh = []
+        fresh: list[tuple[TorchJob, _Sentence]] = []
         for job in jobs:
             if job.current is None and job.pending:
-                job.current = job.pending.pop(0)
-                fresh.append(job)
+                job.current = first = job.pending.pop(0)
+                fresh.append((job, first))
         if fresh:
             aligned = model.encode(
-                [j.current.ids for j in fresh],
-                [j.length_scale for j in fresh],
-                [j.noise_scale for j in fresh],
-                [j.noise_w for j in fresh],
-                [j.generator for j in fresh],
+                [sentence.ids for _, sentence in fresh],
+                [j.length_scale for j, _ in fresh],
+                [j.noise_scale for j, _ in fresh],
+                [j.noise_w for j, _ in fresh],
+                [j.generator for j, _ in fresh],
             )
-            for job, a in zip(fresh, aligned):
-                self._aligned(job, a)
+            for (job, sentence), a in zip(fresh, aligned):
+                self._aligned(job, sentence, a)
 
         # 2. Plan each job's next vocoder window and the flow frames it needs.
         windows: list[_Window | None] = []
@@ -383,7 +396,7 @@ class TorchEngine(Engine):
 
         # 3. Flow segments, batched.
         if flows:
-            outs = model.flow_windows([f.sentence.aligned.z_p[:, f.src_start : f.src_end] for f in flows])
+            outs = model.flow_windows([f.sentence.z_p[:, f.src_start : f.src_end] for f in flows])
             for f, z in zip(flows, outs):
                 s = f.sentence
                 if s.z is None:
@@ -393,15 +406,14 @@ class TorchEngine(Engine):
 
         # 4. Vocoder windows, batched.
         live = [w for w in windows if w is not None]
-        audio = model.decode([w.sentence.z[:, w.src_start : w.src_end] for w in live]) if live else []
+        audio = model.decode([w.sentence.flow_out[:, w.src_start : w.src_end] for w in live]) if live else []
         results: list[AudioChunk | None] = []
         it = iter(audio)
         for w in windows:
             results.append(None if w is None else self._emit(w, next(it)))
         return results
 
-    def _aligned(self, job: TorchJob, aligned: Aligned) -> None:
-        s = job.current
+    def _aligned(self, job: TorchJob, s: _Sentence, aligned: Aligned) -> None:
         s.aligned = aligned
         voice = job.voice
         id_samples = (aligned.durations.cpu().numpy() * voice.hop).astype(np.int64)
