@@ -63,4 +63,9 @@ def word_timings(text, phonemes, ids, id_samples, loaded, duration) -> list[Word
         spans.append([current_start, pos])
     if len(spans) != len(words):
         return words_by_length(text, duration)
+    # The last word keeps the sentence's closing pause (the end token's, after the
+    # period's, which is in it already): the words end where the audio does, so a
+    # client that cuts or captions by word time loses none of it (0-93 ms were left out).
+    if duration * sr > spans[-1][0]:
+        spans[-1][1] = max(spans[-1][1], duration * sr)
     return [WordTiming(w, s / sr, e / sr) for w, (s, e) in zip(words, spans)]

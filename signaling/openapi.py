@@ -326,6 +326,21 @@ PATHS: dict[str, dict] = {
     "/v1/telephony/twilio": {
         "get": _op("Twilio Media Streams WebSocket (see docs/telephony.md)", {**_websocket, **_errors(400)}),
     },
+    "/v1/tts/ws": {
+        "get": _op(
+            "the bi-streaming TTS WebSocket: text in as it arrives, audio and word timings out, several contexts "
+            "per connection (messages: docs/tts-websocket.md)",
+            {**_websocket, **_errors(400, 401, 503)},
+            params=[{"name": "format", "in": "query", "required": False, "schema": {"enum": ["pcm16", "opus"]}},
+                    {"name": "sample_rate", "in": "query", "required": False,
+                     "schema": {"type": "integer", "minimum": 8000, "maximum": 48000}},
+                    {"name": "voice", "in": "query", "required": False, "schema": _string},
+                    {"name": "words", "in": "query", "required": False, "schema": {"enum": ["true", "false"]}},
+                    {"name": "key", "in": "query", "required": False, "schema": _string,
+                     "description": "the API key, for browsers, which cannot set a WebSocket's headers"}],
+            security=KEYED,
+        )
+    },
     "/v1/tts": {
         "post": _op(
             "text in, audio streamed back as it is synthesized",

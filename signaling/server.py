@@ -23,7 +23,7 @@ from ..gateway.gateway import Gateway
 from ..gateway.peer import PeerConnection
 from .errors import MAX_CANDIDATE_BYTES, MAX_OFFER_BYTES, error_response, read_json_object
 from .http_guard import client_address
-from . import http_guard, openai_speech, openapi, sessions_api, tts_http, twilio_stream
+from . import http_guard, openai_speech, openapi, sessions_api, tts_http, tts_ws, twilio_stream
 
 log = logging.getLogger(__name__)
 
@@ -299,6 +299,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
     sessions_api.add_routes(app)
     twilio_stream.add_routes(app)
     tts_http.add_routes(app)
+    tts_ws.add_routes(app)
     openai_speech.add_routes(app)
     if settings.web:
         app.router.add_get("/", handle_index)

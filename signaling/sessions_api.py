@@ -152,12 +152,13 @@ def check_client_token(request: web.Request, token: object, session_id: str) -> 
         raise GatewayError("token_mismatch", "the token was issued for another session", 403)
 
 
-def check_api_key(request: web.Request) -> str | None:
-    """The caller's key; refuses (401) when keys are configured and this one is not among them."""
+def check_api_key(request: web.Request, query: bool = False) -> str | None:
+    """The caller's key; refuses (401) when keys are configured and this one is not among them.
+    `query`: the key may come as ?key= too (a browser cannot set a WebSocket's headers)."""
     keys = request.app["gateway"].settings.api_key
     if not keys:
         return None
-    given = api_key_of(request)
+    given = api_key_of(request) or (request.query.get("key") if query else None)
     if not given:
         raise GatewayError("unauthorized", "an API key is required: Authorization: Bearer <key> or X-API-Key", 401)
     # Header bytes that are not UTF-8 reach us as surrogates; compare raw bytes.

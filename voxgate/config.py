@@ -149,6 +149,7 @@ class Settings:
     tts_max_concurrent_per_key: int = setting(2, LIMITS, "POST /v1/tts requests at once per key or address",
                                               low=1, high=10000)
     tts_max_audio_s: float = setting(300.0, LIMITS, "audio seconds one POST /v1/tts request may make", low=1.0, high=86400.0)
+    tts_ws_max_contexts: int = setting(4, LIMITS, "contexts open at once on one /v1/tts/ws connection", low=1, high=64)
     header_timeout_s: float = setting(10.0, LIMITS, "time a connection has to send its first request head, s",
                                       low=1.0, high=3600.0)
     max_connections: int = setting(1024, LIMITS, "HTTP connections open at once; more get 503", low=16, high=1000000)
