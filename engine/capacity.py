@@ -49,6 +49,11 @@ OTHERS_TAU_S = 10.0
 # Of the cores left for synthesis, this share stays spare in the scheduler's plan:
 # windows, texts and the cores' own speed vary from step to step.
 RESERVE = 0.1
+# What the media of one speaking listener costs the gateway on the same node, in cores
+# (a cautious default above the figures in docs/benchmarks.md). A worker beside
+# its gateway charges it per listener it starts, so that a burst's media is planned for
+# before other processes' measured load (smoothed over OTHERS_TAU_S) shows it.
+LISTENER_MEDIA_COST = 0.015
 
 
 class SynthesisCost:
@@ -187,8 +192,9 @@ class CoreShare:
         return max(0.1, self.cores - self.others)
 
 
-def capacity(cost_per_audio_s: float | None, free_cores: float, reserve: float = 0.0) -> float:
-    """Listeners kept speaking at 1x real time by `free_cores` at that cost; inf when unmeasured."""
+def capacity(cost_per_audio_s: float | None, free_cores: float, reserve: float = 0.0, media: float = 0.0) -> float:
+    """Listeners kept speaking at 1x real time by `free_cores` at that cost (and `media`
+    cores per listener beside it); inf when unmeasured."""
     if not cost_per_audio_s:
         return float("inf")
-    return free_cores * (1.0 - reserve) / max(MIN_COST, cost_per_audio_s)
+    return free_cores * (1.0 - reserve) / (max(MIN_COST, cost_per_audio_s) + media)

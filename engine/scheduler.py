@@ -64,12 +64,16 @@ class Scheduler:
     def __init__(
         self, engine: Engine, *, send, parallel: int, cost: SynthesisCost | None = None,
         capacity: float | None = None, share: CoreShare | None = None, hold_new: bool = True,
+        media_cost: float = 0.0,
     ) -> None:
         """`cost`: what synthesis costs here, measured (engine/capacity.py); without it,
         and without a fixed `capacity` (listeners kept speaking at once), the cores
         count as endless. `share`: the sampler of other processes' load (default: one
         for this process). `hold_new=False` lets every stream start at once, as the
-        scheduler did before it protected started speech (benchmarks compare the two)."""
+        scheduler did before it protected started speech (benchmarks compare the two).
+        `media_cost`: cores per speaking listener that its gateway spends beside this
+        worker on the same cores (LISTENER_MEDIA_COST for the gateway's own worker; 0 for
+        a pool replica, whose gateways run elsewhere)."""
         self.engine = engine
         self.send = send
         self.parallel = max(1, parallel)
@@ -95,6 +99,7 @@ class Scheduler:
         self.fixed_capacity = capacity
         self.hold_new = hold_new
         self.share = share or CoreShare((0,))
+        self.media_cost = max(0.0, media_cost)
         # The cores steps can use: one per slot under load, every thread when steps run one at a time.
         self.slot_cores = float(self.parallel if self.parallel > 1 else self.max_threads)
         self._held: set[int] = set()  # sids counted in held_streams
@@ -198,8 +203,13 @@ class Scheduler:
         """Listeners the cores keep speaking at 1x real time, less a reserve (engine/capacity.py)."""
         if self.fixed_capacity is not None:
             return self.fixed_capacity
-        cores = min(self.slot_cores, self.share.free_cores)
-        return capacity(self.cost.per_audio_s if self.cost else None, cores, RESERVE)
+        free = self.share.free_cores
+        if self.media_cost:
+            # The gateway's media is charged per listener, at once; the part of the others'
+            # measured load that is the current listeners' media is not counted twice.
+            free = max(0.1, self.share.cores - max(0.0, self.share.others - self.speaking() * self.media_cost))
+        cores = min(self.slot_cores, free)
+        return capacity(self.cost.per_audio_s if self.cost else None, cores, RESERVE, self.media_cost)
 
     def step_s(self) -> float:
         """A step's wall time to plan with: high in its recent spread (STEP_QUANTILE), and

@@ -14,7 +14,7 @@ from typing import cast
 
 from ..logs import setup_logging
 from . import proto, wire
-from .capacity import SynthesisCost, calibrate
+from .capacity import LISTENER_MEDIA_COST, SynthesisCost, calibrate
 from .registry import create_engine
 from .scheduler import Scheduler
 
@@ -53,7 +53,7 @@ def run_worker(
     except Exception as exc:  # the engine works; its capacity is then unmeasured until its first steps
         log.warning("synthesis cost not measured at start: %s", exc)
         cost = SynthesisCost()
-    scheduler = Scheduler(engine, send=send, parallel=parallel, cost=cost)
+    scheduler = Scheduler(engine, send=send, parallel=parallel, cost=cost, media_cost=LISTENER_MEDIA_COST)
     log.debug("worker %d: engine %s loaded in %.2f s, %d step(s) at once", info["pid"], engine_name, info["load_s"], parallel)
     send(proto.Ready(info))
 

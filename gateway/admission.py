@@ -39,7 +39,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from ..engine.capacity import RESERVE, CoreShare
+from ..engine.capacity import LISTENER_MEDIA_COST, RESERVE, CoreShare
 from .errors import GatewayError
 
 if TYPE_CHECKING:
@@ -48,8 +48,8 @@ if TYPE_CHECKING:
 # Sent with a refusal for capacity: the client may try again shortly.
 RETRY_LATER = {"Retry-After": "5"}
 # What the media of one speaking session costs this process, in cores, until measured:
-# a cautious default above the figures in docs/benchmarks.md.
-MEDIA_COST_S = 0.015
+# a cautious default above the figures in docs/benchmarks.md; the worker plans with the same figure.
+MEDIA_COST_S = LISTENER_MEDIA_COST
 # The measured media cost is taken only from seconds with at least this many sessions
 # speaking (fewer say more about the process's fixed costs than about media), and is
 # kept within these bounds.
@@ -317,6 +317,17 @@ class Admission:
             return False, "max_sessions"
         why = self._overloaded(self.settings.talk_share, self.settings.ready_margin)
         return why is None, why
+
+    def fleet_load(self) -> tuple[float, float]:
+        """(budget, demand) as the fleet's directory publishes them for placement: a node that
+        refuses every new session for now (draining, engine not ready, its maximum of
+        sessions, a late loop) has its budget cut to its demand, so no headroom."""
+        gw = self.gw
+        f = self._figures()
+        self.figures = f
+        full = (not gw.accepting or not gw.engine.ready or len(gw.sessions) + gw.tts_active >= self.settings.max_sessions
+                or f.loop_lag > MAX_LOOP_LAG_S or f.late_share > MAX_LATE_SHARE)
+        return (min(f.budget, f.expected) if full else f.budget), f.expected
 
     def _busy_message(self, why: str) -> str:
         f = self.figures

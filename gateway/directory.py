@@ -21,6 +21,15 @@ of their own that waits up to `REDIS_TIMEOUT_S` for a connection, so a flood
 of them queues or fails fast, and never takes the connections the records'
 refreshes need.
 
+Each gateway also publishes its load every LOAD_INTERVAL_S in `voxgate:load`,
+signed the same way: its speech budget and the demand it plans with (real-time
+factors, gateway/admission.py) and its session count, with an expiry of
+LOAD_TTL_S. From these a gateway places a new session (`placement`) on the
+gateway of the fleet with the most headroom (budget less demand), and names one
+with room (`room_elsewhere`) when it refuses a session for capacity itself. A
+load that is stale, unsigned, out of range, or of a gateway not on the list is
+not used.
+
 redis-py is imported only when a directory is made (`--redis-url`), so a
 standalone gateway does not need it.
 """
@@ -32,6 +41,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -50,6 +60,14 @@ REFRESH_SHARE = 1 / 3
 CLAIM_WAIT_S = 2.0
 
 GATEWAYS_KEY = "voxgate:gateways"  # hash: advertise URL -> signed expiry
+LOAD_KEY = "voxgate:load"  # hash: advertise URL -> signed load (budget, demand, sessions, expiry)
+# Each gateway writes its load and reads the others' this often; a load older than
+# LOAD_TTL_S (three writes missed) is not placed on.
+LOAD_INTERVAL_S = 1.0
+LOAD_TTL_S = 3.0
+# A published budget or demand past this (seconds of audio per second) is not a load of ours.
+MAX_LOAD_RTF = 1e6
+MAX_LOAD_SESSIONS = 10_000_000
 # Connections for lookups, which sit in front of requests: more wait for one, up to REDIS_TIMEOUT_S.
 LOOKUP_CONNECTIONS = 32
 # A record is under 300 bytes; anything much longer is not one of ours and is not parsed.
@@ -163,6 +181,53 @@ class SessionRecord:
         return record, "ok"
 
 
+@dataclass
+class GatewayLoad:
+    """A gateway's load as it published it: real-time factors, seconds of audio per second."""
+
+    budget: float  # inf: not measured yet
+    demand: float
+    sessions: int
+    expires_at: float  # wall-clock seconds
+
+    @property
+    def headroom(self) -> float:
+        return self.budget - self.demand
+
+    def fields(self) -> tuple[str, str, str, str]:
+        budget = "inf" if math.isinf(self.budget) else f"{self.budget:.3f}"
+        return (f"{self.expires_at:.3f}", budget, f"{self.demand:.3f}", str(self.sessions))
+
+    def encode(self, url: str, signer: RecordSigner) -> str:
+        exp, budget, demand, sessions = self.fields()
+        return json.dumps({"exp": exp, "budget": budget, "demand": demand, "sessions": sessions,
+                           "sig": signer.sign("load", url, exp, budget, demand, sessions)}, separators=(",", ":"))
+
+    @classmethod
+    def decode(cls, url: str, raw: object, signer: RecordSigner) -> GatewayLoad | None:
+        """The load, or None when it is unreadable, unsigned or out of range."""
+        if not isinstance(raw, str) or len(raw) > MAX_RECORD_BYTES:
+            return None
+        try:
+            data = json.loads(raw)
+            exp, budget, demand, sessions, sig = data["exp"], data["budget"], data["demand"], data["sessions"], data["sig"]
+        except (ValueError, KeyError, TypeError, RecursionError):
+            return None
+        if not all(isinstance(x, str) and len(x) <= 32 for x in (exp, budget, demand, sessions)):
+            return None
+        if not signer.valid(sig, "load", url, exp, budget, demand, sessions):
+            return None
+        try:
+            load = cls(float(budget), float(demand), int(sessions), float(exp))
+        except ValueError:
+            return None
+        if not (0.0 <= load.budget <= MAX_LOAD_RTF or load.budget == math.inf) or not 0.0 <= load.demand <= MAX_LOAD_RTF:
+            return None
+        if not 0 <= load.sessions <= MAX_LOAD_SESSIONS or not math.isfinite(load.expires_at):
+            return None
+        return load
+
+
 class Directory:
     """This gateway's view of the fleet's session directory."""
 
@@ -199,14 +264,22 @@ class Directory:
         self._on_forged = on_forged or (lambda why: None)
         self._forged_logged_at = -FORGED_LOG_INTERVAL_S
         self.up = False
+        # This gateway's load as (budget, demand, sessions), published every LOAD_INTERVAL_S.
+        self.load_source: Callable[[], tuple[float, float, int]] | None = None
+        self.loads: dict[str, GatewayLoad] = {}  # the other gateways' loads as last read
+        self._loads_read_at = -math.inf
+        self._publisher: asyncio.Task | None = None
 
     async def start(self) -> None:
         self._refresher = asyncio.ensure_future(self._refresh_loop())
+        if self.load_source is not None:
+            self._publisher = asyncio.ensure_future(self._load_loop())
 
     async def close(self) -> None:
         """Stop refreshing and delete the records of the sessions still held."""
-        if self._refresher is not None:
-            self._refresher.cancel()
+        for task in (self._refresher, self._publisher):
+            if task is not None:
+                task.cancel()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=REDIS_TIMEOUT_S * 2)
         try:
@@ -214,6 +287,7 @@ class Directory:
                 for sid in list(self.held):
                     await self._release_script(keys=[KEY_PREFIX + sid], args=[self.advertise_url], client=pipe)
                 pipe.hdel(GATEWAYS_KEY, self.advertise_url)
+                pipe.hdel(LOAD_KEY, self.advertise_url)
                 await pipe.execute()
         except Exception as exc:  # noqa: BLE001 - shutting down: the records expire anyway
             log.info("directory: records not removed at shutdown (%s); they expire within %g s", exc, self.ttl_s)
@@ -414,3 +488,69 @@ class Directory:
             except DirectoryUnavailable as exc:
                 log.warning("directory refresh failed: %s; retrying in %.1f s", exc, interval)
             await asyncio.sleep(interval)
+
+    # Load and placement
+    async def publish_load(self) -> None:
+        """Write this gateway's load and read every gateway's (raises DirectoryUnavailable)."""
+        if self.load_source is None:
+            return
+        budget, demand, sessions = self.load_source()
+        budget = max(0.0, min(MAX_LOAD_RTF, budget)) if math.isfinite(budget) else math.inf
+        own = GatewayLoad(budget, max(0.0, min(MAX_LOAD_RTF, demand)), max(0, int(sessions)), time.time() + LOAD_TTL_S)
+
+        async def write() -> list:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hset(LOAD_KEY, self.advertise_url, own.encode(self.advertise_url, self.signer))
+                pipe.hgetall(LOAD_KEY)
+                return await pipe.execute()
+
+        results = await self._call(write())
+        now = time.time()
+        loads = {}
+        for url, raw in (results[1] or {}).items():
+            url = url.rstrip("/")
+            load = GatewayLoad.decode(url, raw, self.signer)
+            if load is not None and load.expires_at > now:
+                if url != self.advertise_url and (self.gateways.get(url, 0.0) > now or await self.is_gateway(url)):
+                    loads[url] = load
+            elif load is None or load.expires_at < now - 10 * LOAD_TTL_S:
+                # Never one of ours, or long gone: removed, unless rewritten meanwhile.
+                self._spawn(self._quietly(self._forget_script(keys=[LOAD_KEY], args=[url, raw])))
+        self.loads = loads
+        self._loads_read_at = time.monotonic()
+
+    async def _load_loop(self) -> None:
+        while True:
+            try:
+                await self.publish_load()
+            except DirectoryUnavailable:
+                pass  # the refresh loop logs Redis's state; placement keeps sessions here meanwhile
+            except Exception:  # noqa: BLE001 - a load that cannot be read must not stop publishing
+                log.exception("publishing this gateway's load failed")
+            await asyncio.sleep(LOAD_INTERVAL_S)
+
+    def _with_room(self, need: float) -> list[tuple[float, str]]:
+        """(headroom, URL) of the other gateways, listed and with a fresh load, that can take `need`."""
+        now = time.time()
+        return sorted(((load.headroom, url) for url, load in self.loads.items()
+                       if load.expires_at > now and self.gateways.get(url, 0.0) > now and load.headroom >= need),
+                      reverse=True)
+
+    def room_elsewhere(self, need: float) -> str | None:
+        """Another gateway of the fleet that has room for `need` more, the most headroom first (None: none)."""
+        ranked = self._with_room(need)
+        return ranked[0][1] if ranked else None
+
+    def placement(self, need: float, own_headroom: float) -> str | None:
+        """Where a new session goes: another gateway's URL when it has room and more headroom
+        than this one's `own_headroom`; None for here."""
+        ranked = self._with_room(need)
+        if not ranked or ranked[0][0] <= own_headroom:
+            return None
+        return ranked[0][1]
+
+    def placed(self, url: str, need: float) -> None:
+        """A session was placed on `url`: count it there until that gateway's next load."""
+        load = self.loads.get(url)
+        if load is not None:
+            load.demand += need

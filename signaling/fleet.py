@@ -22,6 +22,16 @@ which may be absolute). It adds one hop header, which can only take routing away
 that carries it is answered locally, so a stale record never bounces requests
 between gateways.
 
+Placement: each gateway publishes its load (its speech budget and demand,
+gateway/admission.py) in the directory. `POST /v1/sessions` on any gateway
+makes the session on the gateway with the most headroom: here, unless another
+one of the fleet has room for a session (--talk-share) and more headroom than
+this one; then the request is sent there (once: the hop header) and its answer,
+whose URLs name that gateway's --advertise-url, is returned. If that gateway
+refuses or does not answer, the session is made here, or refused here. A
+session or offer refused here for capacity names a gateway with room in its
+503 (`error.gateway`).
+
 An unknown or expired id gets the same 404 `unknown_session` the local handler
 gives; Redis down and the session not here gets 503 `directory_unavailable`;
 a holder that does not answer gets 502 `owner_unreachable`.
@@ -33,6 +43,7 @@ import asyncio
 import base64
 import json
 import logging
+import math
 from typing import cast
 
 import aiohttp
@@ -43,7 +54,7 @@ from ..gateway.directory import Directory, DirectoryUnavailable, RecordRefused, 
 from ..gateway.session import Session
 from ..gateway.errors import GatewayError
 from .errors import MAX_CANDIDATE_BYTES, MAX_OFFER_BYTES, READ_AHEAD, error_response, read_body
-from .sessions_api import SIGNER, TRACK_HOOKS, bearer_of, check_api_key
+from .sessions_api import CREATE_BODY_LIMIT, SIGNER, TRACK_HOOKS, bearer_of, check_api_key, session_urls
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +108,23 @@ class Fleet:
             on_up=lambda up: self.directory_up.set(int(up)), on_forged=lambda why: self.forged.labels(why).inc(),
             password=s.redis_password,
         )
+        self.placed = Counter(
+            "voxgate_fleet_placed_total", "Sessions of POST /v1/sessions sent to another gateway with more headroom, "
+            "by outcome (placed; refused or unreachable: made or refused here instead)", ["outcome"], registry=registry,
+        )
+        self.room = Gauge("voxgate_fleet_gateways_with_room",
+                          "Other gateways of the fleet whose last published load has room for a session", registry=registry)
+        self.room.set_function(lambda: len(self.directory._with_room(s.talk_share)))
+        self.directory.load_source = self._load
+        gw.admission.elsewhere = lambda: self.directory.room_elsewhere(s.talk_share)
         self.gateway = gw
         self.max_ws_message = max(4 * s.max_message_bytes, 1 << 20)  # as the local handler
         self._client: aiohttp.ClientSession | None = None
         self.sockets: set[web.WebSocketResponse] = set()
+
+    def _load(self) -> tuple[float, float, int]:
+        budget, demand = self.gateway.admission.fleet_load()
+        return budget, demand, len(self.gateway.sessions)
 
     def track(self, session: Session, owner: str | None) -> None:
         def taken() -> None:
@@ -222,6 +246,10 @@ async def route(request: web.Request, handler):
                 body = request[READ_AHEAD] = await read_body(request, MAX_CANDIDATE_BYTES)
     except GatewayError as exc:
         return error_response(exc)
+    if label == "create" and not request.headers.get(HOP_HEADER):
+        placed = await _place(request, fleet)
+        if placed is not None:
+            return placed
     if sid is None:
         response = await handler(request)
         return await _settle_new_session(fleet, response) if label in ("create", "offer") else response
@@ -255,6 +283,50 @@ async def route(request: web.Request, handler):
     if label == "ws":
         return await _proxy_ws(request, fleet, record.gateway)
     return await _proxy_http(request, fleet, record.gateway, label, body)
+
+
+async def _place(request: web.Request, fleet: Fleet) -> web.Response | None:
+    """Make a new session on the gateway of the fleet with the most headroom, if that is not
+    this one: that gateway's answer, with its URLs; None to make it here."""
+    gw = fleet.gateway
+    need = gw.settings.talk_share
+    budget, demand = gw.admission.fleet_load()
+    target = fleet.directory.placement(need, budget - demand)
+    if target is None:
+        return None
+    try:
+        check_api_key(request)  # a request the local handler refuses goes nowhere
+        body = request[READ_AHEAD] = await read_body(request, CREATE_BODY_LIMIT)
+    except GatewayError:
+        return None  # the local handler gives the error
+    try:
+        async with fleet.client.post(
+            target + "/v1/sessions", data=body or None, headers=_forward_headers(request), allow_redirects=False,
+            timeout=aiohttp.ClientTimeout(total=PROXY_TIMEOUT_S),
+        ) as resp:
+            payload = await _read_capped(resp.content, MAX_PROXIED_RESPONSE_BYTES)
+            status = resp.status
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        log.warning("placing a session on %s failed (%s); making it here", target, type(exc).__name__)
+        fleet.placed.labels("unreachable").inc()
+        fleet.directory.placed(target, math.inf)  # not again until it publishes its load
+        return None
+    try:
+        made = json.loads(payload) if status == 201 else None
+    except ValueError:
+        made = None
+    if not isinstance(made, dict) or not isinstance(made.get("session_id"), str):
+        # Full meanwhile (another gateway placed there too), or not answering as a gateway does.
+        log.info("gateway %s did not take a placed session (%s); making it here", target, status)
+        fleet.placed.labels("refused").inc()
+        fleet.directory.placed(target, math.inf)
+        return None
+    fleet.directory.placed(target, need)
+    fleet.placed.labels("placed").inc()
+    made.update(session_urls(target, made["session_id"]))
+    log.info("session %s placed on %s, the gateway with the most headroom", made["session_id"], target,
+             extra={"session_id": made["session_id"]})
+    return web.json_response(made, status=201)
 
 
 async def _settle_new_session(fleet: Fleet, response: web.StreamResponse) -> web.StreamResponse:

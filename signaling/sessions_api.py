@@ -246,8 +246,13 @@ async def abandon_offer(app: web.Application, peer: PeerConnection, created: boo
 def _urls(request: web.Request, session_id: str) -> dict:
     proto = request.headers.get("X-Forwarded-Proto", request.scheme)
     host = request.headers.get("X-Forwarded-Host", request.host)
-    http = f"{proto}://{host}"
-    ws = f"{'wss' if proto == 'https' else 'ws'}://{host}"
+    return session_urls(f"{proto}://{host}", session_id)
+
+
+def session_urls(base: str, session_id: str) -> dict:
+    """A session's URLs on the gateway at `base` (http(s)://HOST[:PORT])."""
+    http = base.rstrip("/")
+    ws = ("wss" if http.startswith("https:") else "ws") + http[http.index(":"):]
     return {
         "session_url": f"{http}/v1/sessions/{session_id}",
         "offer_url": f"{http}/v1/offer",

@@ -181,6 +181,7 @@ class RtcClient:
         self._channel: RTCDataChannel | None = None
         self._audio_task: asyncio.Task | None = None
         self._opened = asyncio.Event()
+        self.offer_s: float | None = None
 
     async def connect(self, timeout: float = 20.0) -> dict:
         pc = self.pc
@@ -218,8 +219,11 @@ class RtcClient:
             body["voice"] = self.voice
         body.update({k: v for k, v in self.join.items() if v})
         async with aiohttp.ClientSession() as http:
+            posted = time.perf_counter()
             async with http.post(self.base_url + "/v1/offer", json=body) as resp:
                 answer = await resp.json()
+                # How long the server took to answer the offer (or refuse it), at this client.
+                self.offer_s = time.perf_counter() - posted
                 if resp.status != 200:
                     raise OfferRefused(resp.status, answer)
         self.session_id = answer["session_id"]
