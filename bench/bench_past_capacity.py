@@ -12,7 +12,7 @@ measures: the budget (`budget_rtf` on /readyz, seconds of audio per second) once
 server is up, so C sessions speaking at once.
 
 1. 2x C, all speaking at once. 2*ceil(C) offers arrive one after another, each admitted
-   session speaking its reply (about 16.5 s) from the moment it is connected (so the next
+   session speaking its reply (about 14 s) from the moment it is connected (so the next
    offer finds it speaking). Per admitted session: wall time from its `audio.started` to
    its `utterance.done` (as they reach the client) over its `audio_ms`; client gaps over
    60 ms between decoded frames of the reply; whether it was ever refused or closed
