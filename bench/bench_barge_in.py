@@ -3,6 +3,9 @@
     python bench/bench_barge_in.py                 # about 6 minutes on 2 cores
     python bench/bench_barge_in.py --quick         # a few trials of each
     python bench/bench_barge_in.py --server-arg=--no-echo-cancel   # the same without the canceller
+    python bench/bench_barge_in.py --baseline-arg=--no-echo-cancel --min-interrupt-ms 400
+        # quiet-room interruptions against a second gateway with the VAD alone, interleaved in
+        # the same run, and the backchannel policy at 400 ms beside the default
 
 What runs: a gateway process with the embedded voice (Piper joe) on loopback,
 and real aiortc clients in this process, each one session over UDP. A client's
@@ -23,6 +26,11 @@ caller is played into it (espeak-ng voices, never the bot's).
   on the client's clock: measured at the client, with the real voice.
 - backchannel: the same with a one-word backchannel ("Okay.", "Mm-hmm."...).
 - background: music and room noise in the room while the bot speaks, no echo.
+
+- quiet_room_baseline (with --baseline-arg): the quiet-room interruptions
+  again, the same clips, against a second gateway started with those flags
+  (--no-echo-cancel: the VAD alone, as before the echo work), each pair of
+  trials run side by side so both arms see the same machine.
 
 All sessions run at the server's defaults unless --server-arg says otherwise;
 --min-interrupt-ms runs the interruption and backchannel trials again with
@@ -169,8 +177,8 @@ def interrupt_summary(rows: list[dict]) -> dict:
     }
 
 
-async def run(args, url: str) -> dict:
-    out: dict = {"server_args": args.server_arg}
+async def run(args, url: str, baseline_url: str | None = None) -> dict:
+    out: dict = {"server_args": args.server_arg, "baseline_args": args.baseline_arg}
     trials = Trials(url, args.concurrency)
     sessions = max(1, args.utterances // 2)
 
@@ -195,12 +203,34 @@ async def run(args, url: str) -> dict:
     section("caller interruptions")
     out["interrupt"] = {}
     for name, echo_db in (("echo_-10", -10.0), ("quiet_room", None)) if "interrupt" in args.only else ():
-        rows = await callers("interrupt", echo_db, args.interruptions, trials)
+        if name == "quiet_room" and baseline_url:
+            # The same clips against both gateways, each pair side by side (one gate for both).
+            base = Trials(baseline_url, args.concurrency)
+            base.gate = trials.gate
+            pairs = clips("interrupt", args.interruptions)
+            jobs = [t.caller(pcm, None, DELAYS_MS[i % len(DELAYS_MS)], i)
+                    for i, (_, _, pcm) in enumerate(pairs) for t in (trials, base)]
+            both = list(await asyncio.gather(*jobs))
+            rows, base_rows = both[0::2], both[1::2]
+            out["interrupt"]["quiet_room_baseline"] = {**interrupt_summary(base_rows), "rows": base_rows}
+            b = out["interrupt"]["quiet_room_baseline"]
+            print(f"quiet_room_baseline ({' '.join(args.baseline_arg)}): detected {b['detected']}/"
+                  f"{b['trials'] - b['spoiled_by_early_barge_in']}, p50 {b['latency_ms'].get('p50')} ms "
+                  f"(p95 {b['latency_ms'].get('p95')})", flush=True)
+        else:
+            rows = await callers("interrupt", echo_db, args.interruptions, trials)
         out["interrupt"][name] = {**interrupt_summary(rows), "rows": rows}
         s = out["interrupt"][name]
         print(f"{name}: detected {s['detected']}/{s['trials'] - s['spoiled_by_early_barge_in']}, "
               f"onset to utterance.interrupted p50 {s['latency_ms'].get('p50')} ms "
               f"(p95 {s['latency_ms'].get('p95')}; spoiled by an earlier barge-in: {s['spoiled_by_early_barge_in']})", flush=True)
+
+    if "quiet_room_baseline" in out["interrupt"]:
+        a = out["interrupt"]["quiet_room"]["latency_ms"].get("p50")
+        b = out["interrupt"]["quiet_room_baseline"]["latency_ms"].get("p50")
+        if a is not None and b is not None:
+            out["interrupt"]["quiet_room_p50_minus_baseline_ms"] = round(a - b, 1)
+            print(f"quiet room: p50 {a} ms against {b} ms for the baseline in the same run ({a - b:+.1f} ms)", flush=True)
 
     section("backchannels (quiet room)")
     rows = await callers("backchannel", None, args.backchannels if "backchannel" in args.only else 0, trials)
@@ -226,6 +256,7 @@ async def run(args, url: str) -> dict:
             real = interrupt_summary(await callers("interrupt", -10.0, args.policy_trials, t))
             back = interrupt_summary(await callers("backchannel", -10.0, args.policy_trials, t))
             out["policy"][str(value)] = {"interrupt_echo_-10": real, "backchannel_echo_-10": back}
+            out["policy"][str(value)]["backchannels_interrupting"] = f"{back['detected']}/{back['trials'] - back['spoiled_by_early_barge_in']}"
             print(f"min_interrupt_ms {value}: real interruptions p50 {real['latency_ms'].get('p50')} ms "
                   f"({real['detected']}/{real['trials']} detected); backchannels that interrupted "
                   f"{back['detected']}/{back['trials']}", flush=True)
@@ -240,6 +271,9 @@ def main() -> None:
     parser.add_argument("--backgrounds", type=int, default=4, help="music and noise trials each")
     parser.add_argument("--concurrency", type=int, default=3, help="sessions at once")
     parser.add_argument("--server-arg", action="append", default=[], help="an extra flag for the gateway (repeatable)")
+    parser.add_argument("--baseline-arg", action="append", default=[],
+                        help="start a second gateway with this flag (repeatable) and run the quiet-room "
+                             "interruptions against it too, in the same run")
     parser.add_argument("--min-interrupt-ms", type=int, action="append", default=[],
                         help="also measure the backchannel trade-off at this per-session setting (repeatable)")
     parser.add_argument("--policy-trials", type=int, default=12, help="trials of each kind per --min-interrupt-ms value")
@@ -255,20 +289,32 @@ def main() -> None:
     log_path = os.path.join(ARTIFACTS, f"bench-barge-in-server-{port}.log")
     cmd = [sys.executable, "-m", "voxgate.cli", "serve", "--port", str(port), "--ice-host", "127.0.0.1",
            "--engine", "piper", "--no-web", *args.server_arg]
+    baseline = None
     with open(log_path, "w") as log:
         server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
             url = f"http://127.0.0.1:{port}"
+            baseline_url = None
+            if args.baseline_arg:
+                bport = free_port()
+                bcmd = [*cmd[:cmd.index("--port") + 1], str(bport), *cmd[cmd.index("--port") + 2:len(cmd) - len(args.server_arg)],
+                        *args.baseline_arg]
+                baseline = subprocess.Popen(bcmd, stdout=log, stderr=subprocess.STDOUT)
+                baseline_url = f"http://127.0.0.1:{bport}"
             wait_ready(url)
-            info = machine(exclude={server.pid, os.getpid()})
+            if baseline_url:
+                wait_ready(baseline_url)
+            info = machine(exclude={server.pid, os.getpid(), *([baseline.pid] if baseline else [])})
             print_machine(info, "machine")
             results = {"machine": info, "args": vars(args), "label": "barge-in: client clock (onset as the client's "
                        "microphone sent it, to the event's arrival), gateway with the real voice (Piper joe), "
                        "normal priority, loopback"}
-            results.update(asyncio.run(run(args, url)))
+            results.update(asyncio.run(run(args, url, baseline_url)))
         finally:
-            server.terminate()
-            server.wait(20)
+            for proc in (server, baseline):
+                if proc is not None:
+                    proc.terminate()
+                    proc.wait(20)
     finish("barge-in", results, started, args.out)
 
 

@@ -49,6 +49,11 @@ FILTER_MS = 128  # the canceller's tail after its reference: the room, and an es
 LEAD_MS = 20  # the reference goes to the canceller this much early, so an estimate a little long still works
 TAIL_MS = 60  # the room's reverberation: the echo outlasts its reference this long
 ESTIMATE_WINDOW_MS = 2000
+# Of that window, how much must be the microphone's own sound (after its first packet): before it,
+# its envelope is a floor, and the step from that floor to the room (music, noise) as the
+# microphone opens, just as the bot starts to talk, correlates with the bot's own step at a lag
+# where no echo is.
+MIN_HEARD_MS = 1000
 ESTIMATE_EVERY_FRAMES = 10  # 200 ms
 MIN_CORRELATION = 0.6
 CONFIRMATIONS = 3  # estimates in a row (600 ms) that must agree before a delay is taken
@@ -70,6 +75,7 @@ MAX_MISSING_FRAMES = 50  # before the microphone's first packet, at most this mu
 _LOG_FLOOR = 1e2  # hop energies under this are the floor (silence), in int16 units squared
 _MAX_LAG_HOPS = MAX_DELAY_MS // 10
 _WINDOW_HOPS = ESTIMATE_WINDOW_MS // 10
+_MIN_HEARD_HOPS = MIN_HEARD_MS // 10
 _ENV_RING = 1 << 9  # hops of envelope kept: more than a window plus the longest lag
 
 
@@ -143,6 +149,7 @@ class EchoCanceller:
         self._ref_env_end = 0  # hop index after the last complete reference hop
         self._mic_env = np.full(_ENV_RING, _LOG_FLOOR)
         self._mic_end: int | None = None
+        self._mic_first_hop: int | None = None  # the first hop of the microphone's own sound
         self._pending = np.zeros(0, dtype=np.int16)
         self._last_active_hop = -(10**9)
         self._talk_start_hop = 0
@@ -272,6 +279,7 @@ class EchoCanceller:
             # browser its DTX), which is what a gap says too. Up to a second of it teaches the guard.
             missing = 0 if self._ref_end is None else min(MAX_MISSING_FRAMES, max(0, start - self._first_ref) // FRAME_SAMPLES)
             self._mic_end = start - missing * FRAME_SAMPLES
+            self._mic_first_hop = -(-start // HOP)
             self._quiet(missing, QUIET_DB, caller_quiet=True)
         elif abs(start - self._mic_end) > 2 * FRAME_SAMPLES:
             self._mic_end = start
@@ -352,11 +360,17 @@ class EchoCanceller:
         return _db(float(self._ref_env[idx].max()))
 
     def _estimate(self, end_hop: int) -> None:
-        """Correlate the last window of microphone envelope with the reference's at every lag."""
-        first = end_hop - _WINDOW_HOPS - _MAX_LAG_HOPS
+        """Correlate the last window of microphone envelope (what of it the microphone has heard)
+        with the reference's at every lag."""
+        window = _WINDOW_HOPS
+        if self._mic_first_hop is not None:
+            window = min(window, end_hop - self._mic_first_hop)
+        if window < _MIN_HEARD_HOPS:
+            return  # the microphone has not been heard for long enough yet
+        first = end_hop - window - _MAX_LAG_HOPS
         if first < self._ref_env_end - _ENV_RING + 1 or end_hop > self._ref_env_end + 1:
             return  # not enough kept yet, or the reference lags the microphone (a stall)
-        mic = np.log(self._mic_env[np.arange(end_hop - _WINDOW_HOPS, end_hop) % _ENV_RING])
+        mic = np.log(self._mic_env[np.arange(end_hop - window, end_hop) % _ENV_RING])
         ref = np.log(self._ref_env[np.arange(first, end_hop) % _ENV_RING])
         if 10 / math.log(10) * float(ref.std()) < MIN_SPREAD_DB:
             return
@@ -365,7 +379,7 @@ class EchoCanceller:
         if mic_norm == 0.0:
             return
         # windows[j] is the reference _MAX_LAG_HOPS - j hops behind the microphone's window.
-        windows = np.lib.stride_tricks.sliding_window_view(ref, _WINDOW_HOPS)
+        windows = np.lib.stride_tricks.sliding_window_view(ref, window)
         centred = windows - windows.mean(axis=1, keepdims=True)
         norms = np.sqrt(np.einsum("ij,ij->i", centred, centred))
         corr = centred @ mic / np.maximum(norms * mic_norm, 1e-9)

@@ -129,6 +129,30 @@ def test_the_echo_delay_is_found_and_its_echo_kept_under_the_guard():
     assert voiced == 0
 
 
+def test_music_that_starts_with_the_bot_is_not_taken_for_its_echo():
+    """No echo at all: music in the room, the microphone opening just as the bot starts to talk.
+    The step from nothing to music must not line up with the bot's own start as an echo at some
+    delay (the canceller then pumps the music with the bot's syllables, and it starts speech):
+    no delay is taken and no frame is voiced. bench_barge_in's music trials, on the module alone."""
+    import soxr
+
+    packets = _joe_packets(corpus.BOT_REPLIES[0])
+    for seed in range(3):
+        room = corpus.music(8.0, -30.0, seed).astype(np.float64) + corpus.room_noise(8.0, -60.0, seed)
+        mic = soxr.resample(room.astype(np.float32), 48000, 16000).astype(np.int16)
+        tap = ReferenceTap()
+        echo = EchoCanceller("opus", tap, epoch=0.0)
+        vad = VoiceActivityDetector(VadSettings())
+        events = []
+        for j in range(min(len(mic) // 320, len(packets))):
+            tap(packets[j], j * 0.02)
+            for frame, guard in echo.process(mic[j * 320 : (j + 1) * 320], (j + 1) * 0.02):
+                events.extend(vad.frame(frame, guard))
+                echo.learn(caller_quiet=vad.quiet)
+        assert echo.delay_hops is None, (seed, echo.delay_hops, echo.correlation)
+        assert "speech.started" not in events, seed
+
+
 @pytest.mark.parametrize("update", [{"min_interrupt_ms": 5}, {"min_interrupt_ms": "x"}, {"echo_cancel": 1}, {"volume": 3}])
 async def test_bad_barge_in_settings_are_refused(tone_server, update):
     from voxgate.rtc_client import RtcClient
