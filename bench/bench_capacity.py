@@ -45,6 +45,11 @@ Scenarios (every session the same; the tone engine at 40 ms per character):
      sentence after the bot, or, in a quarter of the cycles, 1-2.5 s into the
      bot's speech (a barge-in: the server's VAD interrupts the bot). The bot
      speaks about 40 % of the time; the measured share is reported.
+  d  c, and each session's backend (a WebSocket with ?audio=pcm16, in the
+     generator) takes the caller's audio: every microphone frame decoded,
+     quiet or not, and sent as a binary message (issue 40). With
+     --product-args for the echo canceller and the VAD, c and d give the cost
+     per session of each (docs/benchmarks.md has the command).
 
 Windows. For each scenario and session count, each server in turn (the order
 rotates from step to step): the generators connect N sessions, wait
@@ -717,6 +722,7 @@ class Bench:
             "client": {
                 "window_s": round(client_window, 2),
                 "packets": packets,
+                "caller_audio_frames": sum(r.get("backend_frames", 0) for r in reports),  # scenario d's backends
                 "packets_expected": int(connected * 50 * client_window),
                 "gaps_measured": len(gaps),
                 "gap_p50_ms": percentile(gaps, 50),
@@ -1217,7 +1223,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--quick", action="store_true", help="5 and 20 sessions, 3 s windows, one ramp step: under 3 minutes")
     parser.add_argument("--sessions", default="5,10,20,40", help="session counts of the matrix (default 5,10,20,40)")
-    parser.add_argument("--scenarios", default="abc", help="which of a, b, c (default abc)")
+    parser.add_argument("--scenarios", default="abc", help="which of a, b, c, d (default abc)")
     parser.add_argument("--sides", default="product,baseline,matched", help="servers to run: product, baseline, matched")
     parser.add_argument("--product-args", action="append", default=None, metavar="FLAGS",
                         help="extra `voxgate serve` flags, one string (repeat to compare settings in one run)")

@@ -54,14 +54,17 @@ MIC_BITRATE = 32000
 
 
 class Scenario:
-    def __init__(self, key: str, title: str, mic: bool, conversation: bool) -> None:
+    def __init__(self, key: str, title: str, mic: bool, conversation: bool, caller_audio: bool = False) -> None:
         self.key, self.title, self.mic, self.conversation = key, title, mic, conversation
+        self.caller_audio = caller_audio  # a backend takes each session's caller audio (?audio=pcm16)
 
 
 SCENARIOS = {
     "a": Scenario("a", "continuous speech, receive-only clients", mic=False, conversation=False),
     "b": Scenario("b", "continuous speech, quiet microphone, VAD on", mic=True, conversation=False),
     "c": Scenario("c", "conversation: bot 40 %, microphone always on, user speaks now and then (barge-in)", mic=True, conversation=True),
+    "d": Scenario("d", "c, and a backend takes each session's caller audio (?audio=pcm16)", mic=True, conversation=True,
+                  caller_audio=True),
 }
 
 
@@ -180,6 +183,8 @@ class LoadClient:
         self._n = 0
         self.outstanding = 0
         self.closed_by_server = False
+        self.backend = None  # scenario d: the session's backend, reading its caller audio
+        self.backend_frames = 0
         self.reset(None)
 
     def reset(self, mark: float | None) -> None:
@@ -192,6 +197,17 @@ class LoadClient:
         self.error_examples: list[str] = []
 
     async def start(self) -> None:
+        if self.scenario.caller_audio:
+            # The backend makes the session and takes its caller audio; the client joins it.
+            from voxgate.client import VoxgateSession
+            from voxgate.rtc_client import RtcClient
+
+            self.backend = VoxgateSession(self.rtc.base_url, caller_audio=True)
+            await self.backend.open()
+            self.rtc = RtcClient(self.rtc.base_url, dtx=True, session_id=self.backend.session_id,
+                                 token=self.backend.client_token)
+            self.rtc.mic = self.track
+            self._tasks.append(asyncio.ensure_future(self._read_caller_audio()))
         await self.rtc.connect(timeout=30.0)
         if self.track is not None:
             # The sender's loop looks the method up for every frame, so this holds from the next one.
@@ -204,6 +220,10 @@ class LoadClient:
         self._tasks.append(asyncio.ensure_future(self._pump()))
         behaviour = self._conversation if self.scenario.conversation else self._continuous
         self._tasks.append(asyncio.ensure_future(behaviour()))
+
+    async def _read_caller_audio(self) -> None:
+        async for _ in self.backend.caller_frames():
+            self.backend_frames += 1
 
     # Arrivals and events
     def on_packet(self, t: float) -> None:
@@ -325,6 +345,8 @@ class LoadClient:
         for task in self._tasks:
             task.cancel()
         await self.rtc.close()
+        if self.backend is not None:
+            await self.backend.close()
 
 
 class Generator:
@@ -394,7 +416,7 @@ class Generator:
         if cmd == "report":
             now = time.perf_counter()
             self.measuring = False
-            out = {"clients": len(self.clients), "packets": 0, "speech_s": 0.0, "gaps_ms": [], "errors": [],
+            out = {"clients": len(self.clients), "backend_frames": sum(c.backend_frames for c in self.clients), "packets": 0, "speech_s": 0.0, "gaps_ms": [], "errors": [],
                    "closed_by_server": 0, "window_s": None}
             counts: dict[str, int] = {}
             for client in self.clients:

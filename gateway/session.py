@@ -178,9 +178,9 @@ class Session(SessionOutput, UtteranceQueue):
                 log.exception("session %s: listener failed", self.id, extra={"session_id": self.id})
 
     def _configure_echo(self) -> None:
-        """Start or stop the echo canceller as barge_in.echo_cancel says, where there is audio to cancel."""
-        want = (self.options.barge_in.echo_cancel and self.output_codec in ("opus", "pcmu", "pcma")
-                and not self._closed and speex.available())
+        """Start or stop the echo canceller as barge_in.echo_cancel and the VAD say, where there is audio to cancel."""
+        want = (self.options.barge_in.echo_cancel and self.options.vad.enabled
+                and self.output_codec in ("opus", "pcmu", "pcma") and not self._closed and speex.available())
         if want and self.echo is None:
             tap = ReferenceTap()
             self.echo = EchoCanceller(self.output_codec or "opus", tap, epoch=self.clock.origin)
@@ -251,6 +251,7 @@ class Session(SessionOutput, UtteranceQueue):
                 self.options.vad.update(msg["vad"])
             except (ValueError, TypeError) as exc:
                 raise GatewayError("invalid_field", str(exc)) from None
+            self._configure_echo()  # with the VAD off, nothing listens: no canceller, no reference tap
         if isinstance(msg.get("barge_in"), dict):
             try:
                 self.options.barge_in.update(msg["barge_in"])

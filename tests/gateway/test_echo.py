@@ -164,3 +164,20 @@ async def test_bad_barge_in_settings_are_refused(tone_server, update):
         client.send({"type": "session.update", "barge_in": {"min_interrupt_ms": 450, "echo_cancel": False}})
         updated = await client.wait_for("session.updated", timeout=10)
         assert updated["barge_in"] == {"min_interrupt_ms": 450, "echo_cancel": False}
+
+
+async def test_a_session_with_the_vad_off_keeps_no_canceller_and_no_reference():
+    """Nobody listens (VAD off, no backend taking the audio): no canceller and no reference tap on
+    the playout, so such a session pays nothing for either; the VAD back on brings them back."""
+    from tests.conftest import in_process_gateway
+    from voxgate.rtc_client import RtcClient
+
+    async with in_process_gateway() as (app, url):
+        async with RtcClient(url, mic=True) as client:
+            session = app["gateway"].sessions[client.session_id]
+            assert session.echo is not None and session.playout.tap is not None
+            for enabled in (False, True):
+                client.send({"type": "session.update", "vad": {"enabled": enabled}})
+                await client.wait_for("session.updated", timeout=10)
+                assert (session.echo is not None) is enabled
+                assert (session.playout.tap is not None) is enabled
