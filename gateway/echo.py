@@ -53,7 +53,7 @@ ESTIMATE_WINDOW_MS = 2000
 # its envelope is a floor, and the step from that floor to the room (music, noise) as the
 # microphone opens, just as the bot starts to talk, correlates with the bot's own step at a lag
 # where no echo is.
-MIN_HEARD_MS = 1000
+MIN_HEARD_MS = 300
 ESTIMATE_EVERY_FRAMES = 10  # 200 ms
 MIN_CORRELATION = 0.6
 CONFIRMATIONS = 3  # estimates in a row (600 ms) that must agree before a delay is taken
