@@ -5,7 +5,6 @@ that share one connection without hearing each other."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import numpy as np
