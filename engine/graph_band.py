@@ -80,8 +80,8 @@ def band_relative_attention(model: onnx.ModelProto) -> int:
     producers = {out: node for node in graph.node for out in node.output}
     consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
     for node in graph.node:
-        for name in node.input:
-            consumers[name].append(node)
+        for tensor in node.input:
+            consumers[tensor].append(node)
     try:
         # The text encoder's terms alone: the load-time check runs the prior, so
         # attention anywhere else (over frames, in a flow) is left as it was.

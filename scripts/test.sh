@@ -6,7 +6,7 @@
 # redis-server (the fleet tests start their own on loopback). Python: the
 # torch engine's CPU build (torch 2.13.0+cpu: from PyTorch's CPU index on a plain
 # machine, or from a local wheel where pip is configured with one) and the
-# project with its test, gpu and scale extras (Ray Serve, the Redis client).
+# project with its test, gpu, scale (Ray Serve, the Redis client), pipecat and livekit extras.
 # Nothing is downloaded at test time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +24,10 @@ fi
 pip_install() { python3 -m pip install -q --disable-pip-version-check --retries 2 "$@"; }
 # On PyPI, plain "torch==2.13.0" is the multi-GB CUDA build; "+cpu" is only on PyTorch's CPU index.
 pip_install "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
-pip_install -e ".[test,gpu,scale]"
+# pipecat and livekit: the plugins (voxgate.integrations) are tested in their frameworks. Together with
+# scale they resolve to protobuf 6.33 (pipecat-ai 1.14 needs <7) and grpcio-reflection 1.81 (its 1.85 needs
+# protobuf 7); Ray Serve's gRPC ingress, onnx and onnxruntime pass their tests on that (tests/pool, tests/engine).
+pip_install -e ".[test,gpu,scale,pipecat,livekit]"
 
 # ruff, mypy and the import contracts: seconds, before minutes of tests.
 bash scripts/lint.sh

@@ -122,9 +122,14 @@ class TTSWebSocket:
     async def connect(self, timeout: float = READY_TIMEOUT_S) -> "TTSWebSocket":
         if self._session is None:
             self._session = aiohttp.ClientSession()
+        session = self._session
+
+        async def open_socket():
+            return await session.ws_connect(self.url, headers=self.headers, autoping=True, heartbeat=None)
+
         try:
-            self._ws = await asyncio.wait_for(
-                self._session.ws_connect(self.url, headers=self.headers, autoping=True, heartbeat=None), timeout)
+            ws = await asyncio.wait_for(open_socket(), timeout)
+            self._ws = ws
         except aiohttp.WSServerHandshakeError as exc:
             await self._close_session()
             raise TTSWebSocketError(str(exc.status), exc.message or "handshake refused", exc.status) from None
@@ -132,7 +137,7 @@ class TTSWebSocket:
             await self._close_session()
             raise
         try:
-            first = await self._ws.receive(timeout=timeout)
+            first = await ws.receive(timeout=timeout)
             if first.type != aiohttp.WSMsgType.TEXT:
                 raise ConnectionLost(f"expected the server's ready message, got {first.type.name}")
             ready = json.loads(first.data)
@@ -144,7 +149,7 @@ class TTSWebSocket:
             await self.close()
             raise
         self.ready = ready
-        self._reader = asyncio.ensure_future(self._read())
+        self._reader = asyncio.ensure_future(self._read(ws))
         return self
 
     @property
@@ -169,10 +174,10 @@ class TTSWebSocket:
             except (ConnectionError, RuntimeError) as exc:
                 raise ConnectionLost(f"sending failed: {exc}") from None
 
-    async def _read(self) -> None:
+    async def _read(self, ws) -> None:
         reason = "the server closed the connection"
         try:
-            async for msg in self._ws:
+            async for msg in ws:
                 if msg.type != aiohttp.WSMsgType.TEXT:
                     continue
                 data = json.loads(msg.data)

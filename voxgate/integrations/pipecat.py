@@ -20,11 +20,11 @@ import base64
 import json
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from typing import Any
 
 try:
     from loguru import logger
-    from pipecat.frames.frames import ErrorFrame, Frame, TTSAudioRawFrame, TTSStoppedFrame
-    from pipecat.processors.frame_processor import FrameProcessorSetup
+    from pipecat.frames.frames import ErrorFrame, Frame, StartFrame, TTSAudioRawFrame, TTSStoppedFrame
     from pipecat.services.settings import TTSSettings
     from pipecat.services.tts_service import TextAggregationMode, WebsocketTTSService
     from websockets.exceptions import InvalidStatus
@@ -45,6 +45,7 @@ class VoxgateTTSService(WebsocketTTSService):
 
     Settings = VoxgateTTSSettings
     _settings: VoxgateTTSSettings
+    _websocket: Any  # websockets' connection, opened by _connect_websocket
 
     def __init__(self, *, url: str = "http://127.0.0.1:8080", api_key: str | None = None,
                  voice: str | None = None, sample_rate: int | None = None,
@@ -69,15 +70,15 @@ class VoxgateTTSService(WebsocketTTSService):
         ws_url(url, {})  # a bad URL fails here, not at the first word
         self._url = url
         self._api_key = api_key
-        self._receive_task = None
+        self._receive_task: asyncio.Task | None = None
         self._open_contexts: set[str] = set()  # contexts this connection has had text for
         self.ready: dict = {}
 
     def can_generate_metrics(self) -> bool:
         return True
 
-    async def setup(self, setup: FrameProcessorSetup):
-        await super().setup(setup)
+    async def start(self, frame: StartFrame):
+        await super().start(frame)  # the output sample rate is known from here on
         await self._connect()
 
     async def _connect(self):
@@ -108,14 +109,15 @@ class VoxgateTTSService(WebsocketTTSService):
             self._open_contexts.clear()
             await self._call_event_handler("on_connected")
         except Exception as e:
+            error: Exception = e
             if isinstance(e, InvalidStatus):
                 body = e.response.body.decode("utf-8", "replace")[:300] if e.response.body else ""
-                e = TTSWebSocketError(str(e.response.status_code), body, e.response.status_code)
-            await self.push_error(error_msg=f"Voxgate /v1/tts/ws: {e}", exception=e)
+                error = TTSWebSocketError(str(e.response.status_code), body, e.response.status_code)
+            await self.push_error(error_msg=f"Voxgate /v1/tts/ws: {error}", exception=error)
             if self._websocket:
                 await self._websocket.close()
             self._websocket = None
-            await self._call_event_handler("on_connection_error", f"{e}")
+            await self._call_event_handler("on_connection_error", f"{error}")
 
     async def _disconnect_websocket(self):
         try:
