@@ -125,7 +125,10 @@ class SynthesizeStream(tts.SynthesizeStream):
         output_emitter.initialize(request_id=context_id, sample_rate=self._tts.sample_rate, num_channels=1,
                                   mime_type="audio/pcm", stream=True)
         conn = await self._tts._connection(self._conn_options.timeout)
-        ctx = conn.context(context_id)
+        try:
+            ctx = conn.context(context_id)
+        except ConnectionLost as exc:  # it closed just now (the gateway's idle timeout): LiveKit retries
+            raise APIConnectionError(f"Voxgate: {exc.message}") from None
         opened = False
         finished = False
 
