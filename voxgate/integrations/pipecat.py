@@ -163,7 +163,10 @@ class VoxgateTTSService(WebsocketTTSService):
             kind = msg.get("type")
             ctx_id = msg.get("context_id")
             if kind == "error" and ctx_id is None:
-                await self.push_error(error_msg=f"Voxgate: {msg.get('code')}: {msg.get('message')}")
+                if msg.get("code") == "idle_timeout":  # the gateway closes an idle connection: reconnect quietly
+                    logger.debug(f"{self}: {msg.get('message')}")
+                else:
+                    await self.push_error(error_msg=f"Voxgate: {msg.get('code')}: {msg.get('message')}")
                 continue
             if kind in ("done", "cancelled", "error"):
                 self._open_contexts.discard(ctx_id)
