@@ -320,7 +320,7 @@ class Connection:
 
     async def speak(self, ctx: Context) -> None:
         loop = asyncio.get_running_loop()
-        pieces = None
+        pieces: OpusPackets | Pcm16Pieces | None = None
         words: list[dict] = []  # words not yet sent with audio
         try:
             async for chunk in ctx.stream:
