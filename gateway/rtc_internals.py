@@ -372,7 +372,7 @@ def fast_paths() -> dict[str, bool]:
 
 
 def check_fast_paths() -> dict[str, bool]:
-    """`fast_paths()`, logged in one line: info when all apply, a warning naming those that do not."""
+    """`fast_paths()`, logged in one line: a warning naming those that do not apply, debug when all do."""
     try:
         paths = fast_paths()
     except Exception as exc:  # a release whose constructors changed: nothing can be assumed
@@ -384,5 +384,13 @@ def check_fast_paths() -> dict[str, bool]:
         log.warning("fast paths off with %s: %s (each falls back to aiortc's own path; pyproject.toml pins the "
                     "versions they were tested with)", found, ", ".join(off))
     else:
-        log.info("fast paths active with %s: %s", found, ", ".join(paths))
+        # At debug: the server's one start-up "fast paths:" line says it (summary()).
+        log.debug("fast paths active with %s: %s", found, ", ".join(paths))
     return paths
+
+
+def summary(paths: dict[str, bool]) -> str:
+    """The start-up line's words for `check_fast_paths()`'s result."""
+    found = ", ".join(f"{name} {version}" for name, version in versions().items())
+    on = sum(paths.values())
+    return f"{on} of {len(paths)} aiortc fast paths active ({found})"

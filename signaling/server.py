@@ -17,7 +17,7 @@ from aiohttp import web
 from ..config import Settings
 from ..engine.client import EngineClient
 from ..gateway.errors import GatewayError
-from ..gateway import heap, ice, priority, speex
+from ..gateway import heap, ice, priority, rtc_internals, speex
 from ..gateway.encode_pool import encode_pool, parse_threads
 from ..gateway.gateway import Gateway
 from ..gateway.peer import PeerConnection
@@ -384,11 +384,12 @@ def _engine_line(settings: Settings, info: dict) -> str:
     return f"voice {voice} on {where}{device}{load}{more}"
 
 
-def _fast_paths_line(settings: Settings, info: dict) -> str:
+def _fast_paths_line(settings: Settings, info: dict, rtc_paths: dict[str, bool]) -> str:
     paths = []
     fast = info.get("fast_paths")
     if fast:
         paths.append(f"engine: {fast}")
+    paths.append(rtc_internals.summary(rtc_paths))
     paths.append("RTP packets from templates" if settings.rtp_sender == "voxgate" else "RTP through aiortc's sender (--rtp-sender aiortc)")
     paths.append(f"encoding on {encode_pool.threads} thread(s)" if encode_pool.threads else "encoding on the event loop")
     if settings.media_priority != "normal":
@@ -443,7 +444,7 @@ async def serve(settings: Settings) -> None:
         log.info("listening on %s", url)
         log.log(*_media_line(settings))
         log.info("%s", _engine_line(settings, gw.engine.info))
-        log.info("%s", _fast_paths_line(settings, gw.engine.info))
+        log.info("%s", _fast_paths_line(settings, gw.engine.info, gw.fast_paths))
         if settings.web:
             log.info("open %s/ in a browser", url)
         stop = asyncio.Event()

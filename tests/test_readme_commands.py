@@ -81,6 +81,7 @@ def test_start_up_says_where_what_and_what_to_open_in_a_few_lines(readme_server)
     assert re.fullmatch(r"voice joe on the piper engine on CPU, loaded in \d+\.\d s", info[2]), info[2]
     assert info[3].startswith("fast paths: engine: streaming inside sentences") and "int8" in info[3], info[3]
     assert "RTP packets from templates" in info[3] and "encoding on the event loop" in info[3], info[3]
+    assert re.search(r"(\d+) of \1 aiortc fast paths active \(aiortc 1\.16", info[3]), info[3]
     # Nothing else at start-up: the voice's internals (the prior's checks, the graphs) are at debug.
     assert not [line for line in lines if " WARNING " in line or " ERROR " in line or "Traceback" in line], lines
 

@@ -28,7 +28,10 @@ OTHER = {"Authorization": f"Bearer {OTHER_KEY}"}
 
 
 async def make_session(http: aiohttp.ClientSession, gateway) -> dict:
-    async with http.post(gateway.url + "/v1/sessions", headers=AUTH) as resp:
+    """A session made on `gateway` itself. The hop header turns placement off
+    (tests/fleet/test_placement.py covers that): without it, A may place the
+    session on B when B publishes more headroom, and these tests need it on A."""
+    async with http.post(gateway.url + "/v1/sessions", headers={**AUTH, "X-Voxgate-Hop": "1"}) as resp:
         assert resp.status == 201, await resp.text()
         return await resp.json()
 

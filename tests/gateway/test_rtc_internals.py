@@ -149,12 +149,15 @@ def test_the_scan_finds_each_kind_of_reach():
 
 
 async def test_the_server_logs_and_exposes_which_fast_paths_apply(caplog):
-    caplog.set_level(logging.INFO, logger=rtc_internals.log.name)
+    caplog.set_level(logging.DEBUG, logger=rtc_internals.log.name)
     async with in_process_gateway() as (app, url):
         async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as resp:
             text = await resp.text()
     lines = [r for r in caplog.records if r.name == rtc_internals.log.name and "fast paths" in r.getMessage()]
-    assert len(lines) == 1 and lines[0].levelno == logging.INFO, [r.getMessage() for r in lines]
+    # One line, at debug: the server's start-up "fast paths:" line carries the count (summary()).
+    assert len(lines) == 1 and lines[0].levelno == logging.DEBUG, [r.getMessage() for r in lines]
+    assert rtc_internals.summary(app["gateway"].fast_paths).startswith(f"{len(rtc_internals.FAST_PATHS)} of "
+                                                                        f"{len(rtc_internals.FAST_PATHS)} aiortc")
     for path in rtc_internals.FAST_PATHS:
         assert f'voxgate_fast_path_active{{path="{path}"}} 1.0' in text, path
         assert path in lines[0].getMessage()
