@@ -44,7 +44,7 @@ from .base import AudioChunk, Engine, EngineError, StepStopped, StopSignal, Synt
 from .capacity import RESERVE, CoreShare, SynthesisCost, capacity
 from .scheduling import (
     FIRST_STEP_S, MAX_SLACK_S, LOAD_REPORT_S, PREEMPT_SLACK_S, START_MARGIN_S, STEP_QUANTILE,
-    STEPS_AHEAD, STEPS_TIMED, StepsDone, Stream, close_job,
+    STEPS_AHEAD, STEPS_TIMED, GeneratorJob, StepsDone, Stream, close_job,
 )
 from .tags import RenderJob
 
@@ -117,16 +117,16 @@ class Scheduler:
         if isinstance(msg, proto.OpenStream):
             start_at = time.monotonic() + max(0.0, float(msg.start_in_s))
             held_s = min(max(0.0, float(msg.held_s)), proto.MAX_HELD_S)
-            stream = Stream(msg.sid, SynthesisOptions.from_dict(msg.options), start_at, held_s, credit=msg.credit)
+            opened = Stream(msg.sid, SynthesisOptions.from_dict(msg.options), start_at, held_s, credit=msg.credit)
             if msg.after is not None:
                 # Still open, or ended lately (proto.MAX_ENDED).
                 before = self.streams.get(msg.after) or self._ended.get(msg.after)
                 if before is not None:
-                    stream.after = before
-                    stream.continues = before.speaks()
-                    before.followers.append(stream)
+                    opened.after = before
+                    opened.continues = before.speaks()
+                    before.followers.append(opened)
                     before.settle()
-            self.streams[msg.sid] = stream
+            self.streams[msg.sid] = opened
         elif isinstance(msg, proto.PushUnit):
             stream = self.streams.get(msg.sid)
             if stream is not None:
@@ -351,10 +351,14 @@ class Scheduler:
             else:
                 group = [stream]
             active = sum(1 for s in self.streams.values() if s.busy or s.runnable())
+            members: list[tuple[int, SynthesisJob]] = []
             for member in group:
+                job = member.job
+                assert job is not None  # each member's unit has begun
+                members.append((member.sid, job))
                 # Capped: a stream far back in its listener's queue has an endless deadline.
-                member.job.slack_s = min(max(0.0, member.deadline() - now), MAX_SLACK_S)
-                member.job.load = active / self.parallel
+                job.slack_s = min(max(0.0, member.deadline() - now), MAX_SLACK_S)
+                job.load = active / self.parallel
                 member.busy = True
                 member.granted = True
                 member.credit -= 1
@@ -367,7 +371,7 @@ class Scheduler:
             stop = StopSignal()
             if len(group) == 1:
                 self.running[stream.sid] = stop
-            self.pool.submit(self._run, [(s.sid, s.job) for s in group], threads, stop)
+            self.pool.submit(self._run, members, threads, stop)
 
     def _preempt(self, now: float) -> None:
         for sid, stop in self.running.items():
@@ -387,10 +391,11 @@ class Scheduler:
         t0 = time.perf_counter()
         jobs = [job for _, job in members]
         try:
-            if self.stepwise and not isinstance(jobs[0], RenderJob):
-                results: list[object] = list(self.engine.step(jobs, threads, stop))
+            first = jobs[0]
+            if isinstance(first, (RenderJob, GeneratorJob)):  # one job, stepping itself
+                results: list[object] = [first.step(threads, stop)]
             else:
-                results = [jobs[0].step(threads, stop)]
+                results = list(self.engine.step(jobs, threads, stop))
         except StepStopped:
             results = [_STOPPED] * len(jobs)
         except EngineError as exc:
