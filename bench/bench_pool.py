@@ -51,7 +51,8 @@ from _common import arg_parser, finish, fmt_ms, free_port, machine, print_machin
 from voxgate.engine.base import SynthesisOptions  # noqa: E402
 from voxgate.engine.client import EngineClient, EngineConfig  # noqa: E402
 from voxgate.engine.pool import APP_NAME, GRPC_SERVICE, PoolConfig, start_local  # noqa: E402
-from voxgate.engine.pool_protocol import FRAME_HEAD, STATS_PATH, STREAM_PATH, StreamRequest, frame_sizes  # noqa: E402
+from voxgate.engine.codec import FRAME_HEAD, frame_sizes  # noqa: E402
+from voxgate.engine.pool_protocol import STATS_PATH, STREAM_PATH, StreamRequest  # noqa: E402
 from voxgate.engine.remote import RemoteEngineClient  # noqa: E402
 
 SENTENCES = [

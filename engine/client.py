@@ -1,7 +1,7 @@
 """The gateway's side of the engine worker: starts it, talks to it, restarts it.
 
 One worker process serves many streams (engine/stream.py). Messages are the
-typed records of engine/proto.py, framed by engine/wire.py. If the worker
+typed records of engine/proto.py, framed by engine/codec.py. If the worker
 dies, every open stream ends with EngineCrashed and a new worker is started
 for the streams that follow.
 """
@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 
 from ..config import Settings, threads_or_every_core
-from . import proto, wire
+from . import codec, proto
 from .base import SynthesisOptions
 from .errors import EngineCrashed, EngineStreamError, EngineUnavailable
 from .segmenter import SegmenterConfig
@@ -229,7 +229,7 @@ class EngineClient:
             return
         try:
             with self._send_lock:
-                conn.send_bytes(wire.pack(message))
+                conn.send_bytes(codec.pack(message))
         except (OSError, ValueError):
             pass  # the reader notices the dead worker and fails the streams
 
@@ -244,7 +244,7 @@ class EngineClient:
             except (EOFError, OSError):
                 _call_soon(loop, self._on_worker_lost, generation)
                 return
-            message, pcm = wire.unpack(record)
+            message, pcm = codec.unpack(record)
             if not _call_soon(loop, self._on_message, message, pcm):
                 return
 

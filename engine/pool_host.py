@@ -19,7 +19,8 @@ from ..config import PoolSettings, threads_or_every_core
 from . import proto
 from .base import SynthesisOptions
 from .capacity import calibrate
-from .pool_protocol import StreamRequest, pack_frame
+from .codec import pack
+from .pool_protocol import StreamRequest
 from .registry import create_engine
 from .scheduler import Scheduler
 
@@ -160,16 +161,16 @@ class EngineHost:
             while True:
                 message, pcm = await box.get()
                 if isinstance(message, proto.Chunk):
-                    yield pack_frame(chunk_header(message), pcm)
+                    yield pack(message, pcm)
                     self.scheduler.inbox.put(proto.Credit(sid, 1))
                 elif isinstance(message, proto.StreamDone):
                     finished = True
-                    yield pack_frame({"kind": "end"})
+                    yield pack(message)
                     return
                 elif isinstance(message, proto.StreamError):
                     finished = True
                     log.warning("engine refused a stream: %s", message.message)
-                    yield pack_frame({"kind": "error", "message": message.message[:500]})
+                    yield pack(proto.StreamError(sid, message.message[:500]))
                     return
         finally:
             # Closed by the gateway (Serve cancels the generator) or done: either
@@ -180,14 +181,3 @@ class EngineHost:
 
     def close(self) -> None:
         self.scheduler.inbox.put(proto.Shutdown())
-
-
-def chunk_header(msg: proto.Chunk) -> dict:
-    """A Chunk as a frame header. The replica's clock is not the gateway's: when
-    the step began travels as how long ago it began."""
-    return {
-        "kind": "chunk", "sample_rate": msg.sample_rate, "text": msg.text,
-        "words": [(w.text, float(w.start), float(w.end)) for w in msg.words],
-        "unit_index": msg.unit_index, "unit_end": msg.unit_end, "synth_s": msg.synth_s,
-        "synth_ago_s": max(0.0, time.monotonic() - msg.synth_started_at),
-    }

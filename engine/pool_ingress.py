@@ -8,11 +8,12 @@ import json
 
 from ..logs import setup_logging
 from .base import SynthesisOptions
+from .codec import pack_frame
 from .pool_grpc import RawMessage
 from .pool_host import EngineHost, PoolConfig
 from .pool_protocol import (
     INFO_PATH, MAX_REQUEST_BYTES, REPLICA_HEADER, REPLICAS_PATH, STATS_PATH, STREAM_PATH, PoolProtocolError,
-    StreamRequest, pack_frame,
+    StreamRequest,
 )
 from .pool_replicas import ReplicaListing
 

@@ -9,14 +9,13 @@ One HTTP request per run of text units of one stream:
 listener runs out of audio, 0: someone is waiting now), so it means the same on
 the replica's clock; `playing` says whether the listener already hears this
 stream (a later run of units), so that the replica does not rank it as a first
-window. The response streams frames until an `end` frame:
+window. The response streams frames (engine/codec.py, the worker's pipe's format)
+until an `end` frame:
 
-    frame = !II (header bytes, pcm bytes) + JSON header + raw int16 PCM
-
-    {"kind": "chunk", "sample_rate", "text", "words", "unit_index", "unit_end",
+    {"kind": "chunk", "sid", "sample_rate", "text", "words", "unit_index", "unit_end",
      "synth_s", "synth_ago_s"}                      (PCM beside it)
-    {"kind": "error", "message"}                   the engine refused the text
-    {"kind": "end"}                                 every unit was synthesized
+    {"kind": "error", "sid", "message"}            the engine refused the text
+    {"kind": "end", "sid"}                          every unit was synthesized
 
 A response that stops without `end` means the replica died mid-stream.
 
@@ -25,8 +24,8 @@ A response that stops without `end` means the replica died mid-stream.
 lists the replicas' own addresses when Serve's direct ingress is on (each
 replica then listens itself, beside Serve's proxy): a gateway sends its streams
 there and skips the proxy's hop. An empty list means: use the proxy. JSON, not
-pickle: a pool and its gateways trust each other's shapes, never each other's code.
-This module imports neither Ray nor aiohttp: gateways and replicas both use it.
+pickle: a pool and its gateways trust each other's shapes, never each other's code;
+`check_chunk` checks every field a gateway reads from a chunk frame. This module imports neither Ray nor aiohttp: gateways and replicas both use it.
 """
 
 from __future__ import annotations
@@ -34,12 +33,11 @@ from __future__ import annotations
 import ipaddress
 import json
 import math
-import struct
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-import numpy as np
 
+from .codec import FrameError
 from .tags import MAX_BREAK_MS, MAX_RATE, MIN_RATE
 from .units import MAX_UNIT_CHARS
 
@@ -55,11 +53,6 @@ MAX_REPLICAS_LISTED = 256
 # Names the replica that serves a response, so a gateway counts each lost replica once.
 REPLICA_HEADER = "x-voxgate-replica"
 
-FRAME_HEAD = struct.Struct("!II")
-# Caps a reader checks before it allocates: a chunk's JSON (its word timings)
-# and its audio (a unit of MAX_UNIT_CHARS is at most ~20 s: 48 kHz int16 fits).
-MAX_HEADER_BYTES = 256 * 1024
-MAX_PCM_BYTES = 4 * 1024 * 1024
 # One request: a few units. The gateway sends what is pending, up to this many.
 MAX_UNITS_PER_REQUEST = 8
 MAX_REQUEST_BYTES = 256 * 1024
@@ -78,7 +71,7 @@ MAX_VOICES, MAX_NAME_CHARS, MAX_TAGS = 1024, 128, 64
 MAX_LISTENERS = 100_000.0
 
 
-class PoolProtocolError(ValueError):
+class PoolProtocolError(FrameError):
     """A request or frame that breaks the shapes or caps above."""
 
 
@@ -146,30 +139,6 @@ def _check_unit(unit: object) -> tuple[int, str | list]:
     if chars > MAX_UNIT_CHARS:
         raise PoolProtocolError(f"a unit's text is over {MAX_UNIT_CHARS} characters")
     return unit[0], payload
-
-
-def pack_frame(header: dict, pcm: np.ndarray | None = None) -> bytes:
-    head = json.dumps(header, separators=(",", ":")).encode()
-    body = b"" if pcm is None else np.ascontiguousarray(pcm, dtype=np.int16).tobytes()
-    return FRAME_HEAD.pack(len(head), len(body)) + head + body
-
-
-def frame_sizes(prefix: bytes) -> tuple[int, int]:
-    """The header and PCM sizes a frame's prefix announces, refused above the caps."""
-    n_head, n_pcm = FRAME_HEAD.unpack(prefix)
-    if n_head > MAX_HEADER_BYTES or n_pcm > MAX_PCM_BYTES or n_pcm % 2:
-        raise PoolProtocolError(f"frame of {n_head}+{n_pcm} bytes is over the caps or not int16")
-    return n_head, n_pcm
-
-
-def parse_header(data: bytes) -> dict:
-    try:
-        header = json.loads(data)
-    except ValueError:
-        raise PoolProtocolError("frame header is not JSON") from None
-    if not isinstance(header, dict) or header.get("kind") not in ("chunk", "error", "end"):
-        raise PoolProtocolError("frame header has no known kind")
-    return header
 
 
 def _number(value: object, low: float, high: float, what: str) -> float:

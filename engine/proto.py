@@ -1,7 +1,7 @@
 """The messages between the gateway and the engine worker, one small class each.
 
 Every message is a typed record (in the manner of LiveKit Agents' ipc/proto.py),
-so both sides name fields instead of taking tuples apart by position. `wire.py`
+so both sides name fields instead of taking tuples apart by position. `codec.py`
 frames them; a chunk's PCM crosses next to its `Chunk` message as one raw
 int16 buffer, never inside it.
 

@@ -20,10 +20,8 @@ from . import proto
 from .base import WordTiming
 from .client import STREAM_WINDOW
 from .errors import EngineCrashed, EngineStreamError, EngineUnavailable
-from .pool_protocol import (
-    FRAME_HEAD, MAX_UNITS_PER_REQUEST, REPLICA_HEADER, STREAM_PATH, PoolProtocolError, StreamRequest, check_chunk,
-    frame_sizes, parse_header,
-)
+from .codec import FRAME_HEAD, FrameError, frame_sizes, parse_header
+from .pool_protocol import MAX_UNITS_PER_REQUEST, REPLICA_HEADER, STREAM_PATH, StreamRequest, check_chunk
 from .stream import TTSStream
 
 if TYPE_CHECKING:
@@ -198,7 +196,7 @@ class RemoteTransport:
                 raise EngineCrashed(CRASHED_TEXT) from None
             raise EngineUnavailable("the engine pool cannot be reached; try again in a moment") from None
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, asyncio.IncompleteReadError,
-                PoolProtocolError, asyncio.TimeoutError):
+                FrameError, asyncio.TimeoutError):
             self.client._replica_lost(self.replica)
             raise EngineCrashed(CRASHED_TEXT) from None
         except aiohttp.ClientConnectionError as exc:

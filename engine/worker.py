@@ -1,7 +1,7 @@
 """The engine worker process: owns the model and the device, serves many streams.
 
 The scheduling lives in engine/scheduler.py; this module is the process around it:
-it loads the engine, measures its cost, and carries the pipe (framed by engine/wire.py).
+it loads the engine, measures its cost, and carries the pipe (framed by engine/codec.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 from typing import cast
 
 from ..logs import setup_logging
-from . import proto, wire
+from . import codec, proto
 from .capacity import LISTENER_MEDIA_COST, SynthesisCost, calibrate
 from .registry import create_engine
 from .scheduler import Scheduler
@@ -31,7 +31,7 @@ def run_worker(
     send_lock = threading.Lock()
 
     def send(message: proto.FromWorker, pcm=None) -> None:
-        data = wire.pack(message, pcm)
+        data = codec.pack(message, pcm)
         with send_lock:
             conn.send_bytes(data)
 
@@ -64,7 +64,7 @@ def run_worker(
             except (EOFError, OSError):
                 scheduler.inbox.put(proto.Shutdown())
                 return
-            message, _ = wire.unpack(record)
+            message, _ = codec.unpack(record)
             scheduler.inbox.put(cast(proto.ToWorker, message))  # the gateway sends only these
 
     threading.Thread(target=reader, name="worker-reader", daemon=True).start()

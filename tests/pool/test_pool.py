@@ -11,9 +11,9 @@ import pytest
 
 from voxgate.engine import tone
 from voxgate.engine.base import SynthesisOptions
+from voxgate.engine.codec import FRAME_HEAD, MAX_PCM_BYTES, FrameError, frame_sizes, pack_frame, parse_header
 from voxgate.engine.pool_protocol import (
-    FRAME_HEAD, INFO_PATH, MAX_PCM_BYTES, MAX_REPLICAS_LISTED, STREAM_PATH, PoolProtocolError, StreamRequest, frame_sizes,
-    pack_frame, parse_header, parse_replicas,
+    INFO_PATH, MAX_REPLICAS_LISTED, STREAM_PATH, PoolProtocolError, StreamRequest, parse_replicas,
 )
 from voxgate.engine.errors import EngineCrashed
 from voxgate.engine.remote import RemoteEngineClient
@@ -325,7 +325,7 @@ async def test_bad_requests_are_refused_with_a_reason(pool):
 def test_frames_over_the_caps_are_refused_before_reading_them():
     frame = pack_frame({"kind": "chunk"}, np.zeros(4, dtype=np.int16))
     assert frame_sizes(frame[: FRAME_HEAD.size]) == (len(b'{"kind":"chunk"}'), 8)
-    with pytest.raises(PoolProtocolError):
+    with pytest.raises(FrameError):
         frame_sizes(FRAME_HEAD.pack(10, MAX_PCM_BYTES + 2))
-    with pytest.raises(PoolProtocolError):
+    with pytest.raises(FrameError):
         parse_header(b'{"kind": "exec"}')

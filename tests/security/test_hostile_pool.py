@@ -16,7 +16,7 @@ from aiohttp import web
 
 from voxgate.engine.base import SynthesisOptions
 from voxgate.engine.errors import EngineCrashed, EngineUnavailable
-from voxgate.engine.pool_protocol import pack_frame
+from voxgate.engine.codec import pack_frame
 from voxgate.engine.remote import RemoteEngineClient
 
 GOOD_INFO = {"engine": "tone", "voices": ["tone"], "sample_rate": 16000, "supported_tags": []}
