@@ -16,12 +16,13 @@ from ..engine.client import EngineClient, EngineConfig
 from . import priority, rtc_internals
 from .admission import Admission
 from .encoder import OpusSettings
-from .errors import checked_voice
+from .errors import GatewayError, checked_voice
 from .feeder import listener_lag_s
 from .ice import IcePolicy, parse_ice_server, parse_networks, restrict_host_addresses
 from .metrics import GatewayMetrics
 from .peer import PeerConnection
 from .protocol import Limits
+from .registry import SessionRegistry, TokenSigner
 from .session import Session, SessionOptions
 from .vad import VadSettings
 from .barge_in import BargeInSettings
@@ -68,6 +69,9 @@ class Gateway:
         )
         self.sessions: dict[str, Session] = {}
         self.peers: dict[str, PeerConnection] = {}
+        # Who made each session and what is attached to it; the client tokens (gateway/registry.py).
+        self.registry = SessionRegistry()
+        self.tokens = TokenSigner(settings.token_secret, settings.token_ttl_s)
         # Sessions made without a key or token, and by which client address:
         # they have their own budget, so anonymous offers cannot take the slots
         # that keyed backends need.
@@ -174,22 +178,106 @@ class Gateway:
             max_queued_utterances=s.max_queued_utterances,
         )
 
+    # A session's WebRTC peer: attached, answered, given up; nothing outside gateway/ touches it.
+    async def answer_offer(self, session: Session, sdp: str, created: bool) -> str:
+        """Attach a new WebRTC peer to `session` and answer its offer (the answer's SDP).
+        `created`: the session was made for this offer, and ends with it if the offer fails
+        or the peer does not connect within --connect-timeout-s; a session made ahead stays
+        for another offer. Refused with GatewayError."""
+        peer = PeerConnection(session, self.ice, rtp_sender=self.settings.rtp_sender)
+        self.peers[session.id] = peer
+        try:
+            answer = await peer.answer(sdp)
+        except GatewayError:
+            await self._abandon_peer(peer, created, "offer rejected")
+            raise
+        except Exception as exc:
+            log.exception("offer failed")
+            await self._abandon_peer(peer, created, "offer failed")
+            raise GatewayError("internal", f"could not answer the offer: {type(exc).__name__}", 500) from None
+        self._connect_deadline(peer, created)
+        return answer
+
+    def _connect_deadline(self, peer: PeerConnection, created: bool) -> None:
+        """A peer that has not connected within --connect-timeout-s gives its slot back:
+        a session made for the offer ends; a session made ahead is freed for another offer."""
+        timeout = self.settings.connect_timeout_s
+
+        def expire() -> None:
+            session = peer.session
+            if session.closed or self.peers.get(session.id) is not peer or peer.pc.connectionState == "connected":
+                return
+            dropped = (f" ({peer.dropped_candidates} of the offer's candidates were outside --ice-allow)"
+                       if peer.dropped_candidates else "")
+            log.info("session %s: no connection within %g s%s", session.id, timeout, dropped,
+                     extra={"session_id": session.id})
+            session.emit({"type": "connection.state", "state": "timeout"})
+            if created:
+                asyncio.ensure_future(session.close(f"no connection within {timeout:g} s"))
+            else:
+                asyncio.ensure_future(self._abandon_peer(peer, created, "no connection"))
+
+        if timeout > 0:
+            asyncio.get_running_loop().call_later(timeout, expire)
+
+    async def _abandon_peer(self, peer: PeerConnection, created: bool, reason: str) -> None:
+        """Undo a failed offer: a session made for it ends; a session made ahead stays for another try."""
+        session = peer.session
+        if created:
+            await session.close(reason)
+            return
+        if self.peers.get(session.id) is peer:
+            del self.peers[session.id]
+        await peer.detach()
+
+    async def add_candidate(self, session_id: str, body: dict) -> None:
+        """One trickled ICE candidate (`body["candidate"]`, None at the end) for the session's peer."""
+        peer = self.peers.get(session_id)
+        if peer is None:
+            raise GatewayError("unknown_session", "no such session", 404)
+        candidate = body.get("candidate")
+        if candidate is not None and not isinstance(candidate, str):
+            raise GatewayError("invalid_candidate", "'candidate' must be a string, or null to end the candidates")
+        try:
+            accepted = await peer.add_candidate(body if candidate else None)  # "" or null: the end of the candidates
+        except GatewayError:
+            raise
+        except Exception as exc:
+            raise GatewayError("invalid_candidate", f"the candidate could not be parsed: {type(exc).__name__}") from None
+        if not accepted:
+            raise GatewayError("candidate_refused", "the candidate's address is outside the allowed networks", 403)
+
+    def has_peer(self, session_id: str) -> bool:
+        return session_id in self.peers
+
+    def peer_state(self, session_id: str) -> dict | None:
+        """The session's WebRTC connection as GET /v1/sessions/{id} shows it; None without a peer."""
+        peer = self.peers.get(session_id)
+        return None if peer is None else {"state": peer.pc.connectionState}
+
     def create_session(
-        self, voice: object = None, anonymous_from: str | None = None, key: str | None = None, key_sessions: int = 0,
+        self, voice: object = None, anonymous_from: str | None = None, key: str | None = None, made_ahead: bool = False,
     ) -> Session:
         """A new session; `voice` is a client's choice, checked against the engine's voices.
 
         `anonymous_from`: the client address of a session made without a key or
         token; such sessions count against their own budget and a per-address limit.
-        `key`, `key_sessions`: the API key making it, and how many sessions that key holds.
-        Refused (GatewayError) by admission (gateway/admission.py).
+        `key`: the API key making it, its owner from now on (None: made without one), limited
+        to the sessions a key may hold; `made_ahead`: made through the session API, for an
+        output to join with a token. Refused (GatewayError) by admission (gateway/admission.py).
         """
         voice = checked_voice(self.engine, voice)
-        self.admission.admit_session(anonymous_from, key, key_sessions)
+        registry = self.registry
+        self.admission.admit_session(anonymous_from, key, len(registry.by_key.get(key, ())) if key is not None else 0)
         session = Session(self.engine, options=self.session_options(voice), metrics=self.metrics.for_session(self.settings.engine))
         self.sessions[session.id] = session
         if anonymous_from is not None:
             self.anonymous[session.id] = anonymous_from
+        registry.owner[session.id] = key
+        if made_ahead:
+            registry.made_ahead.add(session.id)
+            if key is not None:
+                registry.by_key.setdefault(key, set()).add(session.id)
 
         def forget(s: Session) -> None:
             self.sessions.pop(s.id, None)
@@ -197,6 +285,7 @@ class Gateway:
             self.anonymous.pop(s.id, None)
             for callback in self.on_session_closed:
                 callback(len(self.sessions) + self.tts_active)
+            registry.forget(s.id)
 
         session.on_close.append(forget)
         return session

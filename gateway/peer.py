@@ -256,6 +256,14 @@ class PeerConnection:
         if state in ("failed", "closed"):
             await self.session.close(f"connection {state}")
 
+    async def detach(self) -> None:
+        """Let go of the session without closing it (a failed offer to a session made ahead,
+        which stays for another try), and close the peer connection."""
+        self.session.remove_listener("peer")
+        if self._on_session_close in self.session.on_close:
+            self.session.on_close.remove(self._on_session_close)
+        await self.close_pc()
+
     async def _on_session_close(self, session: Session) -> None:
         if self.track is not None:
             self.track.stop()

@@ -20,7 +20,6 @@ from ..gateway.errors import GatewayError
 from ..gateway import heap, ice, priority, rtc_internals, speex
 from ..gateway.encode_pool import encode_pool, parse_threads
 from ..gateway.gateway import Gateway
-from ..gateway.peer import PeerConnection
 from .errors import MAX_CANDIDATE_BYTES, MAX_OFFER_BYTES, error_response, read_json_object
 from .http_guard import client_address
 from . import http_guard, openai_speech, openapi, sessions_api, tts_http, tts_ws, twilio_stream
@@ -56,45 +55,15 @@ async def handle_offer(request: web.Request) -> web.Response:
         session, created = sessions_api.session_for_offer(request.app, body, body.get("voice"), address)
     except GatewayError as exc:
         return error_response(exc)
-    peer = PeerConnection(session, gw.ice, rtp_sender=gw.settings.rtp_sender)
-    gw.peers[session.id] = peer
     try:
-        answer = await peer.answer(sdp)
+        answer = await gw.answer_offer(session, sdp, created)
     except GatewayError as exc:
-        await sessions_api.abandon_offer(request.app, peer, created, "offer rejected")
         return error_response(exc)
-    except Exception as exc:
-        log.exception("offer failed")
-        await sessions_api.abandon_offer(request.app, peer, created, "offer failed")
-        return error_response(GatewayError("internal", f"could not answer the offer: {type(exc).__name__}", 500))
-    _connect_deadline(request.app, peer, created)
     reply = {"sdp": answer, "type": "answer", "session_id": session.id}
     if created:
         # Trickle ICE for this session needs it (POST /v1/sessions/{id}/candidates).
         reply["token"] = request.app[sessions_api.SIGNER].issue(session.id)
     return web.json_response(reply)
-
-
-def _connect_deadline(app: web.Application, peer: PeerConnection, created: bool) -> None:
-    """A peer that has not connected within --connect-timeout-s gives its slot back:
-    a session made for the offer ends; a session made ahead is freed for another offer."""
-    gw: Gateway = app["gateway"]
-    timeout = gw.settings.connect_timeout_s
-
-    def expire() -> None:
-        session = peer.session
-        if session.closed or gw.peers.get(session.id) is not peer or peer.pc.connectionState == "connected":
-            return
-        dropped = f" ({peer.dropped_candidates} of the offer's candidates were outside --ice-allow)" if peer.dropped_candidates else ""
-        log.info("session %s: no connection within %g s%s", session.id, timeout, dropped, extra={"session_id": session.id})
-        session.emit({"type": "connection.state", "state": "timeout"})
-        if created:
-            asyncio.ensure_future(session.close(f"no connection within {timeout:g} s"))
-        else:
-            asyncio.ensure_future(sessions_api.abandon_offer(app, peer, created, "no connection"))
-
-    if timeout > 0:
-        asyncio.get_running_loop().call_later(timeout, expire)
 
 
 async def handle_candidate(request: web.Request) -> web.Response:
@@ -106,20 +75,10 @@ async def handle_candidate(request: web.Request) -> web.Response:
         sessions_api.check_client_token(request, body.get("token"), sid)
     except GatewayError as exc:
         return error_response(exc)
-    peer = gw.peers.get(sid)
-    if peer is None:
-        return error_response(GatewayError("unknown_session", "no such session", 404))
     try:
-        candidate = body.get("candidate")
-        if candidate is not None and not isinstance(candidate, str):
-            raise GatewayError("invalid_candidate", "'candidate' must be a string, or null to end the candidates")
-        accepted = await peer.add_candidate(body if candidate else None)  # "" or null: the end of the candidates
+        await gw.add_candidate(sid, body)
     except GatewayError as exc:
         return error_response(exc)
-    except Exception as exc:
-        return error_response(GatewayError("invalid_candidate", f"the candidate could not be parsed: {type(exc).__name__}"))
-    if not accepted:
-        return error_response(GatewayError("candidate_refused", "the candidate's address is outside the allowed networks", 403))
     return web.json_response({"ok": True})
 
 

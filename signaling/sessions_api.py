@@ -14,23 +14,19 @@ state and a restart with the same `--token-secret` still accepts them.
 from __future__ import annotations
 
 import asyncio
-import base64
-import hashlib
 import hmac
 import itertools
 import json
 import logging
-import re
-import secrets
 import time
 
 from aiohttp import WSMsgType, web
 
-from ..gateway.peer import PeerConnection
 from ..gateway.protocol import parse
 from ..gateway.session import Session
 from ..gateway.errors import GatewayError, checked_voice
 from ..gateway.frames import FRAME_MS
+from ..gateway.registry import SessionRegistry, TokenSigner
 from .errors import error_response, read_json_object
 
 log = logging.getLogger(__name__)
@@ -40,89 +36,6 @@ MAX_PENDING_EVENTS = 10000
 # What `?audio=` may ask for: 16 kHz mono PCM16 frames (gateway/caller_audio.py).
 AUDIO_FORMATS = ("pcm16",)
 CREATE_BODY_LIMIT = 8192
-
-
-_B64URL = re.compile(r"[A-Za-z0-9_-]*")
-
-
-def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
-
-
-def _unb64(text: str) -> bytes:
-    """Strict unpadded base64url: any character outside the alphabet, or a non-canonical
-    ending, is refused (the lenient decoder skipped stray characters, so altered
-    tokens still verified)."""
-    if not _B64URL.fullmatch(text) or len(text) % 4 == 1:
-        raise ValueError("not base64url")
-    data = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-    if _b64(data) != text:
-        raise ValueError("not canonical base64url")
-    return data
-
-
-class TokenSigner:
-    """Issues and checks client tokens bound to one session."""
-
-    def __init__(self, secret: str | bytes | None, ttl_s: float) -> None:
-        if secret is None:
-            secret = secrets.token_bytes(32)  # tokens then die with the process
-        self._key = secret.encode("utf-8") if isinstance(secret, str) else secret
-        self.ttl_s = ttl_s
-
-    def issue(self, session_id: str, now: float | None = None) -> str:
-        exp = int((now if now is not None else time.time()) + self.ttl_s)
-        payload = json.dumps({"sid": session_id, "exp": exp}, separators=(",", ":")).encode("utf-8")
-        return _b64(payload) + "." + _b64(self._sign(payload))
-
-    def verify(self, token: object, now: float | None = None) -> str:
-        """Returns the session id the token was issued for."""
-        if not isinstance(token, str) or token.count(".") != 1 or len(token) > 1024:
-            raise GatewayError("invalid_token", "the token is malformed", 401)
-        body, sig = token.split(".")
-        try:
-            payload = _unb64(body)
-            given = _unb64(sig)
-        except (ValueError, TypeError):
-            raise GatewayError("invalid_token", "the token is malformed", 401) from None
-        if not hmac.compare_digest(given, self._sign(payload)):
-            raise GatewayError("invalid_token", "the token's signature does not match", 401)
-        try:
-            data = json.loads(payload)
-            sid, exp = str(data["sid"]), float(data["exp"])
-        except (ValueError, KeyError, TypeError):
-            raise GatewayError("invalid_token", "the token is malformed", 401) from None
-        if (now if now is not None else time.time()) > exp:
-            raise GatewayError("token_expired", "the token has expired; ask the backend for a new one", 403)
-        return sid
-
-    def _sign(self, payload: bytes) -> bytes:
-        return hmac.new(self._key, payload, hashlib.sha256).digest()
-
-
-class SessionRegistry:
-    """What the session API knows beyond the Session: who made it, what is attached."""
-
-    def __init__(self) -> None:
-        self.made_ahead: set[str] = set()
-        # The API key that made each session (None: made without a key, by an
-        # anonymous offer or call, or on a server without keys). Only that key
-        # sees, drives or ends the session; to any other it does not exist.
-        self.owner: dict[str, str | None] = {}
-        self.by_key: dict[str, set[str]] = {}
-        self.backends: dict[str, dict[str, str]] = {}  # session id -> listener name -> role
-        self.calls: dict[str, object] = {}  # session id -> telephony call (signaling.twilio_stream.TwilioCall)
-
-    def owned_by(self, session_id: str, key: str | None) -> bool:
-        return session_id in self.owner and self.owner[session_id] == key
-
-    def forget(self, session_id: str) -> None:
-        self.owner.pop(session_id, None)
-        self.made_ahead.discard(session_id)
-        self.backends.pop(session_id, None)
-        self.calls.pop(session_id, None)
-        for ids in self.by_key.values():
-            ids.discard(session_id)
 
 
 SIGNER = web.AppKey("token_signer", TokenSigner)
@@ -183,9 +96,8 @@ def _session_or_404(request: web.Request, key: str | None) -> Session:
 
 
 def track_session(app: web.Application, session: Session, owner: str | None = None) -> None:
-    registry = app[REGISTRY]
-    registry.owner[session.id] = owner
-    session.on_close.append(lambda s: registry.forget(s.id))
+    """Hand a new session to the hooks that follow sessions (the fleet's directory); the
+    gateway's registry already holds its owner (Gateway.create_session)."""
     for hook in app.get(TRACK_HOOKS, ()):
         hook(session, owner)
 
@@ -222,24 +134,9 @@ def join_session(app: web.Application, sid: str | None, token: object) -> Sessio
     session = gw.sessions.get(token_sid)
     if session is None or session.closed:
         raise GatewayError("unknown_session", "no such session; it may have ended", 404)
-    if session.has_output or token_sid in gw.peers:
+    if session.has_output or gw.has_peer(token_sid):
         raise GatewayError("already_connected", "a listener is already attached to this session", 409)
     return session
-
-
-async def abandon_offer(app: web.Application, peer: PeerConnection, created: bool, reason: str) -> None:
-    """Undo a failed offer: a session made for it ends; a session made ahead stays for another try."""
-    gw = app["gateway"]
-    session = peer.session
-    if created:
-        await session.close(reason)
-        return
-    if gw.peers.get(session.id) is peer:
-        del gw.peers[session.id]
-    session.remove_listener("peer")
-    if peer._on_session_close in session.on_close:
-        session.on_close.remove(peer._on_session_close)
-    await peer.close_pc()
 
 
 # HTTP
@@ -264,7 +161,6 @@ def session_urls(base: str, session_id: str) -> dict:
 async def handle_create(request: web.Request) -> web.Response:
     key = check_api_key(request)
     gw = request.app["gateway"]
-    registry = request.app[REGISTRY]
     try:
         body = await read_json_object(request, CREATE_BODY_LIMIT, "an empty body is fine too", allow_empty=True)
     except GatewayError as exc:
@@ -273,11 +169,8 @@ async def handle_create(request: web.Request) -> web.Response:
         voice = checked_voice(gw.engine, body.get("voice"))
     except GatewayError as exc:
         return error_response(exc)
-    session = gw.create_session(voice=voice, key=key, key_sessions=len(registry.by_key.get(key, ())))
+    session = gw.create_session(voice=voice, key=key, made_ahead=True)
     track_session(request.app, session, owner=key)
-    registry.made_ahead.add(session.id)
-    if key is not None:
-        registry.by_key.setdefault(key, set()).add(session.id)
     signer = request.app[SIGNER]
     log.info("session %s made ahead through the session API", session.id, extra={"session_id": session.id})
     return web.json_response(
@@ -295,7 +188,6 @@ def describe(app: web.Application, session: Session) -> dict:
     gw = app["gateway"]
     registry = app[REGISTRY]
     now_mono, now_wall = time.monotonic(), time.time()
-    peer = gw.peers.get(session.id)
     call = registry.calls.get(session.id)
     backends = registry.backends.get(session.id, {})
     playing = session.playout.current
@@ -304,7 +196,7 @@ def describe(app: web.Application, session: Session) -> dict:
         "made_ahead": session.id in registry.made_ahead,
         "codec": session.output_codec,
         "connected": {
-            "webrtc": None if peer is None else {"state": peer.pc.connectionState},
+            "webrtc": gw.peer_state(session.id),
             "telephony": None if call is None else call.describe(),
         },
         "utterances": {
@@ -470,9 +362,9 @@ def _backend_message(session: Session, name: str, raw: str | bytes) -> None:
 
 
 def add_routes(app: web.Application) -> None:
-    settings = app["gateway"].settings
-    app[SIGNER] = TokenSigner(settings.token_secret, settings.token_ttl_s)
-    app[REGISTRY] = SessionRegistry()
+    # The gateway's own (gateway/registry.py): the routes read them under these keys.
+    app[SIGNER] = app["gateway"].tokens
+    app[REGISTRY] = app["gateway"].registry
     app.router.add_post("/v1/sessions", handle_create)
     app.router.add_get("/v1/sessions", handle_list)
     app.router.add_get("/v1/sessions/{session_id}", handle_get)
