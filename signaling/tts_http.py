@@ -10,8 +10,8 @@ required here too. See docs/http-tts.md.
 
 `serve_speech` is the one way a request becomes streamed audio: OpenAI's
 `POST /v1/audio/speech` (signaling/openai_speech.py) goes through it too, with
-its own parsing of the body, and the formatters here serve the TTS WebSocket
-(signaling/tts_ws.py) as well.
+its own parsing of the body. The formatters (engine PCM in, response bytes out) are
+signaling/audio_formats.py, and serve the TTS WebSocket (signaling/tts_ws.py) as well.
 """
 
 from __future__ import annotations
@@ -20,214 +20,39 @@ import asyncio
 import base64
 import json
 import logging
-import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, cast
+from typing import Callable
 
-import av
-import numpy as np
-from av.audio.stream import AudioStream
 from aiohttp import web
 
 from ..engine.base import SynthesisOptions
 from ..engine.errors import EngineCrashed, EngineStreamError, EngineUnavailable, public_engine_error
 from ..engine.stream import StreamChunk, TTSStream
 from ..gateway import priority
-from ..gateway.encoder import ulaw_encode
-from ..gateway.resample import StreamResampler
 from ..gateway.text_pump import TEXT_SLICE_CHARS
 from ..gateway.errors import GatewayError, checked_voice
+from .audio_formats import (
+    FORMATS, FORMATTERS, AacFormatter, EncodedFormatter, FlacFormatter, Formatter, Mp3Formatter, MulawFormatter,
+    OpusFormatter, PcmFormatter, WavFormatter,
+)
 from .errors import error_response, read_json_object
 from .http_guard import client_address
 from .sessions_api import check_api_key
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("wav", "pcm", "mulaw", "opus")
-UNKNOWN_SIZE = 0xFFFFFFFF
+# The formatters (signaling/audio_formats.py), as other routes take them from here.
+__all__ = [
+    "FORMATS", "FORMATTERS", "AacFormatter", "EncodedFormatter", "FlacFormatter", "Formatter", "Mp3Formatter",
+    "MulawFormatter", "OpusFormatter", "PcmFormatter", "WavFormatter", "add_routes", "serve_speech",
+]
 
 # Resampling and Opus run here, never on the event loop; one request's calls
 # are awaited in order, so each formatter is only ever used by one thread at a time.
 # The event loop's priority (--media-priority): these threads hold the GIL it waits for.
 _pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tts-http", initializer=priority.enter_media_thread)
-
-
-# Output formats: engine PCM in, response bytes out.
-class Formatter:
-    content_type = "application/octet-stream"
-
-    def __init__(self, engine_rate: int) -> None:
-        self.engine_rate = engine_rate
-
-    @property
-    def sample_rate(self) -> int:
-        return self.engine_rate
-
-    def start(self) -> bytes:
-        return b""
-
-    def feed(self, pcm: np.ndarray) -> bytes:
-        return np.asarray(pcm, dtype="<i2").tobytes()
-
-    def finish(self) -> bytes:
-        return b""
-
-
-class WavFormatter(Formatter):
-    content_type = "audio/wav"
-
-    def start(self) -> bytes:
-        # RIFF and data sizes unknown while streaming: 0xFFFFFFFF, which players
-        # read as "until the end of the stream".
-        rate = self.engine_rate
-        fmt = struct.pack("<HHIIHH", 1, 1, rate, rate * 2, 2, 16)
-        return b"RIFF" + struct.pack("<I", UNKNOWN_SIZE) + b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", UNKNOWN_SIZE)
-
-
-class PcmFormatter(Formatter):
-    """Raw 16-bit little-endian mono, at the engine's rate or resampled to `rate`."""
-
-    def __init__(self, engine_rate: int, rate: int | None = None) -> None:
-        super().__init__(engine_rate)
-        self.resampler = StreamResampler(engine_rate, rate or engine_rate)
-
-    @property
-    def sample_rate(self) -> int:
-        return self.resampler.out_rate
-
-    @property
-    def content_type(self) -> str:  # type: ignore[override]
-        return f"audio/L16; rate={self.sample_rate}; channels=1"
-
-    def feed(self, pcm: np.ndarray) -> bytes:
-        return self.resampler.process(pcm).astype("<i2").tobytes()
-
-    def finish(self) -> bytes:
-        return self.resampler.process(np.zeros(0, dtype=np.int16), last=True).astype("<i2").tobytes()
-
-
-class MulawFormatter(Formatter):
-    content_type = "audio/basic"
-
-    def __init__(self, engine_rate: int) -> None:
-        super().__init__(engine_rate)
-        self.resampler = StreamResampler(engine_rate, 8000)
-
-    @property
-    def sample_rate(self) -> int:
-        return 8000
-
-    def feed(self, pcm: np.ndarray) -> bytes:
-        return ulaw_encode(self.resampler.process(pcm))
-
-    def finish(self) -> bytes:
-        return ulaw_encode(self.resampler.process(np.zeros(0, dtype=np.int16), last=True))
-
-
-class _Sink:
-    """Where the Ogg muxer writes; taken out after every call."""
-
-    def __init__(self) -> None:
-        self.data = bytearray()
-
-    def write(self, data) -> int:
-        self.data += bytes(data)
-        return len(data)
-
-    def take(self) -> bytes:
-        out, self.data = bytes(self.data), bytearray()
-        return out
-
-
-class EncodedFormatter(Formatter):
-    """A codec in a streamable container, encoded by PyAV's bundled FFmpeg.
-
-    PyAV cuts what it is fed into the codec's frame size itself, so chunks of any
-    length go in, and the muxer writes each packet out as it is made (the sink
-    cannot seek), so bytes leave with the audio rather than at the end.
-    """
-
-    container_format = "ogg"
-    codec = "libopus"
-    rate: int | None = None  # None: the engine's rate
-    options: dict[str, str] = {}
-
-    def __init__(self, engine_rate: int) -> None:
-        super().__init__(engine_rate)
-        self._rate = self.rate or engine_rate
-        self.resampler = StreamResampler(engine_rate, self._rate)
-        self.sink = _Sink()
-        self.container = av.open(self.sink, "w", format=self.container_format, options=dict(self.options))
-        self.stream = cast(AudioStream, self.container.add_stream(self.codec, rate=self._rate))
-        self.stream.layout = "mono"
-        self.pts = 0
-
-    @property
-    def sample_rate(self) -> int:
-        return self._rate
-
-    def _encode(self, pcm: np.ndarray | None) -> None:
-        frame = None
-        if pcm is not None:
-            if not len(pcm):
-                return
-            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm, dtype=np.int16).reshape(1, -1), format="s16", layout="mono")
-            frame.sample_rate = self._rate
-            frame.pts = self.pts
-            self.pts += len(pcm)
-        for packet in self.stream.encode(frame):
-            self.container.mux(packet)
-
-    def feed(self, pcm: np.ndarray) -> bytes:
-        self._encode(self.resampler.process(pcm))
-        return self.sink.take()
-
-    def finish(self) -> bytes:
-        self._encode(self.resampler.process(np.zeros(0, dtype=np.int16), last=True))
-        self._encode(None)
-        self.container.close()
-        return self.sink.take()
-
-    def close(self) -> None:
-        try:
-            self.container.close()
-        except Exception:
-            pass
-
-
-class OpusFormatter(EncodedFormatter):
-    content_type = "audio/ogg; codecs=opus"
-    rate = 48000
-    # Short Ogg pages, so audio leaves as it is encoded rather than once a second.
-    options = {"page_duration": "100000"}
-
-
-class Mp3Formatter(EncodedFormatter):
-    content_type = "audio/mpeg"
-    container_format = "mp3"
-    codec = "libmp3lame"
-
-
-class AacFormatter(EncodedFormatter):
-    content_type = "audio/aac"
-    container_format = "adts"
-    codec = "aac"
-
-
-class FlacFormatter(EncodedFormatter):
-    content_type = "audio/flac"
-    container_format = "flac"
-    codec = "flac"
-
-
-FORMATTERS: dict[str, type[Formatter]] = {
-    "wav": WavFormatter,
-    "pcm": PcmFormatter,
-    "mulaw": MulawFormatter,
-    "opus": OpusFormatter,
-}
 
 
 # The request
