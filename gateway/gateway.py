@@ -247,6 +247,19 @@ class Gateway:
         if not accepted:
             raise GatewayError("candidate_refused", "the candidate's address is outside the allowed networks", 403)
 
+    def join_session(self, session_id: str | None, token: object) -> Session:
+        """The session made ahead that `token` was issued for, for a new output (a peer,
+        a call) to attach to. `session_id`, when given, must name the same session."""
+        token_sid = self.tokens.verify(token)
+        if session_id is not None and session_id != token_sid:
+            raise GatewayError("token_mismatch", "the token was issued for another session", 403)
+        session = self.sessions.get(token_sid)
+        if session is None or session.closed:
+            raise GatewayError("unknown_session", "no such session; it may have ended", 404)
+        if session.has_output or self.has_peer(token_sid):
+            raise GatewayError("already_connected", "a listener is already attached to this session", 409)
+        return session
+
     def has_peer(self, session_id: str) -> bool:
         return session_id in self.peers
 

@@ -125,18 +125,8 @@ def session_for_offer(app: web.Application, body: dict, voice: object, address: 
 
 
 def join_session(app: web.Application, sid: str | None, token: object) -> Session:
-    """The session made ahead that `token` was issued for, for a new output (a peer,
-    a call) to attach to. `sid`, when given, must name the same session."""
-    gw = app["gateway"]
-    token_sid = app[SIGNER].verify(token)
-    if sid is not None and sid != token_sid:
-        raise GatewayError("token_mismatch", "the token was issued for another session", 403)
-    session = gw.sessions.get(token_sid)
-    if session is None or session.closed:
-        raise GatewayError("unknown_session", "no such session; it may have ended", 404)
-    if session.has_output or gw.has_peer(token_sid):
-        raise GatewayError("already_connected", "a listener is already attached to this session", 409)
-    return session
+    """The session made ahead that `token` was issued for (Gateway.join_session)."""
+    return app["gateway"].join_session(sid, token)
 
 
 # HTTP
