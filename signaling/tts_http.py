@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 # The formatters (signaling/audio_formats.py), as other routes take them from here.
 __all__ = [
     "FORMATS", "FORMATTERS", "AacFormatter", "EncodedFormatter", "FlacFormatter", "Formatter", "Mp3Formatter",
-    "MulawFormatter", "OpusFormatter", "PcmFormatter", "WavFormatter", "add_routes", "serve_speech",
+    "MulawFormatter", "OpusFormatter", "PcmFormatter", "TEXT_SLICE_CHARS", "WavFormatter", "add_routes", "serve_speech",
 ]
 
 # Resampling and Opus run here, never on the event loop; one request's calls
