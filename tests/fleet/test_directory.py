@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 
-from voxgate.gateway.directory import KEY_PREFIX, Directory, RecordSigner, SessionRecord, key_id
+from voxgate.gateway.directory import KEY_PREFIX, Directory
+from voxgate.gateway.directory_records import RecordSigner, SessionRecord, key_id
 
 from .conftest import REDIS_PASSWORD, TOKEN_SECRET
 
