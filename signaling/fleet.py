@@ -2,7 +2,7 @@
 
 With `--redis-url`, a request about a session this gateway does not hold is
 looked up in the directory (gateway/directory.py) and proxied to the gateway
-that holds it: `GET`/`DELETE /v1/sessions/{id}`, its ICE candidates, an offer
+that holds it (signaling/fleet_proxy.py): `GET`/`DELETE /v1/sessions/{id}`, its ICE candidates, an offer
 that joins it, its TURN credentials (`GET /v1/ice-servers` with its client
 token), and the backend WebSocket (frame by frame, both ways). Proxied,
 never redirected: browsers' fetch and WebRTC offers, and most WebSocket
@@ -22,7 +22,7 @@ which may be absolute). It adds one hop header, which can only take routing away
 that carries it is answered locally, so a stale record never bounces requests
 between gateways.
 
-Placement: each gateway publishes its load (its speech budget and demand,
+Placement (signaling/fleet_placement.py): each gateway publishes its load (its speech budget and demand,
 gateway/admission.py) in the directory. `POST /v1/sessions` on any gateway
 makes the session on the gateway with the most headroom: here, unless another
 one of the fleet has room for a session (--talk-share) and more headroom than
@@ -43,31 +43,23 @@ import asyncio
 import base64
 import json
 import logging
-import math
 from typing import cast
 
 import aiohttp
-from aiohttp import WSMsgType, web
+from aiohttp import web
 from prometheus_client import Counter, Gauge
 
-from ..gateway.directory import Directory, DirectoryUnavailable, RecordRefused, key_id
+from ..gateway.directory import Directory, DirectoryUnavailable, RecordRefused
+from ..gateway.directory_records import key_id
 from ..gateway.session import Session
 from ..gateway.errors import GatewayError
 from .errors import MAX_CANDIDATE_BYTES, MAX_OFFER_BYTES, READ_AHEAD, error_response, read_body
-from .sessions_api import CREATE_BODY_LIMIT, SIGNER, TRACK_HOOKS, bearer_of, check_api_key, session_urls
+from .fleet_placement import place, settle_new_session
+from .fleet_proxy import HOP_HEADER, proxy_http, proxy_ws
+from .sessions_api import SIGNER, TRACK_HOOKS, bearer_of, check_api_key
 
 log = logging.getLogger(__name__)
 
-HOP_HEADER = "X-Voxgate-Hop"
-# Request headers the holder needs to answer as if it had been asked itself.
-FORWARDED_HEADERS = ("Authorization", "X-API-Key", "Content-Type", "Origin", "User-Agent")
-# The holder's response headers that mean something to the caller.
-RETURNED_HEADERS = ("Content-Type", "Retry-After", "Allow")
-MAX_PROXIED_RESPONSE_BYTES = 1 << 20
-# Holders answer on the same network; an offer's answer waits for ICE gathering.
-PROXY_TIMEOUT_S = 20.0
-WS_HEARTBEAT_S = 20.0
-WS_CLOSE_CODES_NOT_SENDABLE = (None, 1005, 1006, 1015)
 
 # (method, route) -> label; the routes whose requests are about one session.
 ROUTES = {
@@ -247,12 +239,12 @@ async def route(request: web.Request, handler):
     except GatewayError as exc:
         return error_response(exc)
     if label == "create" and not request.headers.get(HOP_HEADER):
-        placed = await _place(request, fleet)
+        placed = await place(request, fleet)
         if placed is not None:
             return placed
     if sid is None:
         response = await handler(request)
-        return await _settle_new_session(fleet, response) if label in ("create", "offer") else response
+        return await settle_new_session(fleet, response) if label in ("create", "offer") else response
     if sid in fleet.gateway.sessions or request.headers.get(HOP_HEADER):
         # Ours, or already proxied once: answered here, never sent on again.
         return await handler(request)
@@ -281,175 +273,5 @@ async def route(request: web.Request, handler):
         fleet.proxied.labels(label, "unknown").inc()
         return await handler(request)
     if label == "ws":
-        return await _proxy_ws(request, fleet, record.gateway)
-    return await _proxy_http(request, fleet, record.gateway, label, body)
-
-
-async def _place(request: web.Request, fleet: Fleet) -> web.Response | None:
-    """Make a new session on the gateway of the fleet with the most headroom, if that is not
-    this one: that gateway's answer, with its URLs; None to make it here."""
-    gw = fleet.gateway
-    need = gw.settings.talk_share
-    budget, demand = gw.admission.fleet_load()
-    target = fleet.directory.placement(need, budget - demand)
-    if target is None:
-        return None
-    try:
-        check_api_key(request)  # a request the local handler refuses goes nowhere
-        body = request[READ_AHEAD] = await read_body(request, CREATE_BODY_LIMIT)
-    except GatewayError:
-        return None  # the local handler gives the error
-    try:
-        async with fleet.client.post(
-            target + "/v1/sessions", data=body or None, headers=_forward_headers(request), allow_redirects=False,
-            timeout=aiohttp.ClientTimeout(total=PROXY_TIMEOUT_S),
-        ) as resp:
-            payload = await _read_capped(resp.content, MAX_PROXIED_RESPONSE_BYTES)
-            status = resp.status
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        log.warning("placing a session on %s failed (%s); making it here", target, type(exc).__name__)
-        fleet.placed.labels("unreachable").inc()
-        fleet.directory.placed(target, math.inf)  # not again until it publishes its load
-        return None
-    try:
-        made = json.loads(payload) if status == 201 else None
-    except ValueError:
-        made = None
-    if not isinstance(made, dict) or not isinstance(made.get("session_id"), str):
-        # Full meanwhile (another gateway placed there too), or not answering as a gateway does.
-        log.info("gateway %s did not take a placed session (%s); making it here", target, status)
-        fleet.placed.labels("refused").inc()
-        fleet.directory.placed(target, math.inf)
-        return None
-    fleet.directory.placed(target, need)
-    fleet.placed.labels("placed").inc()
-    made.update(session_urls(target, made["session_id"]))
-    log.info("session %s placed on %s, the gateway with the most headroom", made["session_id"], target,
-             extra={"session_id": made["session_id"]})
-    return web.json_response(made, status=201)
-
-
-async def _settle_new_session(fleet: Fleet, response: web.StreamResponse) -> web.StreamResponse:
-    """A new session's id reaches the caller only once the directory has it, so that
-    the caller's next request may go to any gateway."""
-    if response.status not in (200, 201) or not isinstance(response, web.Response) or not response.body:
-        return response
-    try:
-        sid = json.loads(cast(bytes, response.body)).get("session_id")
-    except (ValueError, TypeError, AttributeError):
-        return response
-    if isinstance(sid, str) and not await fleet.directory.claimed(sid):
-        return error_response(GatewayError("session_id_taken", "the new session's id was already in use in the fleet; retry", 503))
-    return response
-
-
-def _forward_headers(request: web.Request) -> dict[str, str]:
-    headers = {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
-    # The caller's Host: the holder's host and same-origin checks see what this gateway saw.
-    headers["Host"] = request.host
-    headers[HOP_HEADER] = "1"
-    forwarded_for = request.headers.get("X-Forwarded-For")
-    remote = request.remote or "unknown"
-    headers["X-Forwarded-For"] = f"{forwarded_for}, {remote}" if forwarded_for else remote
-    return headers
-
-
-def _unreachable(fleet: Fleet, label: str, owner: str, exc: BaseException) -> web.Response:
-    fleet.proxied.labels(label, "owner_unreachable").inc()
-    log.warning("gateway %s holding a session did not answer: %s", owner, type(exc).__name__)
-    return error_response(GatewayError("owner_unreachable", "the gateway that holds this session did not answer; retry shortly", 502))
-
-
-async def _proxy_http(request: web.Request, fleet: Fleet, owner: str, label: str, body: bytes) -> web.Response:
-    try:
-        async with fleet.client.request(
-            request.method, owner + str(request.rel_url), data=body or None, headers=_forward_headers(request),
-            allow_redirects=False, timeout=aiohttp.ClientTimeout(total=PROXY_TIMEOUT_S),
-        ) as resp:
-            payload = await _read_capped(resp.content, MAX_PROXIED_RESPONSE_BYTES)
-            headers = {name: resp.headers[name] for name in RETURNED_HEADERS if name in resp.headers}
-            status = resp.status
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        return _unreachable(fleet, label, owner, exc)
-    fleet.proxied.labels(label, "proxied").inc()
-    return web.Response(status=status, body=payload, headers=headers)
-
-
-async def _read_capped(content: aiohttp.StreamReader, limit: int) -> bytes:
-    """The whole body, however many segments it comes in (one read() returns only
-    what has arrived so far), refused past `limit` bytes."""
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        chunk = await content.read(limit + 1 - size)
-        if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
-        size += len(chunk)
-        if size > limit:
-            raise aiohttp.ClientPayloadError(f"answer over {limit} bytes")
-
-
-async def _proxy_ws(request: web.Request, fleet: Fleet, owner: str) -> web.StreamResponse:
-    downstream = web.WebSocketResponse(heartbeat=WS_HEARTBEAT_S, max_msg_size=fleet.max_ws_message, decode_text=False)
-    if not downstream.can_prepare(request).ok:
-        # Not an upgrade: no socket to the holder (it would take the session's
-        # writer role from the real backend while the caller gets its error).
-        return await _proxy_http(request, fleet, owner, "ws", b"")
-    url = "ws" + owner[len("http"):] + str(request.rel_url)  # http -> ws, https -> wss
-    try:
-        # The handshake is bounded like any proxied request; the socket then lives as long as the session.
-        upstream = await asyncio.wait_for(fleet.client.ws_connect(
-            url, headers=_forward_headers(request), heartbeat=WS_HEARTBEAT_S, max_msg_size=fleet.max_ws_message,
-            timeout=aiohttp.ClientWSTimeout(ws_close=5.0), autoping=True,
-        ), PROXY_TIMEOUT_S)
-    except aiohttp.WSServerHandshakeError:
-        # The holder refused the upgrade (unknown session, bad role): ask again
-        # without it, and relay its JSON error as it wrote it.
-        return await _proxy_http(request, fleet, owner, "ws", b"")
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        return _unreachable(fleet, "ws", owner, exc)
-    fleet.proxied.labels("ws", "proxied").inc()
-    # decode_text=False, as the local handler: a text frame that is not UTF-8
-    # reaches the holder, which answers it with an error event.
-    try:
-        await downstream.prepare(request)
-    except BaseException:
-        await upstream.close()
-        raise
-    fleet.sockets.add(downstream)
-
-    async def to_caller() -> None:
-        async for msg in upstream:
-            if msg.type == WSMsgType.TEXT:
-                await downstream.send_str(msg.data)
-            elif msg.type == WSMsgType.BINARY:
-                await downstream.send_bytes(msg.data)
-            else:
-                break
-
-    async def to_holder() -> None:
-        async for msg in downstream:
-            if msg.type == WSMsgType.TEXT:
-                await upstream.send_frame(msg.data if isinstance(msg.data, bytes) else msg.data.encode(), WSMsgType.TEXT)
-            elif msg.type == WSMsgType.BINARY:
-                await upstream.send_bytes(msg.data)
-            else:
-                break
-
-    pumps = [asyncio.ensure_future(to_caller()), asyncio.ensure_future(to_holder())]
-    try:
-        await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for pump in pumps:
-            pump.cancel()
-        fleet.sockets.discard(downstream)
-        code = upstream.close_code
-        if not upstream.closed:
-            await upstream.close()  # the caller left: the holder sees its backend go
-        if not downstream.closed:
-            if code in WS_CLOSE_CODES_NOT_SENDABLE:
-                await downstream.close(code=1001, message=b"the gateway holding the session went away")
-            else:
-                await downstream.close(code=code, message=b"closed by the gateway holding the session")
-    return downstream
+        return await proxy_ws(request, fleet, record.gateway)
+    return await proxy_http(request, fleet, record.gateway, label, body)

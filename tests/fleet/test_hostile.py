@@ -11,7 +11,7 @@ from unittest import mock
 import aiohttp
 import pytest
 
-from voxgate.signaling.fleet import _read_capped
+from voxgate.signaling.fleet_proxy import read_capped
 
 from .test_routing import AUTH, make_session, next_event, wait_until
 
@@ -62,7 +62,7 @@ async def test_an_answer_in_pieces_is_read_whole_and_capped():
         content.feed_eof()
 
     feeder = asyncio.ensure_future(arrive())
-    body = await _read_capped(content, 1 << 20)
+    body = await read_capped(content, 1 << 20)
     await feeder
     assert json.loads(body)["sdp"] == "v" * 1400 + "w" * 1400
 
@@ -70,4 +70,4 @@ async def test_an_answer_in_pieces_is_read_whole_and_capped():
     big.feed_data(b"x" * 101)
     big.feed_eof()
     with pytest.raises(aiohttp.ClientPayloadError):
-        await _read_capped(big, 100)
+        await read_capped(big, 100)
