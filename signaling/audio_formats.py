@@ -1,6 +1,7 @@
 """The audio formats speech is served in over HTTP (signaling/tts_http.py, openai_speech.py)
 and the TTS WebSocket: a formatter takes the engine's PCM and gives the response's bytes
-(WAV, raw PCM, mu-law, and Opus, MP3, AAC, FLAC through PyAV)."""
+(WAV, raw PCM, mu-law, and Opus, MP3, AAC, FLAC through PyAV); the WebSocket's take the
+same PCM and give a list of pieces, each its own message (raw Opus packets, PCM16)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import av
 import numpy as np
 from av.audio.stream import AudioStream
 
-from ..gateway.encoder import ulaw_encode
+from ..gateway.encoder import OpusEncoder, OpusSettings, ulaw_encode
 from ..gateway.resample import StreamResampler
 
 FORMATS = ("wav", "pcm", "mulaw", "opus")
@@ -192,3 +193,43 @@ FORMATTERS: dict[str, type[Formatter]] = {
     "mulaw": MulawFormatter,
     "opus": OpusFormatter,
 }
+
+
+# The TTS WebSocket's (signaling/tts_ws.py): a list of pieces a chunk, each sent as one message.
+class OpusPackets:
+    """Engine PCM in, raw Opus packets (20 ms each, decoded at 48 kHz) out; the
+    last frame padded with silence."""
+
+    def __init__(self, engine_rate: int) -> None:
+        self.encoder = OpusEncoder(OpusSettings(signal="voice"))
+        self.resampler = StreamResampler(engine_rate, self.encoder.sample_rate)
+        self.frame = self.encoder.frame_samples
+        self.pending = np.zeros(0, dtype=np.int16)
+
+    def feed(self, pcm: np.ndarray) -> list[bytes]:
+        pcm = np.concatenate([self.pending, self.resampler.process(pcm)])
+        whole = len(pcm) - len(pcm) % self.frame
+        self.pending = pcm[whole:]
+        return self.encoder.encode(pcm[:whole]) if whole else []
+
+    def finish(self) -> list[bytes]:
+        pcm = np.concatenate([self.pending, self.resampler.process(np.zeros(0, dtype=np.int16), last=True)])
+        self.pending = np.zeros(0, dtype=np.int16)
+        if len(pcm) % self.frame:
+            pcm = np.concatenate([pcm, np.zeros(self.frame - len(pcm) % self.frame, dtype=np.int16)])
+        return self.encoder.encode(pcm) if len(pcm) else []
+
+
+class Pcm16Pieces:
+    """Engine PCM in, PCM16 LE at the connection's rate out, one piece per chunk."""
+
+    def __init__(self, engine_rate: int, rate: int) -> None:
+        self.formatter = PcmFormatter(engine_rate, rate)
+
+    def feed(self, pcm: np.ndarray) -> list[bytes]:
+        data = self.formatter.feed(pcm)
+        return [data] if data else []
+
+    def finish(self) -> list[bytes]:
+        data = self.formatter.finish()
+        return [data] if data else []

@@ -27,20 +27,18 @@ import re
 import time
 from collections import OrderedDict
 
-import numpy as np
 from aiohttp import WSMsgType, web
 
 from ..engine.base import SynthesisOptions
 from ..engine.errors import EngineCrashed, EngineStreamError, EngineUnavailable, public_engine_error
 from ..engine.stream import TTSStream
-from ..gateway.encoder import OpusEncoder, OpusSettings
 from ..gateway.errors import GatewayError, checked_voice
 from ..gateway.protocol import RateLimiter
-from ..gateway.resample import StreamResampler
 from .errors import error_response
 from .http_guard import RateLimitedLog, client_address
 from .sessions_api import check_api_key
 from . import tts_http
+from .audio_formats import OpusPackets, Pcm16Pieces
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +56,7 @@ SEND_STALL_S = 10.0
 MAX_CLOSED_IDS = 256
 # A connection over its message rate for this long in a row is closed.
 MAX_FLOOD_S = 5.0
-OPUS_RATE = 48000  # what a receiver decodes the packets at
+OPUS_RATE = 48000  # what a receiver decodes the packets at (audio_formats.OpusPackets)
 _client_log = RateLimitedLog()
 
 
@@ -69,45 +67,6 @@ def _clean(value: object, limit: int = 64) -> str:
 
 def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
-
-
-class OpusPackets:
-    """Engine PCM in, raw Opus packets (20 ms each, decoded at 48 kHz) out; the
-    last frame padded with silence."""
-
-    def __init__(self, engine_rate: int) -> None:
-        self.encoder = OpusEncoder(OpusSettings(signal="voice"))
-        self.resampler = StreamResampler(engine_rate, self.encoder.sample_rate)
-        self.frame = self.encoder.frame_samples
-        self.pending = np.zeros(0, dtype=np.int16)
-
-    def feed(self, pcm: np.ndarray) -> list[bytes]:
-        pcm = np.concatenate([self.pending, self.resampler.process(pcm)])
-        whole = len(pcm) - len(pcm) % self.frame
-        self.pending = pcm[whole:]
-        return self.encoder.encode(pcm[:whole]) if whole else []
-
-    def finish(self) -> list[bytes]:
-        pcm = np.concatenate([self.pending, self.resampler.process(np.zeros(0, dtype=np.int16), last=True)])
-        self.pending = np.zeros(0, dtype=np.int16)
-        if len(pcm) % self.frame:
-            pcm = np.concatenate([pcm, np.zeros(self.frame - len(pcm) % self.frame, dtype=np.int16)])
-        return self.encoder.encode(pcm) if len(pcm) else []
-
-
-class Pcm16Pieces:
-    """Engine PCM in, PCM16 LE at the connection's rate out, one piece per chunk."""
-
-    def __init__(self, engine_rate: int, rate: int) -> None:
-        self.formatter = tts_http.PcmFormatter(engine_rate, rate)
-
-    def feed(self, pcm: np.ndarray) -> list[bytes]:
-        data = self.formatter.feed(pcm)
-        return [data] if data else []
-
-    def finish(self) -> list[bytes]:
-        data = self.formatter.finish()
-        return [data] if data else []
 
 
 class Context:
