@@ -35,22 +35,19 @@ import logging
 import os
 import queue
 import time
-import traceback
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 
 from . import proto
-from .base import AudioChunk, Engine, EngineError, StepStopped, StopSignal, SynthesisJob, SynthesisOptions, WordTiming
+from .base import AudioChunk, Engine, StopSignal, SynthesisJob, SynthesisOptions, WordTiming
 from .capacity import RESERVE, CoreShare, SynthesisCost, capacity
 from .scheduling import (
     FIRST_STEP_S, MAX_SLACK_S, LOAD_REPORT_S, PREEMPT_SLACK_S, START_MARGIN_S, STEP_QUANTILE,
-    STEPS_AHEAD, STEPS_TIMED, GeneratorJob, StepsDone, Stream, close_job,
+    STEPS_AHEAD, STEPS_TIMED, STOPPED, StepsDone, Stream, close_job, run_step,
 )
 from .tags import RenderJob
 
 log = logging.getLogger(__name__)
-# Marks a stopped step's result.
-_STOPPED = object()
 
 
 class Scheduler:
@@ -383,34 +380,7 @@ class Scheduler:
                 self.counters["stopped_steps"] += 1
 
     def _run(self, members: list[tuple[int, SynthesisJob]], threads: int, stop: StopSignal) -> None:
-        started = time.monotonic()  # CLOCK_MONOTONIC: comparable with the gateway's clock
-        # Its cost: the thread's CPU time for a one-thread step; the process's for a step
-        # on every thread when steps run one at a time; else not measured.
-        alone = self.parallel == 1
-        cpu0 = time.thread_time() if threads == 1 else (sum(os.times()[:2]) if alone else None)
-        t0 = time.perf_counter()
-        jobs = [job for _, job in members]
-        try:
-            first = jobs[0]
-            if isinstance(first, (RenderJob, GeneratorJob)):  # one job, stepping itself
-                results: list[object] = [first.step(threads, stop)]
-            else:
-                results = list(self.engine.step(jobs, threads, stop))
-        except StepStopped:
-            results = [_STOPPED] * len(jobs)
-        except EngineError as exc:
-            results = [exc] * len(jobs)
-        except Exception as exc:  # an engine bug must not take down other streams
-            log.error("synthesis failed: %s", traceback.format_exc())
-            results = [RuntimeError(f"{type(exc).__name__}: {exc}")] * len(jobs)
-        seconds = time.perf_counter() - t0
-        if cpu0 is None:
-            cpu_s = None
-        else:
-            cpu_s = (time.thread_time() if threads == 1 else sum(os.times()[:2])) - cpu0
-        self.inbox.put(StepsDone(
-            [(sid, job, result, seconds, started) for (sid, job), result in zip(members, results)], threads, cpu_s,
-        ))
+        self.inbox.put(run_step(self.engine, members, threads, stop, alone=self.parallel == 1))
 
     def _step_done(self, sid: int, job: SynthesisJob, result, seconds: float, started: float) -> None:
         self.running.pop(sid, None)
@@ -420,7 +390,7 @@ class Scheduler:
             close_job(job)
             return
         stream.busy = False
-        if result is _STOPPED:
+        if result is STOPPED:
             stream.credit += 1  # the job is as it was; the step runs again later
             return
         if isinstance(result, Exception):

@@ -4,18 +4,25 @@ constants its policy runs on.
 A `Stream` is one engine stream in the worker: its pending units, its running
 job, its credit, and when its listener needs audio (its deadline), which, for a
 stream queued behind another of the same listener (OpenStream.after), follows
-that one's.
+that one's. `run_step` runs one step of a job (or of a batch), on a thread of the
+scheduler's pool, and says what came of it (`StepsDone`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import os
+import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from .base import AudioChunk, Engine, StopSignal, SynthesisJob, SynthesisOptions
+from .base import AudioChunk, Engine, EngineError, StepStopped, StopSignal, SynthesisJob, SynthesisOptions
 from .tags import RenderJob, from_wire, render
+
+log = logging.getLogger(__name__)
 
 # A stream with less audio than this buffered ahead of its listener is urgent:
 # when its step is the only one to run, it gets every core.
@@ -197,6 +204,45 @@ class Stream:
             job = GeneratorJob(iter(engine.synthesize(text, self.options)))
         self.units.popleft()
         self.job, self.current_index = job, index
+
+
+# Marks a stopped step's result.
+STOPPED = object()
+
+
+def run_step(engine: Engine, members: list[tuple[int, SynthesisJob]], threads: int, stop: StopSignal, *,
+             alone: bool) -> StepsDone:
+    """One step of each job in `members` ((sid, job) pairs: one job, or a batch the engine
+    steps at once) on `threads` threads, on a thread of the scheduler's pool: each result (a
+    chunk, None, STOPPED, or the error), its wall time and start, and its CPU cost (`alone`:
+    steps run one at a time, so the process's CPU time is this step's)."""
+    started = time.monotonic()  # CLOCK_MONOTONIC: comparable with the gateway's clock
+    # Its cost: the thread's CPU time for a one-thread step; the process's for a step
+    # on every thread when steps run one at a time; else not measured.
+    cpu0 = time.thread_time() if threads == 1 else (sum(os.times()[:2]) if alone else None)
+    t0 = time.perf_counter()
+    jobs = [job for _, job in members]
+    try:
+        first = jobs[0]
+        if isinstance(first, (RenderJob, GeneratorJob)):  # one job, stepping itself
+            results: list[object] = [first.step(threads, stop)]
+        else:
+            results = list(engine.step(jobs, threads, stop))
+    except StepStopped:
+        results = [STOPPED] * len(jobs)
+    except EngineError as exc:
+        results = [exc] * len(jobs)
+    except Exception as exc:  # an engine bug must not take down other streams
+        log.error("synthesis failed: %s", traceback.format_exc())
+        results = [RuntimeError(f"{type(exc).__name__}: {exc}")] * len(jobs)
+    seconds = time.perf_counter() - t0
+    if cpu0 is None:
+        cpu_s = None
+    else:
+        cpu_s = (time.thread_time() if threads == 1 else sum(os.times()[:2])) - cpu0
+    return StepsDone(
+        [(sid, job, result, seconds, started) for (sid, job), result in zip(members, results)], threads, cpu_s,
+    )
 
 
 def close_job(job: object) -> None:
