@@ -62,20 +62,29 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
 
 
-def parse(raw: str | bytes, limits: Limits) -> dict:
-    """Decode and validate one client message."""
-    size = len(raw.encode("utf-8", "surrogatepass")) if isinstance(raw, str) else len(raw)
-    if size > limits.max_message_bytes:
-        raise GatewayError("message_too_large", f"message is {size} bytes; the limit is {limits.max_message_bytes}")
+def decode_json(raw: str | bytes, what: str, hint: str = "", max_bytes: int | None = None) -> object:
+    """One JSON text from a client (a message, a frame, a request body) as Python values. Over
+    `max_bytes`, not UTF-8, or not JSON (NaN and Infinity included, which Python's parser takes)
+    is a GatewayError that names `what`, with `hint` (what to send) after a JSON error; the
+    caller checks the value is the object it expects."""
+    if max_bytes is not None:
+        size = len(raw.encode("utf-8", "surrogatepass")) if isinstance(raw, str) else len(raw)
+        if size > max_bytes:
+            raise GatewayError("message_too_large", f"{what} is {size} bytes; the limit is {max_bytes}")
     if isinstance(raw, (bytes, bytearray, memoryview)):
         try:
             raw = bytes(raw).decode("utf-8")
         except UnicodeDecodeError:
-            raise GatewayError("invalid_utf8", "message is not valid UTF-8 text; send JSON text") from None
+            raise GatewayError("invalid_utf8", f"{what} is not valid UTF-8 text") from None
     try:
-        msg = json.loads(raw, parse_constant=_reject_constant)
+        return json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, RecursionError):
-        raise GatewayError("invalid_json", "message is not JSON; send one JSON object with a 'type'") from None
+        raise GatewayError("invalid_json", f"{what} is not JSON" + (f"; {hint}" if hint else "")) from None
+
+
+def parse(raw: str | bytes, limits: Limits) -> dict:
+    """Decode and validate one client message."""
+    msg = decode_json(raw, "message", "send one JSON object with a 'type'", limits.max_message_bytes)
     if not isinstance(msg, dict):
         raise GatewayError("invalid_message", "message must be a JSON object with a 'type'")
     if _depth(msg) > MAX_DEPTH:

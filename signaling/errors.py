@@ -4,11 +4,11 @@ and reading request bodies that may be refused with one."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 from aiohttp import web
 
 from ..gateway.errors import GatewayError
+from ..gateway.protocol import decode_json
 
 
 def error_response(error: GatewayError) -> web.Response:
@@ -65,24 +65,12 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not JSON")
-
-
 async def read_json_object(request: web.Request, limit: int, hint: str = "", allow_empty: bool = False) -> dict:
     """The request body as a JSON object, refusing oversized, non-UTF-8 and non-JSON bodies."""
     raw = await read_body(request, limit)
     if allow_empty and not raw.strip():
         return {}
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise GatewayError("invalid_utf8", "request body is not valid UTF-8") from None
-    try:
-        # NaN and Infinity are not JSON, though Python's parser takes them.
-        body = json.loads(text, parse_constant=_reject_constant)
-    except (ValueError, RecursionError):
-        raise GatewayError("invalid_json", "request body is not JSON" + (f"; {hint}" if hint else "")) from None
+    body = decode_json(raw, "request body", hint)
     if not isinstance(body, dict):
         raise GatewayError("invalid_json", "request body must be a JSON object" + (f"; {hint}" if hint else ""))
     return body

@@ -33,7 +33,7 @@ from ..engine.base import SynthesisOptions
 from ..engine.errors import EngineCrashed, EngineStreamError, EngineUnavailable, public_engine_error
 from ..engine.stream import TTSStream
 from ..gateway.errors import GatewayError, checked_voice
-from ..gateway.protocol import RateLimiter
+from ..gateway.protocol import RateLimiter, decode_json
 from .errors import error_response
 from .http_guard import RateLimitedLog, client_address
 from .sessions_api import check_api_key
@@ -63,10 +63,6 @@ _client_log = RateLimitedLog()
 def _clean(value: object, limit: int = 64) -> str:
     text = str(value)[:limit]
     return "".join(ch if ch.isprintable() else "?" for ch in text)
-
-
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not JSON")
 
 
 class Context:
@@ -163,19 +159,7 @@ class Connection:
 
     # In
     def handle(self, raw: str | bytes) -> None:
-        size = len(raw) if isinstance(raw, (bytes, bytearray)) else len(raw.encode("utf-8", "surrogatepass"))
-        limit = self.settings.max_message_bytes
-        if size > limit:
-            raise GatewayError("message_too_large", f"message is {size} bytes; the limit is {limit}")
-        if isinstance(raw, (bytes, bytearray)):
-            try:
-                raw = bytes(raw).decode("utf-8")
-            except UnicodeDecodeError:
-                raise GatewayError("invalid_utf8", "message is not valid UTF-8 text") from None
-        try:
-            msg = json.loads(raw, parse_constant=_reject_constant)
-        except (ValueError, RecursionError):
-            raise GatewayError("invalid_json", "message is not JSON; send one JSON object with a 'type'") from None
+        msg = decode_json(raw, "message", "send one JSON object with a 'type'", self.settings.max_message_bytes)
         if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
             raise GatewayError("invalid_message", "a message is a JSON object with a string 'type'")
         kind = msg["type"]

@@ -33,7 +33,7 @@ from ..gateway.encoder import ulaw_decode
 from ..gateway.resample import Upsampler2x
 from ..gateway.session import Session
 from ..gateway.twilio_output import TwilioOutput
-from ..gateway.protocol import RateLimiter
+from ..gateway.protocol import RateLimiter, decode_json
 from ..gateway.errors import GatewayError
 from .errors import error_response
 from .http_guard import RateLimitedLog, client_address
@@ -173,15 +173,7 @@ class TwilioCall:
 
     # Inbound
     async def handle(self, raw: str | bytes) -> None:
-        if isinstance(raw, (bytes, bytearray)):
-            try:
-                raw = bytes(raw).decode("utf-8")
-            except UnicodeDecodeError:
-                raise GatewayError("invalid_utf8", "the frame is not valid UTF-8 text") from None
-        try:
-            msg = json.loads(raw)
-        except (ValueError, RecursionError):
-            raise GatewayError("invalid_json", "the frame is not JSON") from None
+        msg = decode_json(raw, "the frame")
         if not isinstance(msg, dict) or not isinstance(msg.get("event"), str):
             raise GatewayError("invalid_message", "a frame must be a JSON object with a string 'event'")
         event = msg["event"]
