@@ -82,6 +82,8 @@ class Gateway:
         self.fast_paths: dict[str, bool] = {}  # rtc_internals.check_fast_paths(), at start
         # Called with the sessions and /v1/tts requests still open, after a session is forgotten.
         self.on_session_closed: list[Callable[[int], None]] = []
+        # Called with each new session and the API key that made it (the fleet's directory records it).
+        self.on_session_created: list[Callable[[Session, str | None], None]] = []
         self._tasks: list[asyncio.Task] = []
         # Every check that may refuse a new session or request (gateway/admission.py).
         self.admission = Admission(self)
@@ -260,6 +262,20 @@ class Gateway:
             raise GatewayError("already_connected", "a listener is already attached to this session", 409)
         return session
 
+    def session_for_offer(self, session_id: object, token: object, voice: object, address: str) -> tuple[Session, bool]:
+        """The session a WebRTC offer attaches to, and whether it was made for it: with
+        `session_id` and/or `token`, the session made ahead that the token names
+        (join_session); without either, a new one (unless --require-token)."""
+        if session_id is None and token is None:
+            if self.settings.require_token:
+                raise GatewayError("token_required", "this server needs a client token from POST /v1/sessions", 401)
+            return self.create_session(voice=voice, anonymous_from=address), True
+        if session_id is not None and not isinstance(session_id, str):
+            raise GatewayError("invalid_field", "'session_id' must be a string")
+        if token is None:
+            raise GatewayError("token_required", "joining a session needs its client 'token'", 401)
+        return self.join_session(session_id, token), False
+
     def has_peer(self, session_id: str) -> bool:
         return session_id in self.peers
 
@@ -301,4 +317,6 @@ class Gateway:
             registry.forget(s.id)
 
         session.on_close.append(forget)
+        for hook in self.on_session_created:
+            hook(session, key)
         return session

@@ -91,6 +91,24 @@ class SessionRegistry:
     def owned_by(self, session_id: str, key: str | None) -> bool:
         return session_id in self.owner and self.owner[session_id] == key
 
+    def add_backend(self, session_id: str, name: str, role: str) -> None:
+        """A backend's WebSocket (`name`, "writer" or "watcher") attached to the session."""
+        self.backends.setdefault(session_id, {})[name] = role
+
+    def drop_backend(self, session_id: str, name: str) -> None:
+        backends = self.backends.get(session_id)
+        if backends is not None:
+            backends.pop(name, None)
+
+    def add_call(self, session_id: str, call: object) -> None:
+        """The telephony call that is the session's output."""
+        self.calls[session_id] = call
+
+    def drop_call(self, session_id: str, call: object) -> None:
+        """Forget `call`, if it is still the session's (a later call may have joined)."""
+        if self.calls.get(session_id) is call:
+            del self.calls[session_id]
+
     def forget(self, session_id: str) -> None:
         self.owner.pop(session_id, None)
         self.made_ahead.discard(session_id)

@@ -56,7 +56,7 @@ from ..gateway.errors import GatewayError
 from .errors import MAX_CANDIDATE_BYTES, MAX_OFFER_BYTES, READ_AHEAD, error_response, read_body
 from .fleet_placement import place, settle_new_session
 from .fleet_proxy import HOP_HEADER, proxy_http, proxy_ws
-from .sessions_api import SIGNER, TRACK_HOOKS, bearer_of, check_api_key
+from .sessions_api import SIGNER, bearer_of, check_api_key
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def setup(app: web.Application) -> None:
     """Turn a gateway into a fleet member (create_app calls this with --redis-url)."""
     fleet = Fleet(app)
     app[FLEET] = fleet
-    app.setdefault(TRACK_HOOKS, []).append(fleet.track)
+    app["gateway"].on_session_created.append(fleet.track)
     app.middlewares.append(route)
 
     async def on_startup(app: web.Application) -> None:

@@ -52,7 +52,7 @@ async def handle_offer(request: web.Request) -> web.Response:
         if kind != "offer":
             raise GatewayError("invalid_sdp", "'type' must be 'offer'")
         address = client_address(request, gw.trusted_proxies)
-        session, created = sessions_api.session_for_offer(request.app, body, body.get("voice"), address)
+        session, created = gw.session_for_offer(body.get("session_id"), body.get("token"), body.get("voice"), address)
     except GatewayError as exc:
         return error_response(exc)
     try:

@@ -40,11 +40,6 @@ CREATE_BODY_LIMIT = 8192
 
 SIGNER = web.AppKey("token_signer", TokenSigner)
 REGISTRY = web.AppKey("session_registry", SessionRegistry)
-# Called with (session, owner key) for every session a gateway starts to hold;
-# the fleet's session directory records them (signaling/fleet.py).
-TRACK_HOOKS = web.AppKey("track_hooks", list)
-
-
 def bearer_of(request: web.Request) -> str | None:
     auth = request.headers.get("Authorization", "")
     if auth[:7].lower() == "bearer ":
@@ -95,35 +90,6 @@ def _session_or_404(request: web.Request, key: str | None) -> Session:
     return session
 
 
-def track_session(app: web.Application, session: Session, owner: str | None = None) -> None:
-    """Hand a new session to the hooks that follow sessions (the fleet's directory); the
-    gateway's registry already holds its owner (Gateway.create_session)."""
-    for hook in app.get(TRACK_HOOKS, ()):
-        hook(session, owner)
-
-
-# Joining from /v1/offer
-def session_for_offer(app: web.Application, body: dict, voice: object, address: str) -> tuple[Session, bool]:
-    """The session an offer attaches to, and whether it was created for it.
-
-    With `session_id` and/or `token`, the offer joins a session made through
-    the session API; otherwise a new session is made, unless tokens are required.
-    """
-    gw = app["gateway"]
-    sid, token = body.get("session_id"), body.get("token")
-    if sid is None and token is None:
-        if gw.settings.require_token:
-            raise GatewayError("token_required", "this server needs a client token from POST /v1/sessions", 401)
-        session = gw.create_session(voice=voice, anonymous_from=address)
-        track_session(app, session)
-        return session, True
-    if sid is not None and not isinstance(sid, str):
-        raise GatewayError("invalid_field", "'session_id' must be a string")
-    if token is None:
-        raise GatewayError("token_required", "joining a session needs its client 'token'", 401)
-    return join_session(app, sid, token), False
-
-
 def join_session(app: web.Application, sid: str | None, token: object) -> Session:
     """The session made ahead that `token` was issued for (Gateway.join_session)."""
     return app["gateway"].join_session(sid, token)
@@ -160,7 +126,6 @@ async def handle_create(request: web.Request) -> web.Response:
     except GatewayError as exc:
         return error_response(exc)
     session = gw.create_session(voice=voice, key=key, made_ahead=True)
-    track_session(request.app, session, owner=key)
     signer = request.app[SIGNER]
     log.info("session %s made ahead through the session API", session.id, extra={"session_id": session.id})
     return web.json_response(
@@ -257,8 +222,7 @@ async def handle_ws(request: web.Request) -> web.StreamResponse:
         session.writer = name
     else:
         role = "watcher"
-    backends = request.app[REGISTRY].backends.setdefault(session.id, {})
-    backends[name] = role
+    request.app[REGISTRY].add_backend(session.id, name, role)
     # Events (dicts) and, with ?audio=, the caller's audio frames (bytes), in the order they happened.
     outbox: asyncio.Queue = asyncio.Queue()
     frames_queued = 0
@@ -323,7 +287,7 @@ async def handle_ws(request: web.Request) -> web.StreamResponse:
     finally:
         session.remove_audio_tap(name)
         session.remove_listener(name)
-        backends.pop(name, None)
+        request.app[REGISTRY].drop_backend(session.id, name)
         if session.writer == name:
             session.writer = None
         if not sender.done():

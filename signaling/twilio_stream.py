@@ -37,7 +37,7 @@ from ..gateway.protocol import RateLimiter, decode_json
 from ..gateway.errors import GatewayError
 from .errors import error_response
 from .http_guard import RateLimitedLog, client_address
-from .sessions_api import REGISTRY, join_session, track_session
+from .sessions_api import REGISTRY, join_session
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ class TwilioCall:
         session = self._session_for(params)
         self.session = session
         self._capture = CaptureClock(session.clock, 8000, wrap=1 << 62)
-        self.app[REGISTRY].calls[session.id] = self
+        self.app[REGISTRY].add_call(session.id, self)
         session.attach_output("pcmu")
         self.output = TwilioOutput(session, stream_sid=stream_sid, send=self.send)
         self._listener = f"telephony:{stream_sid}"
@@ -263,7 +263,6 @@ class TwilioCall:
                 # No room (503): the call protocol has always said "unavailable".
                 code = "unavailable" if exc.status == 503 else exc.code
                 raise GatewayError(code, exc.message, fatal=True, detail=exc.detail) from None
-            track_session(self.app, session)
             self.created = True
             return session
         if token is None:
@@ -319,8 +318,7 @@ class TwilioCall:
         if session is None:
             return
         session.remove_listener(self._listener)
-        if self.app[REGISTRY].calls.get(session.id) is self:
-            del self.app[REGISTRY].calls[session.id]
+        self.app[REGISTRY].drop_call(session.id, self)
         if not session.closed:
             session.emit({"type": "call.ended", "call_sid": self.call_sid, "reason": reason})
             # The session's only output was this call; it cannot speak any more.
