@@ -51,3 +51,10 @@ def checked_voice(engine, voice: object) -> str | None:
         return engine.check_voice(voice)
     except UnknownVoice as exc:
         raise GatewayError(exc.code, exc.message) from None
+
+
+class SttError(GatewayError):
+    """A caller turn the recognizer gave no text for (gateway/stt.py): stt_timeout, stt_failed, stt_busy."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(code, message)

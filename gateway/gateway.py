@@ -26,6 +26,7 @@ from .registry import SessionRegistry, TokenSigner
 from .session import Session, SessionOptions
 from .vad import VadSettings
 from .barge_in import BargeInSettings
+from .stt import SpeechToText
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,8 @@ class Gateway:
         self._tasks: list[asyncio.Task] = []
         # Every check that may refuse a new session or request (gateway/admission.py).
         self.admission = Admission(self)
+        # The speech recognizer every session's turns share (--stt, --stt-url); None: --stt none.
+        self.stt = SpeechToText.from_settings(settings)
 
     def _allowed_networks(self):
         explicit = [v for v in self.settings.ice_allow if v != "public"]
@@ -133,6 +136,8 @@ class Gateway:
             task.cancel()
         await asyncio.gather(*(s.close("server shutting down") for s in list(self.sessions.values())), return_exceptions=True)
         await self.engine.close()
+        if self.stt is not None:
+            await self.stt.close()
 
     def _on_engine_event(self, event: str, data: dict) -> None:
         if event == "restart":
@@ -298,7 +303,8 @@ class Gateway:
         voice = checked_voice(self.engine, voice)
         registry = self.registry
         self.admission.admit_session(anonymous_from, key, len(registry.by_key.get(key, ())) if key is not None else 0)
-        session = Session(self.engine, options=self.session_options(voice), metrics=self.metrics.for_session(self.settings.engine))
+        session = Session(self.engine, options=self.session_options(voice), metrics=self.metrics.for_session(self.settings.engine),
+                          stt=self.stt)
         self.sessions[session.id] = session
         if anonymous_from is not None:
             self.anonymous[session.id] = anonymous_from

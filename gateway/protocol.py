@@ -123,4 +123,7 @@ def parse(raw: str | bytes, limits: Limits) -> dict:
         barge_in = msg.get("barge_in")
         if barge_in is not None and not isinstance(barge_in, dict):
             raise GatewayError("invalid_field", "'barge_in' must be an object such as {\"min_interrupt_ms\": 400}", id=mid)
+        stt = msg.get("stt")
+        if stt is not None and not isinstance(stt, dict):
+            raise GatewayError("invalid_field", "'stt' must be an object such as {\"enabled\": false}", id=mid)
     return msg

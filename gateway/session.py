@@ -41,6 +41,7 @@ from .protocol import Limits, RateLimiter, parse
 from .session_metrics import SessionMetrics
 from .session_output import SessionOutput
 from .session_queue import Utterance, UtteranceQueue
+from .stt import SpeechToText, TurnTranscriber
 from .text_pump import TextPump
 from .vad import VadSettings, VoiceActivityDetector
 
@@ -111,6 +112,7 @@ class Session(SessionOutput, UtteranceQueue):
         options: SessionOptions | None = None,
         session_id: str | None = None,
         metrics: SessionMetrics | None = None,
+        stt: SpeechToText | None = None,
     ) -> None:
         # 128 random bits: ids stay unique across a fleet of gateways, which
         # claim them in the session directory (gateway/directory.py) besides.
@@ -144,6 +146,9 @@ class Session(SessionOutput, UtteranceQueue):
         # The caller's audio in 20 ms frames, for the VAD and for backends that take it.
         self.caller = CallerAudio(self._on_caller_frame)
         self.vad.interrupt_ms = self.options.barge_in.min_interrupt_ms
+        # The caller's turns as text (gateway/stt.py), where the server has a recognizer (--stt, --stt-url).
+        self.transcriber = (TurnTranscriber(stt, self.emit, lookback_ms=lambda: 2 * self.options.vad.min_speech_ms)
+                            if stt is not None else None)
         # The echo canceller (gateway/echo.py), while barge_in.echo_cancel is on and an output is attached;
         # microphone audio then waits here for it, and it runs as an encode-pool job (off the frame path).
         self.echo: EchoCanceller | None = None
@@ -259,7 +264,20 @@ class Session(SessionOutput, UtteranceQueue):
                 raise GatewayError("invalid_field", str(exc)) from None
             self.vad.interrupt_ms = self.options.barge_in.min_interrupt_ms
             self._configure_echo()
+        if isinstance(msg.get("stt"), dict):
+            self._update_stt(msg["stt"])
         self.emit({"type": "session.updated", **self.describe_options()})
+
+    def _update_stt(self, data: dict) -> None:
+        if set(data) - {"enabled"} or not isinstance(data.get("enabled", False), bool):
+            raise GatewayError("invalid_field", "'stt' takes one field, enabled: true or false")
+        if "enabled" in data:
+            if self.transcriber is None:
+                if data["enabled"]:
+                    raise GatewayError("stt_unavailable", "this server recognizes no speech (--stt none); "
+                                       "its operator can start it with --stt pocketsphinx or --stt-url")
+            else:
+                self.transcriber.enabled = data["enabled"]
 
     def describe_options(self) -> dict:
         vad = self.options.vad
@@ -268,6 +286,8 @@ class Session(SessionOutput, UtteranceQueue):
             "rate": self.options.rate,
             "vad": {"enabled": vad.enabled, "aggressiveness": vad.aggressiveness, "min_speech_ms": vad.min_speech_ms},
             "barge_in": self.options.barge_in.describe(),
+            "stt": {"enabled": self.transcriber is not None and self.transcriber.enabled,
+                    "recognizer": self.transcriber.stt.name if self.transcriber is not None else None},
         }
 
     def ready_event(self) -> dict:
@@ -316,6 +336,8 @@ class Session(SessionOutput, UtteranceQueue):
         """One 20 ms frame of the caller's audio (None: not decoded, silence for the VAD)."""
         if not self.options.vad.enabled:
             return
+        if self.transcriber is not None:
+            self.transcriber.frame(pcm, capture_ms)
         if self.echo is not None:
             self._listen((pcm, capture_ms, level_db))
             return
@@ -366,6 +388,8 @@ class Session(SessionOutput, UtteranceQueue):
                     self.interrupt("barge_in")
                 continue
             self.emit({"type": event, "at_ms": at_ms})
+            if self.transcriber is not None:
+                (self.transcriber.started if event == "speech.started" else self.transcriber.stopped)(at_ms)
             if event == "speech.started":
                 self._turn_over = current.id if current is not None else None
             elif event == "speech.stopped":
@@ -385,6 +409,8 @@ class Session(SessionOutput, UtteranceQueue):
         self._mic_queue.clear()
         self.echo = None
         self.playout.tap = None
+        if self.transcriber is not None:
+            self.transcriber.close()
         self._text.clear()
         for utt in reversed(self.utterances):  # newest first, as in interrupt()
             utt.stream.cancel()

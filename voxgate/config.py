@@ -31,7 +31,7 @@ from .config_fields import (
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 # Settings that hold secrets: each also has a `<name>_file` setting.
-SECRETS = ("api_key", "token_secret", "turn_secret", "twilio_auth_token", "redis_password")
+SECRETS = ("api_key", "token_secret", "turn_secret", "twilio_auth_token", "redis_password", "stt_api_key")
 
 # The values some settings choose among; the modules that act on them import these.
 ENGINES = ("piper", "tone", "torch", "cosyvoice2")  # engine/registry.py
@@ -41,6 +41,7 @@ PRIOR_PRECISIONS = ("int8", "float32")  # engine/graph_quant.py
 SIGNAL_POLICIES = ("auto", "voice", "music")  # gateway/fec.py
 RTP_SENDERS = ("voxgate", "aiortc")  # gateway/rtp_send.py
 MEDIA_PRIORITIES = ("normal", "realtime")  # gateway/priority.py
+STT_ENGINES = ("none", "pocketsphinx")  # gateway/stt.py; --stt-url names the other kind
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 MAX_ENCODE_THREADS = 64  # gateway/encode_pool.py
 RATE_RANGE = (0.25, 4.0)  # speaking rates a client (session.update) or `voxgate say --rate` may ask for
@@ -54,6 +55,7 @@ LISTENING = "listening"
 ACCESS = "access"
 VOICE = "voice"
 MEDIA = "media"
+RECOGNITION = "recognition"
 LIMITS = "limits"
 FLEET = "fleet"
 TUNING = "tuning"
@@ -63,6 +65,7 @@ GROUPS = {
     ACCESS: "who may use the server",
     VOICE: "the engine and its voices",
     MEDIA: "outbound Opus and barge-in",
+    RECOGNITION: "the caller's speech as text (speech.transcript)",
     LIMITS: "sessions, messages and time",
     FLEET: "several gateways sharing sessions through Redis",
     TUNING: "threads, scheduling and memory; the defaults suit most machines",
@@ -125,6 +128,19 @@ class Settings:
     # Chosen with bench/bench_barge_in.py (docs/barge-in.md): real interruptions over a -10 dB echo within 300 ms.
     min_interrupt_ms: int = setting(200, MEDIA, "caller speech before it interrupts the bot (else a backchannel)",
                                     low=MIN_INTERRUPT_RANGE[0], high=MIN_INTERRUPT_RANGE[1])
+    # Speech recognition on each VAD turn (gateway/stt.py): embedded, or an OpenAI-compatible endpoint.
+    stt: str = setting("none", RECOGNITION, "recognize caller turns (speech.transcript)", choices=STT_ENGINES)
+    stt_url: str | None = setting(None, RECOGNITION, "or with this OpenAI-compatible /v1/audio/transcriptions API",
+                                  metavar="URL")
+    stt_model: str = setting("whisper-1", RECOGNITION, "with --stt-url: the model asked for", metavar="NAME")
+    stt_api_key: str | None = setting(None, RECOGNITION, "with --stt-url: its API key (ps shows it: use the file)",
+                                      metavar="SECRET")
+    stt_api_key_file: str | None = setting(None, RECOGNITION, "file holding --stt-api-key", metavar="FILE")
+    stt_timeout_s: float = setting(10.0, RECOGNITION, "a turn not recognized by then is an stt_timeout error",
+                                   low=0.5, high=600.0)
+    stt_max_concurrent: int = setting(2, RECOGNITION, "turns recognized at once, in total", low=1, high=1024)
+    stt_max_turn_s: float = setting(30.0, RECOGNITION, "a longer turn is recognized in pieces this long",
+                                    low=1.0, high=600.0)
     # Sessions and limits
     max_sessions: int = setting(200, LIMITS, "sessions at once, in total; more get 503", low=1, high=100000)
     max_sessions_per_key: int = setting(50, LIMITS, "sessions at once per API key", low=1, high=100000)
@@ -268,6 +284,13 @@ class Settings:
                 "it open on purpose."
             )
         self._check_fleet()
+        if self.stt_url is not None:
+            parsed = urlsplit(self.stt_url)
+            if parsed.scheme not in ("http", "https") or not parsed.hostname:
+                raise ConfigError(f"--stt-url {self.stt_url!r} is not an http(s) URL; give the API's base, "
+                                  "e.g. http://127.0.0.1:8000/v1")
+            if self.stt != "none":
+                raise ConfigError(f"--stt {self.stt} and --stt-url name two recognizers; give one")
         if self.engine_url is not None:
             parsed = urlsplit(self.engine_url)
             if parsed.scheme not in ("http", "https") or not parsed.hostname:

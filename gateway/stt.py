@@ -1,0 +1,245 @@
+"""What the caller said, as text: a speech recognizer run on each of the VAD's turns.
+
+One home for speech recognition. A recognizer is small (`Recognizer`): it
+turns one turn's audio (16 kHz mono int16) into text, either in a thread
+(`threaded`, e.g. pocketsphinx: gateway/stt_pocketsphinx.py) or as a
+coroutine (an OpenAI-compatible endpoint: gateway/stt_openai.py).
+`load_recognizer` picks the one the settings name (--stt, --stt-url).
+
+`SpeechToText` is the process's one service around it: at most
+--stt-max-concurrent recognitions at once (threads included: a thread that
+outlives its timeout keeps its slot until it ends), a bounded number waiting,
+and every turn's whole time, waiting included, bounded by --stt-timeout-s.
+Nothing of it ever runs on the event loop.
+
+`TurnTranscriber` is a session's: it keeps the caller's recent 20 ms frames
+(caller_audio.py) and cuts one turn from `speech.started` to
+`speech.stopped` (with the speech that came before the VAD decided), or a
+piece every --stt-max-turn-s of a longer one, and sends one
+`speech.transcript` {text, final, start_ms, end_ms} per piece, in order, or
+one `error` (stt_timeout, stt_failed, stt_busy) and nothing else. Sessions of
+a server with `--stt none` have none: no frame is kept, nothing is decoded
+for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Protocol
+
+import numpy as np
+
+from ..config import ConfigError, Settings
+from .errors import SttError
+from .frames import FRAME_MS
+
+log = logging.getLogger(__name__)
+
+RATE = 16000
+# Audio kept ahead of a turn: the VAD decides `speech.started` once min_speech_ms of voiced
+# frames fell within a window of twice that, so the turn began up to that long before; plus a margin.
+MARGIN_MS = 300
+MAX_PENDING_PER_SESSION = 4  # turns of one session recognized or waiting to be reported
+WAITING_PER_SLOT = 16  # turns waiting for a recognizer, process-wide, per concurrent slot
+
+
+class Recognizer(Protocol):
+    """Turns one turn's audio into text. `threaded`: `recognize(pcm) -> str` runs in a thread of
+    the service's; otherwise `recognize_async(pcm) -> str` is awaited on the loop (it must not block)."""
+
+    name: str
+    threaded: bool
+
+    def recognize(self, pcm: np.ndarray) -> str: ...
+
+    async def recognize_async(self, pcm: np.ndarray) -> str: ...
+
+    async def close(self) -> None: ...
+
+
+def load_recognizer(settings: Settings) -> Recognizer | None:
+    """The recognizer the settings name, loaded; None for --stt none. Raises ConfigError."""
+    if settings.stt_url:
+        from .stt_openai import OpenAITranscriptions
+
+        return OpenAITranscriptions(settings.stt_url, model=settings.stt_model, api_key=settings.stt_api_key)
+    if settings.stt == "pocketsphinx":
+        from .stt_pocketsphinx import Pocketsphinx
+
+        return Pocketsphinx()
+    if settings.stt != "none":
+        raise ConfigError(f"--stt {settings.stt!r}: no such recognizer")
+    return None
+
+
+class SpeechToText:
+    """The process's recognizer, bounded: concurrency, waiting turns, and time."""
+
+    def __init__(self, recognizer: Recognizer, *, max_concurrent: int = Settings.stt_max_concurrent,
+                 timeout_s: float = Settings.stt_timeout_s, max_turn_s: float = Settings.stt_max_turn_s) -> None:
+        self.recognizer = recognizer
+        self.name = recognizer.name
+        self.max_concurrent = max_concurrent
+        self.timeout_s = timeout_s
+        self.max_turn_s = max_turn_s
+        self.max_waiting = WAITING_PER_SLOT * max_concurrent
+        self.waiting = 0
+        self.running = 0
+        self.turns = 0
+        self.errors: dict[str, int] = {}
+        self._slots = asyncio.Semaphore(max_concurrent)
+        self._pool = (ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="stt")
+                      if recognizer.threaded else None)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "SpeechToText | None":
+        recognizer = load_recognizer(settings)
+        if recognizer is None:
+            return None
+        return cls(recognizer, max_concurrent=settings.stt_max_concurrent, timeout_s=settings.stt_timeout_s,
+                   max_turn_s=settings.stt_max_turn_s)
+
+    async def recognize(self, pcm: np.ndarray) -> str:
+        """The text of one turn; raises SttError (stt_busy, stt_timeout, stt_failed)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        if self.waiting >= self.max_waiting:
+            raise SttError("stt_busy", f"{self.waiting} turns are waiting for the recognizer; this one was not recognized")
+        self.waiting += 1
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise SttError("stt_timeout", f"no recognizer was free within {self.timeout_s:g} s") from None
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        self.turns += 1
+        if self._pool is not None:
+            work = loop.run_in_executor(self._pool, self.recognizer.recognize, pcm)
+            work.add_done_callback(self._release)  # when the thread ends, not when the wait does
+            waited = asyncio.shield(work)
+        else:
+            work = asyncio.ensure_future(self.recognizer.recognize_async(pcm))
+            work.add_done_callback(self._release)
+            waited = work  # cancelled on timeout: the request ends with it
+        try:
+            text = await asyncio.wait_for(waited, max(0.0, deadline - loop.time()))
+        except asyncio.TimeoutError:
+            raise SttError("stt_timeout", f"the recognizer ({self.name}) took longer than {self.timeout_s:g} s") from None
+        except SttError:
+            raise
+        except Exception as exc:
+            log.warning("recognizer %s failed: %s", self.name, exc)
+            raise SttError("stt_failed", f"the recognizer ({self.name}) failed: {type(exc).__name__}") from None
+        if not isinstance(text, str):
+            raise SttError("stt_failed", f"the recognizer ({self.name}) gave no text")
+        return " ".join(text.split())
+
+    def _release(self, work: asyncio.Future) -> None:
+        self.running -= 1
+        self._slots.release()
+        if not work.cancelled():
+            work.exception()  # retrieved: a thread that failed after its timeout is not logged as unhandled
+
+    def count_error(self, code: str) -> None:
+        self.errors[code] = self.errors.get(code, 0) + 1
+
+    async def close(self) -> None:
+        await self.recognizer.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class TurnTranscriber:
+    """One session's turns, cut from its caller frames and recognized by `stt`; events go to `emit`."""
+
+    def __init__(self, stt: SpeechToText, emit: Callable[[dict], None], *, lookback_ms: Callable[[], int]) -> None:
+        self.stt = stt
+        self.emit = emit
+        self.enabled = True
+        self.lookback_ms = lookback_ms  # how long before speech.started a turn may have begun
+        self.max_turn_ms = int(stt.max_turn_s * 1000)
+        self._frames: deque = deque()  # (capture_ms, pcm or None), in order
+        self._turn_from: float | None = None  # where the current turn's next piece begins, when in one
+        self._last_end = float("-inf")  # where the last piece ended: pieces never overlap
+        self._pending: deque[asyncio.Task] = deque()
+        self.dropped = 0
+
+    def frame(self, pcm: np.ndarray | None, capture_ms: float) -> None:
+        """One 20 ms frame of the caller's audio (None: not decoded, silence)."""
+        if not self.enabled:
+            return
+        self._frames.append((capture_ms, pcm))
+        if self._turn_from is None:
+            keep_from = capture_ms - self.lookback_ms() - MARGIN_MS
+            while self._frames and self._frames[0][0] < keep_from:
+                self._frames.popleft()
+        elif capture_ms + FRAME_MS - self._turn_from >= self.max_turn_ms:
+            # A turn as long as --stt-max-turn-s: this piece is recognized now, the rest goes on.
+            end = capture_ms + FRAME_MS
+            self._piece(self._turn_from, end)
+            self._turn_from = end
+
+    def started(self, at_ms: float) -> None:
+        if not self.enabled:
+            return
+        self._turn_from = max(at_ms - self.lookback_ms() - MARGIN_MS, self._last_end)
+
+    def stopped(self, at_ms: float) -> None:
+        if self._turn_from is None:
+            return
+        start, self._turn_from = self._turn_from, None
+        if self.enabled and at_ms > start:
+            self._piece(start, at_ms)
+
+    def _piece(self, start: float, end: float) -> None:
+        chunks = []
+        first = last = None
+        while self._frames and self._frames[0][0] < end:
+            capture_ms, pcm = self._frames.popleft()
+            if capture_ms + FRAME_MS <= start:
+                continue
+            first = capture_ms if first is None else first
+            last = capture_ms + FRAME_MS
+            chunks.append(np.zeros(RATE * FRAME_MS // 1000, np.int16) if pcm is None else pcm)
+        self._last_end = end
+        if first is None or last is None:
+            return
+        start_ms, end_ms = int(first), int(last)
+        self._pending = deque(t for t in self._pending if not t.done())
+        if len(self._pending) >= MAX_PENDING_PER_SESSION:
+            self.dropped += 1
+            self._error(SttError("stt_busy", f"{len(self._pending)} turns of this session are still being recognized"),
+                        start_ms, end_ms)
+            return
+        before = self._pending[-1] if self._pending else None
+        self._pending.append(asyncio.ensure_future(self._recognize(np.concatenate(chunks), start_ms, end_ms, before)))
+
+    async def _recognize(self, pcm: np.ndarray, start_ms: int, end_ms: int, before: asyncio.Task | None) -> None:
+        try:
+            text = await self.stt.recognize(pcm)
+            event = {"type": "speech.transcript", "text": text, "final": True, "start_ms": start_ms, "end_ms": end_ms}
+        except SttError as exc:
+            event = None
+            error = exc
+        if before is not None:
+            await asyncio.wait({before})  # transcripts go out in the order the caller spoke
+        if event is None:
+            self._error(error, start_ms, end_ms)
+        else:
+            self.emit(event)
+
+    def _error(self, exc: SttError, start_ms: int, end_ms: int) -> None:
+        self.stt.count_error(exc.code)
+        self.emit({"type": "error", "code": exc.code, "message": exc.message, "start_ms": start_ms, "end_ms": end_ms})
+
+    def close(self) -> None:
+        self.enabled = False
+        self._frames.clear()
+        self._turn_from = None
+        for task in self._pending:
+            task.cancel()
+        self._pending.clear()
