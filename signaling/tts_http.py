@@ -28,11 +28,11 @@ from typing import Callable
 from aiohttp import web
 
 from ..engine.base import SynthesisOptions
-from ..engine.errors import EngineCrashed, EngineStreamError, EngineUnavailable, public_engine_error
-from ..engine.stream import StreamChunk, TTSStream
+from ..engine.stream import StreamChunk
 from ..gateway import priority
 from ..gateway.text_pump import TEXT_SLICE_CHARS
 from ..gateway.errors import GatewayError, checked_voice
+from ..gateway.speech_request import SpeechStream, open_speech
 from .audio_formats import (
     FORMATS, FORMATTERS, AacFormatter, EncodedFormatter, FlacFormatter, Formatter, Mp3Formatter, MulawFormatter,
     OpusFormatter, PcmFormatter, WavFormatter,
@@ -99,22 +99,18 @@ def _tts_request(gw, body: dict) -> SpeechRequest:
     return SpeechRequest(text, fmt, SynthesisOptions(voice=voice, rate=rate), FORMATTERS[fmt])
 
 
-async def push_in_slices(stream: TTSStream, text: str) -> None:
+async def push_in_slices(stream: SpeechStream, text: str) -> None:
     """Feed the text a slice per turn of the event loop, so a long text never holds it."""
     for start in range(0, len(text), TEXT_SLICE_CHARS):
         stream.push_text(text[start : start + TEXT_SLICE_CHARS])
         await asyncio.sleep(0)
 
 
-async def _first_chunk(stream: TTSStream) -> StreamChunk | None:
+async def _first_chunk(stream: SpeechStream) -> StreamChunk | None:
     try:
         return await stream.__anext__()
     except StopAsyncIteration:
         return None
-    except EngineStreamError as exc:
-        raise GatewayError("engine_error", public_engine_error(exc)) from None
-    except (EngineCrashed, EngineUnavailable) as exc:
-        raise GatewayError("engine_unavailable", str(exc), 503) from None
 
 
 class _Timeline:
@@ -207,9 +203,9 @@ def _event(payload: dict) -> bytes:
 
 async def _synthesize(request: web.Request, gw, job: SpeechRequest, timeline: _Timeline) -> web.StreamResponse:
     try:
-        stream = gw.engine.stream(job.options)
-    except EngineUnavailable as exc:
-        return error_response(GatewayError("engine_unavailable", str(exc), 503))
+        stream = open_speech(gw.engine, job.options)
+    except GatewayError as exc:
+        return error_response(exc)
     # Audio is capped per request: text that expands into hours of audio (breaks,
     # spelled-out symbols) costs the server as much CPU as it says.
     sent_samples = 0
@@ -258,7 +254,7 @@ async def _synthesize(request: web.Request, gw, job: SpeechRequest, timeline: _T
                 pcm = chunk.pcm[: max_samples - sent_samples]
                 sent_samples += len(pcm)
                 await body.write(await loop.run_in_executor(_pool, formatter.feed, pcm))
-        except (EngineStreamError, EngineCrashed, EngineUnavailable) as exc:
+        except GatewayError as exc:  # the engine failed (gateway/speech_request.py)
             # Headers are gone: cut the body short so the client sees it incomplete.
             log.warning("tts: engine failed mid-response: %s", exc)
             if request.transport is not None:

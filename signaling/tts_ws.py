@@ -30,9 +30,8 @@ from collections import OrderedDict
 from aiohttp import WSMsgType, web
 
 from ..engine.base import SynthesisOptions
-from ..engine.errors import EngineCrashed, EngineStreamError, EngineUnavailable, public_engine_error
-from ..engine.stream import TTSStream
 from ..gateway.errors import GatewayError, checked_voice
+from ..gateway.speech_request import SpeechStream, open_speech
 from ..gateway.protocol import RateLimiter, decode_json
 from .errors import error_response
 from .http_guard import RateLimitedLog, client_address
@@ -66,7 +65,7 @@ def _clean(value: object, limit: int = 64) -> str:
 
 
 class Context:
-    def __init__(self, cid: str, stream: TTSStream) -> None:
+    def __init__(self, cid: str, stream: SpeechStream) -> None:
         self.id = cid
         self.stream = stream
         self.chars = 0
@@ -225,10 +224,11 @@ class Connection:
             exc.id = cid
             raise
         try:
-            stream = self.gw.engine.stream(SynthesisOptions(voice=voice))
-        except EngineUnavailable as exc:
+            stream = open_speech(self.gw.engine, SynthesisOptions(voice=voice))
+        except GatewayError as exc:
             self.gw.admission.end_request(self.caller)
-            raise GatewayError("engine_unavailable", str(exc), 503, id=cid) from None
+            exc.id = cid
+            raise
         ctx = Context(cid, stream)
         ctx.admitted = True
         self.contexts[cid] = ctx
@@ -293,10 +293,9 @@ class Connection:
             await self.send({"type": "done", "context_id": ctx.id, "duration_ms": round(ctx.out_ms, 1)}, ctx)
         except asyncio.CancelledError:
             return
-        except (EngineStreamError, EngineCrashed, EngineUnavailable) as exc:
-            code = "engine_error" if isinstance(exc, EngineStreamError) else "engine_unavailable"
-            log.warning("tts ws: engine failed mid-context: %s", exc)
-            self.error(code, public_engine_error(exc), ctx.id)
+        except GatewayError as exc:  # the engine failed (gateway/speech_request.py)
+            log.warning("tts ws: engine failed mid-context: %s", exc.message)
+            self.error(exc.code, exc.message, ctx.id)
         except Exception as exc:  # a bug costs this context, not the connection
             log.exception("tts ws: context failed")
             self.error("internal", f"internal error: {type(exc).__name__}", ctx.id)
