@@ -14,9 +14,9 @@ if not __package__:
     sys.exit("voxgate: this is part of the voxgate package; run `pip install -e .` in the clone, then `voxgate ...`")
 
 from .config import (
-    DEVICES, ENGINES, RATE_RANGE, ConfigError, PoolSettings, Settings, add_arguments, check_ranges, secrets_on_command_line,
-    settings_from,
+    DEVICES, ENGINES, RATE_RANGE, SECRETS, ConfigError, PoolSettings, Settings, add_arguments, check_ranges, settings_from,
 )
+from .config_fields import secrets_on_command_line
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -34,7 +34,7 @@ def _serve(args: argparse.Namespace) -> int:
     from .gateway.priority import PriorityError
 
     setup_logging(settings.log_level, settings.log_json)
-    shown = secrets_on_command_line(sys.argv[1:])
+    shown = secrets_on_command_line(sys.argv[1:], SECRETS)
     if shown:
         logging.getLogger("voxgate").warning(
             "%s given on the command line, where any user of this machine can read it (ps); "

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from .config_fields import (
-    ConfigError, HelpFormatter, add_flag, check_ranges, flag_of, parse_raw, setting,
+    ConfigError, HelpFormatter, add_flag, check_ranges, flag_of, parse_raw, read_secret_files, setting,
 )
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -444,29 +444,5 @@ def settings_from(args: argparse.Namespace | None = None, environ: Mapping[str, 
         if value is not None:
             setattr(settings, f.name, value)
     if kind is Settings:
-        _read_secret_files(settings)
+        read_secret_files(settings, SECRETS, listed="api_key")
     return settings
-
-
-def _read_secret_files(settings: Settings) -> None:
-    for name in SECRETS:
-        path = getattr(settings, name + "_file")
-        if not path:
-            continue
-        try:
-            with open(path, encoding="utf-8") as f:
-                lines = [line.strip() for line in f.read().splitlines() if line.strip() and not line.startswith("#")]
-        except OSError as exc:
-            raise ConfigError(f"{flag_of(name)}-file {path}: {exc.strerror or exc}") from None
-        if not lines:
-            raise ConfigError(f"{flag_of(name)}-file {path} is empty; put the secret in it")
-        if name == "api_key":
-            settings.api_key = [*settings.api_key, *lines]
-        else:
-            setattr(settings, name, lines[0])
-
-
-def secrets_on_command_line(argv: list[str]) -> list[str]:
-    """Secret flags given on the command line, where every user of the machine can read them."""
-    flags = {flag_of(name) for name in SECRETS}
-    return sorted({arg.split("=", 1)[0] for arg in argv if arg.split("=", 1)[0] in flags})

@@ -4,7 +4,8 @@
 carries its --help group and line and its range; the rest reads that metadata:
 its flag, its default as --help and docs/settings.md show it, its allowed values
 in words, and the check that refuses a value outside them. No setting is
-defined here, and nothing here reads the environment.
+defined here, and nothing here reads the environment; a secret's file is read here
+(`read_secret_files`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import MISSING, Field, field, fields
+from collections.abc import Iterable
 from typing import Any
 
 # --help fits each flag on one line of this many columns.
@@ -192,3 +194,29 @@ def add_flag(group: argparse._ArgumentGroup, f: Field) -> None:
     else:
         arg_type = type(default) if default is not None else str
         group.add_argument(flag, dest=f.name, type=arg_type, default=None, metavar=_metavar(f), help=help_line(f))
+
+
+def read_secret_files(settings: Any, names: Iterable[str], listed: str) -> None:
+    """Each secret of `names` whose `<name>_file` is set, read from that file (its first line that
+    is neither blank nor a # comment; for the `listed` one, a list, every such line, added)."""
+    for name in names:
+        path = getattr(settings, name + "_file")
+        if not path:
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                lines = [line.strip() for line in f.read().splitlines() if line.strip() and not line.startswith("#")]
+        except OSError as exc:
+            raise ConfigError(f"{flag_of(name)}-file {path}: {exc.strerror or exc}") from None
+        if not lines:
+            raise ConfigError(f"{flag_of(name)}-file {path} is empty; put the secret in it")
+        if name == listed:
+            setattr(settings, name, [*getattr(settings, name), *lines])
+        else:
+            setattr(settings, name, lines[0])
+
+
+def secrets_on_command_line(argv: list[str], names: Iterable[str]) -> list[str]:
+    """Secret flags given on the command line, where every user of the machine can read them."""
+    flags = {flag_of(name) for name in names}
+    return sorted({arg.split("=", 1)[0] for arg in argv if arg.split("=", 1)[0] in flags})
