@@ -40,15 +40,15 @@ standalone gateway does not need it.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
 from typing import Any, Callable
 
 from .directory_records import (
-    MAX_LOAD_RTF, MAX_RECORD_BYTES, GatewayLoad, RecordSigner, SessionRecord, gateway_url_ok, key_id,
+    MAX_LOAD_RTF, GatewayLoad, RecordSigner, SessionRecord, gateway_entry, gateway_expiry, key_id,
 )
+from .errors import GatewayError
 
 log = logging.getLogger(__name__)
 
@@ -296,6 +296,26 @@ class Directory:
             raise RecordRefused(f"the record is {why}")
         return record
 
+    async def find(self, session_id: str) -> SessionRecord | None:
+        """The record of a session another gateway of the fleet holds, for a route to send its
+        request there; None for an unknown or expired id, or one held here. GatewayError (503)
+        when Redis does not answer (directory_unavailable), the record fails its check
+        (record_refused) or names a gateway not on the fleet's list (owner_unknown)."""
+        try:
+            record = await self.lookup(session_id)
+            if record is None or self.is_self(record):
+                return None
+            if await self.is_gateway(record.gateway):
+                return record
+        except RecordRefused:
+            raise GatewayError("record_refused", "the session's directory record failed its check and is not followed; "
+                               "its gateway rewrites it shortly; retry", 503) from None
+        except DirectoryUnavailable:
+            raise GatewayError("directory_unavailable", "this gateway does not hold the session and cannot reach the "
+                               "session directory; retry shortly", 503) from None
+        log.warning("a directory record names %s, which is not a gateway of the fleet; not followed", record.gateway)
+        raise GatewayError("owner_unknown", "the session's record names a gateway that is not in the fleet's list; retry shortly", 503)
+
     def is_self(self, record: SessionRecord) -> bool:
         return record.gateway.rstrip("/") == self.advertise_url
 
@@ -306,27 +326,11 @@ class Directory:
         if self.gateways.get(url, 0.0) > time.time():
             return True
         raw = await self._call(self._lookups.hget(GATEWAYS_KEY, url), mark=False)
-        expires = self._gateway_expiry(url, raw)
+        expires = gateway_expiry(url, raw, self.signer)
         if expires > time.time():
             self.gateways[url] = expires
             return True
         return False
-
-    def _gateway_entry(self) -> str:
-        exp = f"{time.time() + self.ttl_s:.3f}"
-        return json.dumps({"exp": exp, "sig": self.signer.sign("gateway", self.advertise_url, exp)}, separators=(",", ":"))
-
-    def _gateway_expiry(self, url: str, raw: str | None) -> float:
-        if raw is None or len(raw) > MAX_RECORD_BYTES:
-            return 0.0
-        try:
-            data = json.loads(raw)
-            exp, sig = data["exp"], data["sig"]
-            if isinstance(exp, str) and self.signer.valid(sig, "gateway", url, exp) and gateway_url_ok(url):
-                return float(exp)
-        except (ValueError, KeyError, TypeError, RecursionError):
-            pass
-        return 0.0
 
     # Refresh
     async def refresh(self) -> int:
@@ -338,7 +342,7 @@ class Directory:
 
         async def write() -> list:
             async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.hset(GATEWAYS_KEY, self.advertise_url, self._gateway_entry())
+                pipe.hset(GATEWAYS_KEY, self.advertise_url, gateway_entry(self.advertise_url, time.time() + self.ttl_s, self.signer))
                 pipe.hgetall(GATEWAYS_KEY)
                 for sid, owner in held.items():
                     await self._refresh_script(
@@ -350,7 +354,7 @@ class Directory:
         now = time.time()
         gateways = {}
         for url, raw in (results[1] or {}).items():
-            expires = self._gateway_expiry(url, raw)
+            expires = gateway_expiry(url, raw, self.signer)
             if expires > now:
                 gateways[url] = expires
             else:  # gone (three refreshes missed), or never one of us; unless rewritten meanwhile

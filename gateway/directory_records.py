@@ -1,6 +1,6 @@
 """What the fleet's session directory (gateway/directory.py) stores, signed: a session's
-record (which gateway holds it, a hash of the key that made it, an expiry) and a gateway's
-published load (speech budget, demand, sessions, expiry), each with an HMAC keyed from the
+record (which gateway holds it, a hash of the key that made it, an expiry), a gateway's entry
+in the fleet's list (its expiry) and its published load (speech budget, demand, sessions, expiry), each with an HMAC keyed from the
 fleet's shared `--token-secret`, and the checks a reader makes before following one: the
 signature, a record's size, a gateway URL's form, a load's ranges. Pure data, no Redis.
 """
@@ -53,6 +53,26 @@ def gateway_url_ok(url: str) -> bool:
         return False
     return (parts.scheme in ("http", "https") and bool(parts.hostname) and parts.path in ("", "/")
             and not parts.query and not parts.fragment and parts.username is None and parts.password is None)
+
+
+def gateway_entry(url: str, expires_at: float, signer: RecordSigner) -> str:
+    """A gateway's entry in the fleet's list: its expiry, signed."""
+    exp = f"{expires_at:.3f}"
+    return json.dumps({"exp": exp, "sig": signer.sign("gateway", url, exp)}, separators=(",", ":"))
+
+
+def gateway_expiry(url: str, raw: str | None, signer: RecordSigner) -> float:
+    """When a listed gateway's entry expires; 0 for one unreadable, not validly signed, or not a gateway URL."""
+    if raw is None or len(raw) > MAX_RECORD_BYTES:
+        return 0.0
+    try:
+        data = json.loads(raw)
+        exp, sig = data["exp"], data["sig"]
+        if isinstance(exp, str) and signer.valid(sig, "gateway", url, exp) and gateway_url_ok(url):
+            return float(exp)
+    except (ValueError, KeyError, TypeError, RecursionError):
+        pass
+    return 0.0
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import Counter, Gauge
 
-from ..gateway.directory import Directory, DirectoryUnavailable, RecordRefused
+from ..gateway.directory import Directory
 from ..gateway.directory_records import key_id
 from ..gateway.session import Session
 from ..gateway.errors import GatewayError
@@ -255,19 +255,11 @@ async def route(request: web.Request, handler):
             # handler gives the same error it would for a session held here.
             return await handler(request)
     try:
-        record = await fleet.directory.lookup(sid)
-        if record is not None and not fleet.directory.is_self(record) and not await fleet.directory.is_gateway(record.gateway):
-            fleet.proxied.labels(label, "owner_unknown").inc()
-            log.warning("a directory record names %s, which is not a gateway of the fleet; not followed", record.gateway)
-            return error_response(GatewayError("owner_unknown", "the session's record names a gateway that is not in the fleet's list; retry shortly", 503))
-    except RecordRefused:
-        fleet.proxied.labels(label, "record_refused").inc()
-        return error_response(GatewayError("record_refused", "the session's directory record failed its check and is "
-                                           "not followed; its gateway rewrites it shortly; retry", 503))
-    except DirectoryUnavailable:
-        fleet.proxied.labels(label, "directory_unavailable").inc()
-        return error_response(GatewayError("directory_unavailable", "this gateway does not hold the session and cannot reach the session directory; retry shortly", 503))
-    if record is None or fleet.directory.is_self(record) or (label in KEYED and record.owner != key_id(key)):
+        record = await fleet.directory.find(sid)
+    except GatewayError as exc:  # the directory cannot say (its codes are the outcomes counted)
+        fleet.proxied.labels(label, exc.code).inc()
+        return error_response(exc)
+    if record is None or (label in KEYED and record.owner != key_id(key)):
         # Unknown, or another key's session (whose key the caller's is not): the local
         # answer, 404 unknown_session after the same key checks; the key goes nowhere.
         fleet.proxied.labels(label, "unknown").inc()
