@@ -85,7 +85,8 @@ def _sdp_value(sdp: str, name: str) -> str:
     return re.search(rf"a={name}:(\S+)", sdp).group(1)
 
 
-def _binding_request(gateway_sdp: str, client_sdp: str) -> bytes:
+def binding_request(gateway_sdp: str, client_sdp: str) -> bytes:
+    """A check as the peer would send it: signed with the session's own ICE password."""
     from aioice import stun
 
     message = stun.Message(message_method=stun.Method.BINDING, message_class=stun.Class.REQUEST)
@@ -136,7 +137,7 @@ class Attacker:
         self.client = RtcClient(self.url)
         await self.client.connect()
         gateway_sdp = self.client.pc.remoteDescription.sdp
-        self.request = _binding_request(gateway_sdp, self.client.pc.localDescription.sdp)
+        self.request = binding_request(gateway_sdp, self.client.pc.localDescription.sdp)
         targets = [(m.group(1), int(m.group(2)))
                    for m in re.finditer(r"a=candidate:\S+ \d+ udp \d+ (\S+) (\d+) typ host", gateway_sdp)]
         self.targets = list(dict.fromkeys(targets))

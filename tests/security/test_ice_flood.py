@@ -15,8 +15,10 @@ bench/bench_stun_flood.py.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import socket
+import sys
 import time
 
 from aioice import stun
@@ -27,22 +29,12 @@ from voxgate.rtc_client import RtcClient
 
 from sec_helpers import http_json
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
+
+# A check as the peer would send it, signed with the session's own ICE password: the benchmark's attacker's.
+from bench_stun_flood import binding_request  # noqa: E402 - bench/ is on the path only now
+
 SOURCES = 150  # far past the cap; each a socket of its own, so each is a new source address
-
-
-def _sdp_value(sdp: str, name: str) -> str:
-    return re.search(rf"a={name}:(\S+)", sdp).group(1)
-
-
-def binding_request(gateway_sdp: str, client_sdp: str) -> bytes:
-    """A check as the peer would send it: signed with the session's own ICE password."""
-    message = stun.Message(message_method=stun.Method.BINDING, message_class=stun.Class.REQUEST)
-    message.attributes["USERNAME"] = f"{_sdp_value(gateway_sdp, 'ice-ufrag')}:{_sdp_value(client_sdp, 'ice-ufrag')}"
-    message.attributes["PRIORITY"] = 1853824767
-    message.attributes["ICE-CONTROLLING"] = 1
-    message.add_message_integrity(_sdp_value(gateway_sdp, "ice-pwd").encode("utf8"))
-    message.add_fingerprint()
-    return bytes(message)
 
 
 def gateway_ports(gateway_sdp: str) -> set[tuple[str, int]]:
