@@ -9,7 +9,8 @@ A `start` whose `customParameters` carry `session_id` and its client `token`
 it drives the call. Otherwise the call gets a new session, unless the server
 requires API keys or tokens. Caller audio goes through the session's VAD, so
 a caller talking over the bot interrupts it just as a browser microphone does,
-and on to the backends that ask for it (`?audio=pcm16`), upsampled to 16 kHz.
+and on to the backends that ask for it (`?audio=pcm16`), upsampled to 16 kHz
+(gateway/twilio_input.py).
 """
 
 from __future__ import annotations
@@ -28,10 +29,8 @@ from collections import OrderedDict
 
 from aiohttp import WSMsgType, web
 
-from ..gateway.clock import CaptureClock
-from ..gateway.encoder import ulaw_decode
-from ..gateway.resample import Upsampler2x
 from ..gateway.session import Session
+from ..gateway.twilio_input import TwilioInput
 from ..gateway.twilio_output import TwilioOutput
 from ..gateway.protocol import RateLimiter, decode_json
 from ..gateway.errors import GatewayError
@@ -145,9 +144,7 @@ class TwilioCall:
         self.output: TwilioOutput | None = None
         self.media_in = 0
         self.dtmf: list[str] = []
-        self._upsampler: Upsampler2x | None = None  # while the session listens
-        self._samples_in = 0
-        self._capture: CaptureClock | None = None  # on the session's clock, once it has one
+        self.input: TwilioInput | None = None  # the caller's audio to the session, once it has one
         self._listener = ""
 
     def describe(self) -> dict:
@@ -235,7 +232,7 @@ class TwilioCall:
         self.tracks = [t for t in tracks[:4] if isinstance(t, str) and len(t) <= 32]
         session = self._session_for(params)
         self.session = session
-        self._capture = CaptureClock(session.clock, 8000, wrap=1 << 62)
+        self.input = TwilioInput(session)
         self.app[REGISTRY].add_call(session.id, self)
         session.attach_output("pcmu")
         self.output = TwilioOutput(session, stream_sid=stream_sid, send=self.send)
@@ -288,21 +285,8 @@ class TwilioCall:
         except (binascii.Error, ValueError):
             raise GatewayError("invalid_payload", "media.payload is not base64") from None
         self.media_in += 1
-        assert self.session is not None and self._capture is not None
-        # Media flows all through a live call, quiet or not: it is not idle.
-        self.session.last_activity = time.monotonic()
-        if not ulaw:
-            return
-        # The call's media clock: μ-law samples received, 8 kHz (Twilio sends every 20 ms, silence included).
-        self._samples_in += len(ulaw)
-        if not self.session.listening:
-            self._upsampler = None
-            return  # nothing is decoded while nobody listens: the VAD off, no backend taking the audio
-        if self._upsampler is None:
-            self._upsampler = Upsampler2x()
-        pcm16k = self._upsampler.process(ulaw_decode(ulaw))
-        end_ms = self._capture.end_ms(self._samples_in)
-        self.session.on_inbound_audio(pcm16k, end_ms - len(ulaw) / 8.0 - Upsampler2x.DELAY_S * 1000.0)
+        assert self.input is not None
+        self.input.feed(ulaw)
 
     # Lifecycle
     async def _on_session_close(self, session: Session) -> None:
