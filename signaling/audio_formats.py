@@ -6,15 +6,21 @@ same PCM and give a list of pieces, each its own message (raw Opus packets, PCM1
 from __future__ import annotations
 
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from typing import cast
 
 import av
 import numpy as np
 from av.audio.stream import AudioStream
 
+from ..gateway import priority
 from ..gateway.encoder import OpusEncoder, OpusSettings, ulaw_encode
 from ..gateway.resample import StreamResampler
 
+# Formatters run here (resampling, Opus, PyAV), never on the event loop; one request's calls
+# are awaited in order, so each formatter is only ever used by one thread at a time.
+# The event loop's priority (--media-priority): these threads hold the GIL it waits for.
+FORMAT_THREADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tts-http", initializer=priority.enter_media_thread)
 FORMATS = ("wav", "pcm", "mulaw", "opus")
 UNKNOWN_SIZE = 0xFFFFFFFF
 

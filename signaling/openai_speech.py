@@ -19,16 +19,17 @@ from aiohttp import web
 from ..engine.base import SynthesisOptions
 from ..gateway.errors import GatewayError, checked_voice
 from . import tts_http
+from .audio_formats import AacFormatter, FlacFormatter, Mp3Formatter, OpusFormatter, PcmFormatter, WavFormatter
 
 # OpenAI's formats; its `pcm` is 24 kHz, and clients play it at that rate.
 OPENAI_PCM_RATE = 24000
 FORMATTERS = {
-    "mp3": tts_http.Mp3Formatter,
-    "opus": tts_http.OpusFormatter,
-    "aac": tts_http.AacFormatter,
-    "flac": tts_http.FlacFormatter,
-    "wav": tts_http.WavFormatter,
-    "pcm": lambda rate: tts_http.PcmFormatter(rate, OPENAI_PCM_RATE),
+    "mp3": Mp3Formatter,
+    "opus": OpusFormatter,
+    "aac": AacFormatter,
+    "flac": FlacFormatter,
+    "wav": WavFormatter,
+    "pcm": lambda rate: PcmFormatter(rate, OPENAI_PCM_RATE),
 }
 STREAM_FORMATS = ("audio", "sse")
 # OpenAI's built-in voices. Apps send one of these whatever server they talk to,

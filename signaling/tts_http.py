@@ -21,7 +21,6 @@ import base64
 import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,30 +28,17 @@ from aiohttp import web
 
 from ..engine.base import SynthesisOptions
 from ..engine.stream import StreamChunk
-from ..gateway import priority
 from ..gateway.text_pump import TEXT_SLICE_CHARS
 from ..gateway.errors import GatewayError, checked_voice
 from ..gateway.speech_request import SpeechStream, open_speech
-from .audio_formats import (
-    FORMATS, FORMATTERS, AacFormatter, EncodedFormatter, FlacFormatter, Formatter, Mp3Formatter, MulawFormatter,
-    OpusFormatter, PcmFormatter, WavFormatter,
-)
+from .audio_formats import FORMAT_THREADS, FORMATS, FORMATTERS, EncodedFormatter, Formatter
 from .errors import error_response, read_json_object
 from .http_guard import client_address
 from .sessions_api import check_api_key
 
 log = logging.getLogger(__name__)
 
-# The formatters (signaling/audio_formats.py), as other routes take them from here.
-__all__ = [
-    "FORMATS", "FORMATTERS", "AacFormatter", "EncodedFormatter", "FlacFormatter", "Formatter", "Mp3Formatter",
-    "MulawFormatter", "OpusFormatter", "PcmFormatter", "TEXT_SLICE_CHARS", "WavFormatter", "add_routes", "serve_speech",
-]
 
-# Resampling and Opus run here, never on the event loop; one request's calls
-# are awaited in order, so each formatter is only ever used by one thread at a time.
-# The event loop's priority (--media-priority): these threads hold the GIL it waits for.
-_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tts-http", initializer=priority.enter_media_thread)
 
 
 # The request
@@ -223,7 +209,7 @@ async def _synthesize(request: web.Request, gw, job: SpeechRequest, timeline: _T
         except GatewayError as exc:
             return error_response(exc)
         rate = first.sample_rate if first is not None else int(gw.engine.info.get("sample_rate") or 16000)
-        formatter = await loop.run_in_executor(_pool, job.formatter, rate)
+        formatter = await loop.run_in_executor(FORMAT_THREADS, job.formatter, rate)
         response = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream" if job.sse else formatter.content_type,
@@ -236,13 +222,13 @@ async def _synthesize(request: web.Request, gw, job: SpeechRequest, timeline: _T
         response.enable_chunked_encoding()
         await response.prepare(request)
         body = _Body(response, job.sse)
-        head = await loop.run_in_executor(_pool, formatter.start)
+        head = await loop.run_in_executor(FORMAT_THREADS, formatter.start)
         max_samples = int(gw.settings.tts_max_audio_s * rate)
         if first is not None:
             timeline.chunk(first)
             pcm = first.pcm[:max_samples]
             sent_samples += len(pcm)
-            head += await loop.run_in_executor(_pool, formatter.feed, pcm)
+            head += await loop.run_in_executor(FORMAT_THREADS, formatter.feed, pcm)
         await body.write(head)
         timeline.first_bytes_at = time.monotonic()
         try:
@@ -253,14 +239,14 @@ async def _synthesize(request: web.Request, gw, job: SpeechRequest, timeline: _T
                     break
                 pcm = chunk.pcm[: max_samples - sent_samples]
                 sent_samples += len(pcm)
-                await body.write(await loop.run_in_executor(_pool, formatter.feed, pcm))
+                await body.write(await loop.run_in_executor(FORMAT_THREADS, formatter.feed, pcm))
         except GatewayError as exc:  # the engine failed (gateway/speech_request.py)
             # Headers are gone: cut the body short so the client sees it incomplete.
             log.warning("tts: engine failed mid-response: %s", exc)
             if request.transport is not None:
                 request.transport.close()
             return response
-        await body.write(await loop.run_in_executor(_pool, formatter.finish))
+        await body.write(await loop.run_in_executor(FORMAT_THREADS, formatter.finish))
         await body.end(sent_samples / rate)
         timeline.log(job.fmt, len(job.text))
         return response

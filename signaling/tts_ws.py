@@ -9,7 +9,7 @@ docs/tts-websocket.md.
 Everything a request to `POST /v1/tts` meets applies here, and comes from
 signaling/tts_http.py: the API key, the text checks and limits, admission
 (each open context takes one of the request slots while it lives), the audio
-cap per context, the formatters and their thread pool. What is new is bounded
+cap per context; the formatters and their threads are signaling/audio_formats.py's. What is new is bounded
 here: contexts per connection (--tts-ws-max-contexts), text per context
 (--max-utterance-chars), bytes and messages a second per connection
 (--max-message-bytes, --max-messages-per-s), and what waits for the socket (a
@@ -33,11 +33,11 @@ from ..engine.base import SynthesisOptions
 from ..gateway.errors import GatewayError, checked_voice
 from ..gateway.speech_request import SpeechStream, open_speech
 from ..gateway.protocol import RateLimiter, decode_json
+from ..gateway.text_pump import TEXT_SLICE_CHARS
 from .errors import error_response
 from .http_guard import RateLimitedLog, client_address
 from .sessions_api import check_api_key
-from . import tts_http
-from .audio_formats import OpusPackets, Pcm16Pieces
+from .audio_formats import FORMAT_THREADS, OpusPackets, Pcm16Pieces
 
 log = logging.getLogger(__name__)
 
@@ -194,8 +194,8 @@ class Connection:
             if ctx.chars > self.settings.max_utterance_chars:
                 self.fail(ctx, "text_too_long", f"the context's text is over {self.settings.max_utterance_chars} characters; it was stopped")
                 return
-            for start in range(0, len(text), tts_http.TEXT_SLICE_CHARS):
-                ctx.stream.push_text(text[start : start + tts_http.TEXT_SLICE_CHARS])
+            for start in range(0, len(text), TEXT_SLICE_CHARS):
+                ctx.stream.push_text(text[start : start + TEXT_SLICE_CHARS])
             return
         if ctx is None:
             if cid in self.closed_ids:
@@ -269,9 +269,9 @@ class Connection:
             async for chunk in ctx.stream:
                 if pieces is None:
                     if self.fmt == "opus":
-                        pieces = await loop.run_in_executor(tts_http._pool, OpusPackets, chunk.sample_rate)
+                        pieces = await loop.run_in_executor(FORMAT_THREADS, OpusPackets, chunk.sample_rate)
                     else:
-                        pieces = await loop.run_in_executor(tts_http._pool, Pcm16Pieces, chunk.sample_rate, self.sample_rate)
+                        pieces = await loop.run_in_executor(FORMAT_THREADS, Pcm16Pieces, chunk.sample_rate, self.sample_rate)
                     max_samples = int(self.settings.tts_max_audio_s * chunk.sample_rate)
                 if ctx.samples >= max_samples:
                     log.info("tts ws: a context reached --tts-max-audio-s (%g s); the rest is not synthesized", self.settings.tts_max_audio_s)
@@ -285,9 +285,9 @@ class Connection:
                         words.append({"word": w.text, "start_ms": round((ctx.engine_s + w.start) * 1000.0, 1),
                                       "end_ms": round((ctx.engine_s + min(w.end, len(pcm) / chunk.sample_rate)) * 1000.0, 1)})
                 ctx.engine_s += len(pcm) / chunk.sample_rate
-                words = await self.send_audio(ctx, await loop.run_in_executor(tts_http._pool, pieces.feed, pcm), words)
+                words = await self.send_audio(ctx, await loop.run_in_executor(FORMAT_THREADS, pieces.feed, pcm), words)
             if pieces is not None:
-                words = await self.send_audio(ctx, await loop.run_in_executor(tts_http._pool, pieces.finish), words)
+                words = await self.send_audio(ctx, await loop.run_in_executor(FORMAT_THREADS, pieces.finish), words)
             if words:
                 await self.send_audio(ctx, [b""], words)
             await self.send({"type": "done", "context_id": ctx.id, "duration_ms": round(ctx.out_ms, 1)}, ctx)
