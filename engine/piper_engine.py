@@ -98,9 +98,7 @@ class PiperJob(SynthesisJob):
     scales: np.ndarray | None = None
     pending: list[_Sentence] = field(default_factory=list)
     current: _Sentence | None = None
-    chunks: int = 0
-    slack_s: float | None = None
-    load: float = 1.0
+    chunks: int = 0  # slack_s and load: SynthesisJob's, set by the worker before each step
 
     @property
     def done(self) -> bool:

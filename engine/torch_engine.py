@@ -98,9 +98,7 @@ class TorchJob(SynthesisJob):
     pending: list[_Sentence]
     generator: "torch.Generator | None" = None
     current: _Sentence | None = None
-    chunks: int = 0
-    slack_s: float | None = None
-    load: float = 1.0
+    chunks: int = 0  # slack_s and load: SynthesisJob's, set by the worker before each step
 
     @property
     def done(self) -> bool:
