@@ -8,6 +8,7 @@ endpoint itself. Whatever the server answers is hostile input: a status other
 than 200, a body over MAX_RESPONSE_BYTES, or anything but a JSON object with a
 string `text` is a failed turn (`stt_failed`), never an exception elsewhere.
 The time a request may take is the service's (--stt-timeout-s), which cancels it.
+Redirects are not followed, so the API key (--stt-api-key) is sent to that URL only.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class OpenAITranscriptions:
         form.add_field("model", self.model)
         form.add_field("response_format", "json")
         try:
-            async with self._http.post(self.url, data=form, headers=self._headers) as resp:
+            # No redirects: the API key goes to --stt-url and nowhere else (a 3xx is a failed turn).
+            async with self._http.post(self.url, data=form, headers=self._headers, allow_redirects=False) as resp:
                 body = await _read_bounded(resp)
                 if resp.status != 200:
                     raise SttError("stt_failed", f"the recognizer at --stt-url answered HTTP {resp.status}")
