@@ -12,9 +12,16 @@ Works with any server that streams chat completions as server-sent events
     # Or drive a session a browser or a phone call already has:
     python examples/openai_bridge.py --session-id 3f2a... "Hello!"
 
-With no prompt arguments, prompts are read from stdin, one per line. When the
-listener interrupts, the assistant's turn in the history keeps only what was
-heard, so the model knows where it was cut off.
+With no prompt arguments, prompts are read from stdin, one per line.
+
+    # A voice agent: the caller's speech is the prompt. On a server started with
+    # --stt pocketsphinx (or --stt-url), each caller turn's speech.transcript goes
+    # to the LLM and its streamed reply is spoken, until the session ends:
+    python examples/openai_bridge.py --listen --session-id 3f2a...
+
+When the listener interrupts (a barge-in), the assistant's turn in the
+history keeps only what was heard, so the model knows where it was cut off;
+the turn that interrupted is the next prompt.
 """
 
 from __future__ import annotations
@@ -66,12 +73,33 @@ async def answer(session: VoxgateSession, http: aiohttp.ClientSession, args: arg
     return outcome
 
 
+async def converse(session: VoxgateSession, http: aiohttp.ClientSession, args: argparse.Namespace, history: list[dict]) -> None:
+    """Caller speech -> transcript -> LLM tokens -> speech, turn after turn, until the session closes.
+    Transcripts that come while a reply plays wait their turn (a barge-in's is the next prompt)."""
+    async for event in session.events():
+        kind = event.get("type")
+        if kind == "speech.transcript" and event.get("text"):
+            history.append({"role": "user", "content": event["text"]})
+            report(await answer(session, http, args, history), heard_from_caller=event["text"])
+        elif kind == "error" and str(event.get("code", "")).startswith("stt_"):
+            print(f"a caller turn was not recognized ({event['code']}): {event.get('message')}", file=sys.stderr, flush=True)
+        elif kind == "session.closed":
+            return
+
+
+def report(outcome: Outcome, **extra) -> None:
+    status = f"interrupted ({outcome.reason}) after {outcome.played_ms} ms" if outcome.interrupted else "done"
+    print(json.dumps({**extra, "id": outcome.id, "status": status, "heard": outcome.played_text}), flush=True)
+
+
 async def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("prompt", nargs="*", help="user turns; read from stdin when none are given")
     parser.add_argument("--gateway", default=os.environ.get("VOXGATE_URL", "http://127.0.0.1:8080"))
     parser.add_argument("--api-key", default=os.environ.get("VOXGATE_API_KEY"))
     parser.add_argument("--session-id", help="attach to this session instead of making one")
+    parser.add_argument("--listen", action="store_true",
+                        help="answer the caller's speech (speech.transcript; the server needs --stt) until the session ends")
     parser.add_argument("--llm-url", default=os.environ.get("OPENAI_BASE_URL", "https://api.openai.com/v1"))
     parser.add_argument("--llm-key", default=os.environ.get("OPENAI_API_KEY"))
     parser.add_argument("--model", default=os.environ.get("OPENAI_MODEL", "gpt-4o-mini"))
@@ -84,14 +112,15 @@ async def main(argv: list[str] | None = None) -> int:
             # Speech waits in the session for a listener: without one, every reply waits.
             print(f"open {session.join_url} in a browser to hear the replies; "
                   "each one waits until a listener joins", flush=True)
+        if args.listen:
+            await converse(session, http, args, history)
+            return 0
         prompts = args.prompt or (line.strip() for line in sys.stdin)
         for prompt in prompts:
             if not prompt:
                 continue
             history.append({"role": "user", "content": prompt})
-            outcome = await answer(session, http, args, history)
-            status = f"interrupted ({outcome.reason}) after {outcome.played_ms} ms" if outcome.interrupted else "done"
-            print(json.dumps({"id": outcome.id, "status": status, "heard": outcome.played_text}), flush=True)
+            report(await answer(session, http, args, history))
     return 0
 
 
