@@ -1,0 +1,159 @@
+"""Speech recognition on caller turns (issue 40): WER live against offline, per path, and latency.
+
+    python bench/bench_transcripts.py --out bench/results/transcripts.json
+    python bench/bench_transcripts.py --turns 8     # fewer turns per path
+
+An in-process gateway (tone engine, `--stt pocketsphinx`) hears the corpus's
+espeak-ng caller turns (tests/transcripts.py: the interruptions and questions
+in three voices) in real time, through two paths: a real aiortc client over
+WebRTC (Opus 48 kHz) and the Twilio stand-in (μ-law 8 kHz). Per path: the
+WER of the backend's `speech.transcript`s (the live path), against the same
+recognizer run offline on the exact audio the client sent (WebRTC: the whole
+turn as the microphone sent it; Twilio: the μ-law sent in the turn's span,
+matched frame for frame, raised to 16 kHz with soxr), and the recognizer's
+latency per turn: `speech.stopped` to `speech.transcript` at the backend.
+Figures go to stdout and to artifacts/bench-transcripts.json (--out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "telephony"))
+
+import numpy as np  # noqa: E402
+import soxr  # noqa: E402
+from _common import arg_parser, finish, machine, percentile, print_machine, section  # noqa: E402
+
+from tests.backend.test_transcripts import RecordingMic  # noqa: E402
+from tests.conftest import in_process_gateway  # noqa: E402
+from tests.transcripts import corpus_wer, every_turn, turn_audio  # noqa: E402
+from twilio_standin import TwilioStandIn  # noqa: E402
+from voxgate.client import VoxgateSession  # noqa: E402
+from voxgate.gateway.encoder import ulaw_decode  # noqa: E402
+from voxgate.gateway.stt_pocketsphinx import Pocketsphinx  # noqa: E402
+from voxgate.rtc_client import RtcClient  # noqa: E402
+
+
+async def webrtc(turns: list[tuple[str, str]], recognizer: Pocketsphinx) -> dict:
+    live, offline, latency, errors = [], [], [], []
+    async with in_process_gateway(stt="pocketsphinx") as (_, url):
+        backend = VoxgateSession(url)
+        await backend.open()
+        client = RtcClient(url, mic=True, session_id=backend.session_id, token=backend.client_token)
+        client.mic = RecordingMic()
+        try:
+            await client.connect()
+            for phrase, voice in turns:
+                clip = turn_audio(phrase, voice, 48000)
+                first = len(client.mic.sent)
+                events = backend.events()
+                client.mic.play(clip)
+                stopped_at, event = await outcome(events)
+                latency.append(time.perf_counter() - stopped_at)
+                live.append(event.get("text", "") if event["type"] == "speech.transcript" else "")
+                if event["type"] == "error":
+                    errors.append(event["code"])
+                while client.mic.busy:
+                    await asyncio.sleep(0.05)
+                sent = np.concatenate(client.mic.sent[first:])[: len(clip)]
+                offline.append(await asyncio.to_thread(recognizer.recognize, soxr.resample(sent, 48000, 16000)))
+                print(f"  webrtc {voice:13s} live {live[-1]!r} | offline {offline[-1]!r}", flush=True)
+        finally:
+            await client.close()
+            await backend.close()
+    return figures(turns, live, offline, latency, errors)
+
+
+async def twilio(turns: list[tuple[str, str]], recognizer: Pocketsphinx) -> dict:
+    live, latency, errors, events_ = [], [], [], []
+    frames: list = []
+    async with in_process_gateway(stt="pocketsphinx") as (_, url):
+        backend = VoxgateSession(url, caller_audio=True, caller_audio_buffer=100000)
+        await backend.open()
+
+        async def collect() -> None:
+            async for frame in backend.caller_frames():
+                frames.append(frame)
+
+        reader = asyncio.ensure_future(collect())
+        phone = TwilioStandIn(url)
+        try:
+            await phone.connect()
+            await phone.start({"session_id": backend.session_id, "token": backend.client_token})
+            await backend.wait_for("call.started")
+            for phrase, voice in turns:
+                events = backend.events()
+                sending = asyncio.ensure_future(phone.send_audio(turn_audio(phrase, voice, 8000)))
+                stopped_at, event = await outcome(events)
+                await sending
+                latency.append(time.perf_counter() - stopped_at)
+                events_.append(event)
+                live.append(event.get("text", "") if event["type"] == "speech.transcript" else "")
+                if event["type"] == "error":
+                    errors.append(event["code"])
+        finally:
+            reader.cancel()
+            await phone.close()
+            await backend.close()
+    offline = []
+    for (_phrase, voice), event in zip(turns, events_):
+        span = [m for (_, m), f in zip(phone.sent_media, frames) if event["start_ms"] <= f.capture_ms + 10 < event["end_ms"]]
+        sent = np.concatenate([ulaw_decode(m) for m in span]) if span else np.zeros(160, np.int16)
+        offline.append(recognizer.recognize(soxr.resample(sent, 8000, 16000)))
+        print(f"  twilio {voice:13s} live {live[len(offline) - 1]!r} | offline {offline[-1]!r}", flush=True)
+    return figures(turns, live, offline, latency, errors)
+
+
+async def outcome(events) -> tuple[float, dict]:
+    """When speech.stopped reached the backend, and the turn's speech.transcript or error."""
+    stopped_at = None
+    async for event in events:
+        if event["type"] == "speech.stopped" and stopped_at is None:
+            stopped_at = time.perf_counter()
+        elif event["type"] in ("speech.transcript", "error") and stopped_at is not None:
+            await events.aclose()
+            return stopped_at, event
+    raise RuntimeError("the session closed")
+
+
+def figures(turns, live, offline, latency, errors) -> dict:
+    phrases = [p for p, _ in turns]
+    wer_live, wer_offline = corpus_wer(phrases, live), corpus_wer(phrases, offline)
+    return {"turns": len(turns), "wer_live": round(wer_live, 3), "wer_offline": round(wer_offline, 3),
+            "difference": round(wer_live - wer_offline, 3), "within_0_05": abs(wer_live - wer_offline) <= 0.05,
+            "errors": errors, "latency_ms": {"p50": round(percentile(latency, 50) * 1000, 1),
+                                             "p95": round(percentile(latency, 95) * 1000, 1)},
+            "live": live, "offline": offline}
+
+
+def main() -> None:
+    parser = arg_parser(__doc__)
+    parser.add_argument("--turns", type=int, default=0, help="turns per path, spread over the corpus (0: all 60)")
+    args = parser.parse_args()
+    turns = every_turn()
+    n = 6 if args.quick else (args.turns or len(turns))
+    turns = [turns[int(i * len(turns) / n)] for i in range(n)]
+    started = time.perf_counter()
+    info = machine()
+    print_machine(info, "machine")
+    recognizer = Pocketsphinx()
+    results: dict = {"machine": info, "args": vars(args), "label": "pocketsphinx caller turns, in-process gateway "
+                     "(tone engine, --stt pocketsphinx, defaults), real time, espeak-ng corpus turns"}
+    for name, path in (("webrtc", webrtc), ("twilio", twilio)):
+        section(f"{name}: {len(turns)} turns")
+        results[name] = asyncio.run(path(turns, recognizer))
+        r = results[name]
+        print(f"{name}: WER live {r['wer_live']:.3f} against offline {r['wer_offline']:.3f} (difference {r['difference']:+.3f}); "
+              f"speech.stopped to transcript p50 {r['latency_ms']['p50']} ms (p95 {r['latency_ms']['p95']}); errors {r['errors']}",
+              flush=True)
+    finish("transcripts", results, started, args.out)
+
+
+if __name__ == "__main__":
+    main()
