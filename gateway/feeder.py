@@ -21,7 +21,7 @@ from ..engine.errors import EngineCrashed, EngineStreamError, EngineUnavailable,
 from .encode_pool import FIRST, LATER, encode_pool
 from .encoder import FrameEncoder
 from .frames import FRAME_MS, FRAME_S, Framer
-from .playout import Playout
+from .playout import Playout, UtterancePlay
 from .resample import StreamResampler, held_back_s
 from .session_metrics import SessionMetrics
 
@@ -69,8 +69,10 @@ class Feeder:
         next_utterance: Callable[[], "Utterance | None"],
         emit: Callable[[dict], None],
         metrics: "SessionMetrics",
+        on_words: Callable[[UtterancePlay, list], None] | None = None,
     ) -> None:
         self.encoder = encoder
+        self.on_words = on_words
         self.playout = playout
         self.next_utterance = next_utterance
         self.emit = emit
@@ -115,8 +117,10 @@ class Feeder:
                 if chunk.duration > 0:
                     self.metrics.engine_chunk(chunk.synth_s, chunk.duration)
                 # Words first, so a cancel while the chunk is being encoded still knows them.
-                for word in chunk.words:
-                    play.words.append((word.text, (position_s + word.start) * 1000.0, (position_s + word.end) * 1000.0))
+                words = [(word.text, (position_s + word.start) * 1000.0, (position_s + word.end) * 1000.0) for word in chunk.words]
+                play.words.extend(words)
+                if words and self.on_words is not None:
+                    self.on_words(play, words)
                 first_audio = position_s == 0.0
                 position_s += chunk.duration
                 for i, piece in enumerate(_slices(chunk.pcm, chunk.sample_rate, first=first_audio)):

@@ -30,6 +30,10 @@ class UtterancePlay:
     ready_at: float | None = None
     frames: deque = field(default_factory=deque)
     words: list = field(default_factory=list)  # (text, start_ms, end_ms) in utterance time
+    # Words not yet reported in an audio.words event (they wait for audio.started's clock),
+    # and where the utterance's first frame lies on the session clock, once sent.
+    words_unsent: list = field(default_factory=list)
+    started_at_ms: int | None = None
     # Frame counts at which an engine chunk's audio ends (telephony marks them).
     chunk_ends: set = field(default_factory=set)
     queued_ms: int = 0

@@ -117,6 +117,8 @@ def parse(raw: str | bytes, limits: Limits) -> dict:
             rate = msg["rate"]
             if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not RATE_RANGE[0] <= rate <= RATE_RANGE[1]:
                 raise GatewayError("invalid_field", f"'rate' must be a number from {RATE_RANGE[0]} to {RATE_RANGE[1]}", id=mid)
+        if "words" in msg and not isinstance(msg["words"], bool):
+            raise GatewayError("invalid_field", "'words' must be true or false (audio.words events)", id=mid)
         vad = msg.get("vad")
         if vad is not None and not isinstance(vad, dict):
             raise GatewayError("invalid_field", "'vad' must be an object such as {\"enabled\": true}", id=mid)

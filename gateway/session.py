@@ -91,6 +91,7 @@ class SessionOptions:
     limits: Limits = field(default_factory=Limits)
     max_utterance_chars: int = Settings.max_utterance_chars
     max_queued_utterances: int = Settings.max_queued_utterances
+    words: bool = True  # audio.words events (session.update {"words": false} turns them off)
 
 
 class Session(SessionOutput, UtteranceQueue):
@@ -251,6 +252,8 @@ class Session(SessionOutput, UtteranceQueue):
             self.options.voice = checked_voice(self.engine, msg["voice"])
         if "rate" in msg:
             self.options.rate = float(msg["rate"])
+        if "words" in msg:
+            self.options.words = msg["words"]
         if isinstance(msg.get("vad"), dict):
             try:
                 self.options.vad.update(msg["vad"])
@@ -284,6 +287,7 @@ class Session(SessionOutput, UtteranceQueue):
         return {
             "voice": self.options.voice or self.engine.info.get("voices", [None])[0],
             "rate": self.options.rate,
+            "words": self.options.words,
             "vad": {"enabled": vad.enabled, "aggressiveness": vad.aggressiveness, "min_speech_ms": vad.min_speech_ms},
             "barge_in": self.options.barge_in.describe(),
             "stt": {"enabled": self.transcriber is not None and self.transcriber.enabled,

@@ -134,7 +134,8 @@ class SessionOutput:
     def _start_feeder(self) -> None:
         assert self.encoder is not None
         self._feeder = Feeder(
-            self.encoder, self.playout, next_utterance=self._next_to_feed, emit=self.emit, metrics=self.metrics
+            self.encoder, self.playout, next_utterance=self._next_to_feed, emit=self.emit, metrics=self.metrics,
+            on_words=self._on_words,
         )
         self._feeder.task.add_done_callback(self._feeder_done)
 
@@ -158,7 +159,26 @@ class SessionOutput:
         if play.ready_at is not None and play.first_queued_at is not None:
             self.metrics.ttfa_parts(play.first_queued_at - play.ready_at, at - play.first_queued_at)
         self.metrics.ttfa(ttfa)
-        self.emit({"type": "audio.started", "id": play.id, "ttfa_ms": round(ttfa * 1000.0, 1), "at_ms": self.clock.at_ms(at)})
+        play.started_at_ms = self.clock.at_ms(at)
+        self.emit({"type": "audio.started", "id": play.id, "ttfa_ms": round(ttfa * 1000.0, 1), "at_ms": play.started_at_ms})
+        if play.words_unsent:
+            words, play.words_unsent = play.words_unsent, []
+            self._emit_words(play, words)
+
+    def _on_words(self, play: UtterancePlay, words: list) -> None:
+        """A chunk's words, in utterance time: reported on the session clock once the
+        utterance's first frame has gone out (audio.started says where), before that kept."""
+        if not self.options.words:
+            return
+        if play.started_at_ms is None:
+            play.words_unsent.extend(words)
+        else:
+            self._emit_words(play, words)
+
+    def _emit_words(self, play: UtterancePlay, words: list) -> None:
+        base = play.started_at_ms or 0
+        self.emit({"type": "audio.words", "id": play.id, "words": [
+            {"word": text, "start_ms": round(base + start, 1), "end_ms": round(base + end, 1)} for text, start, end in words]})
 
     def _on_done(self, play: UtterancePlay) -> None:
         self.utterances = [u for u in self.utterances if u.play is not play]

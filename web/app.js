@@ -23,7 +23,9 @@ const state = {
 const metrics = new UtteranceMetrics();
 const events = [];
 const stats = {};
-window.voxgate = { state, metrics, events, stats, AUDIBLE_RMS };
+// Live captions from audio.words: each word shows when its audio plays here.
+const captions = { id: null, words: [], shown: 0, starts: {} };
+window.voxgate = { state, metrics, events, stats, captions, AUDIBLE_RMS };
 
 let conn = null;
 let audioContext = null;
@@ -146,6 +148,14 @@ function onEvent(msg) {
         state.streams = streams.size;
       }
       break;
+    case 'audio.started':
+      // Where the utterance's first frame lies on the session clock, and on this page's:
+      // it plays once it has waited in the jitter buffer.
+      captions.starts[msg.id] = { at_ms: msg.at_ms, local: now + (stats.jitter_buffer_ms || 0) };
+      break;
+    case 'audio.words':
+      showWords(msg, now);
+      break;
     case 'speech.started':
       setSpeech(true);
       break;
@@ -157,6 +167,32 @@ function onEvent(msg) {
       break;
     default:
       break;
+  }
+}
+
+function showWords(msg, now) {
+  const start = captions.starts[msg.id];
+  if (!start) return;
+  const el = $('captions');
+  if (captions.id !== msg.id) {
+    captions.id = msg.id;
+    captions.words = [];
+    captions.shown = 0;
+    el.replaceChildren();
+  }
+  for (const w of msg.words) {
+    const span = document.createElement('span');
+    span.className = 'word';
+    span.textContent = `${w.word} `;
+    el.append(span);
+    captions.words.push(w.word);
+    const due = start.local + (w.start_ms - start.at_ms) - now;
+    setTimeout(() => {
+      if (captions.id !== msg.id) return;
+      for (const prev of el.querySelectorAll('.word.current')) prev.classList.remove('current');
+      span.classList.add('heard', 'current');
+      captions.shown += 1;
+    }, Math.max(0, due));
   }
 }
 

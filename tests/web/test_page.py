@@ -239,6 +239,27 @@ def test_stream_mode_speaks_before_the_last_word(page, piper_server):
     assert page.errors == []
 
 
+def test_live_captions_follow_the_voice_word_by_word(page, piper_server):
+    # audio.words events become captions, each word shown when its audio plays on this page.
+    open_page(page, piper_server)
+    text = "Captions follow the voice. Every word lights up as it is heard."
+    page.fill("#text", text)
+    page.click("#speak")
+    started = wait_event(page, "audio.started", "p1", timeout=30000)
+    # Mid-utterance some words are shown and some are still to come.
+    page.wait_for_function("window.voxgate.captions.shown >= 2", timeout=20000)
+    partway = page.evaluate("[window.voxgate.captions.shown, window.voxgate.captions.words.length]")
+    assert 2 <= partway[0] < len(text.split()), partway
+    wait_event(page, "utterance.done", "p1", timeout=30000)
+    page.wait_for_function(f"window.voxgate.captions.shown === {len(text.split())}", timeout=10000)
+    assert page.inner_text("#captions").split() == text.split()
+    assert page.eval_on_selector_all("#captions .word.current", "(els) => els.length") == 1
+    events = page.evaluate("window.voxgate.events")
+    words = [e for e in events if e["dir"] == "in" and e["msg"]["type"] == "audio.words"]
+    assert len(words) >= 2 and all(e["t"] >= started["t"] for e in words)
+    assert page.errors == []
+
+
 def test_microphone_barge_in_and_vad_toggle(page, piper_server):
     open_page(page, piper_server, mic=True)
     page.fill("#text", LONG_TEXT)
