@@ -317,6 +317,9 @@ async def test_a_reader_that_stops_reading_is_disconnected_and_memory_stays_boun
         while not gw.tts_active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         assert gw.tts_active == 1  # the context is open
+        # Cut within seconds of the stall (observed: 1-2 s), well before the heartbeat's
+        # missing pong would close it (20 s + 10 s).
+        deadline = time.monotonic() + 15
         while gw.tts_active and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         assert gw.tts_active == 0  # its context ended with the connection
