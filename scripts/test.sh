@@ -32,4 +32,4 @@ pip_install -e ".[test,gpu,scale,pipecat,livekit]"
 # ruff, mypy and the import contracts: seconds, before minutes of tests.
 bash scripts/lint.sh
 
-exec python3 -m pytest -q -ra -p no:cacheprovider "$@"
+exec python3 -m pytest -q -ra -p no:cacheprovider --durations=25 "$@"
