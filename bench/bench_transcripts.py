@@ -8,11 +8,9 @@ espeak-ng caller turns (tests/transcripts.py: the interruptions and questions
 in three voices) in real time, through two paths: a real aiortc client over
 WebRTC (Opus 48 kHz) and the Twilio stand-in (μ-law 8 kHz). Per path: the
 WER of the backend's `speech.transcript`s (the live path), against the same
-recognizer run offline on the exact audio the client sent in the transcript's
-span (WebRTC: cut from what the microphone sent, by the session clock, within
-a frame, and also the whole clip with its padding, `wer_offline_whole_clip`;
-Twilio: the μ-law sent in the span, matched frame for frame, raised to 16 kHz
-with soxr), and the recognizer's
+recognizer run offline on the exact audio the client sent (WebRTC: the whole
+turn as the microphone sent it; Twilio: the μ-law sent in the turn's span,
+matched frame for frame, raised to 16 kHz with soxr), and the recognizer's
 latency per turn: `speech.stopped` to `speech.transcript` at the backend.
 Figures go to stdout and to artifacts/bench-transcripts.json (--out).
 """
@@ -43,11 +41,10 @@ from voxgate.rtc_client import RtcClient  # noqa: E402
 
 
 async def webrtc(turns: list[tuple[str, str]], recognizer: Pocketsphinx) -> dict:
-    live, offline, whole, latency, errors = [], [], [], [], []
+    live, offline, latency, errors = [], [], [], []
     async with in_process_gateway(stt="pocketsphinx") as (_, url):
         backend = VoxgateSession(url)
         await backend.open()
-        origin = time.perf_counter() - backend.ready["at_ms"] / 1000.0  # the session clock's zero, here
         client = RtcClient(url, mic=True, session_id=backend.session_id, token=backend.client_token)
         client.mic = RecordingMic()
         try:
@@ -57,7 +54,6 @@ async def webrtc(turns: list[tuple[str, str]], recognizer: Pocketsphinx) -> dict
                 first = len(client.mic.sent)
                 events = backend.events()
                 client.mic.play(clip)
-                began_ms = (time.perf_counter() - origin) * 1000  # the clip's first sample, within a frame
                 stopped_at, event = await outcome(events)
                 latency.append(time.perf_counter() - stopped_at)
                 live.append(event.get("text", "") if event["type"] == "speech.transcript" else "")
@@ -66,23 +62,12 @@ async def webrtc(turns: list[tuple[str, str]], recognizer: Pocketsphinx) -> dict
                 while client.mic.busy:
                     await asyncio.sleep(0.05)
                 sent = np.concatenate(client.mic.sent[first:])[: len(clip)]
-                # The same span the live path recognized (start_ms..end_ms on the session clock), cut
-                # from what the microphone sent; and, for reference, the whole clip with its padding.
-                if event["type"] == "speech.transcript":
-                    a = max(0, int((event["start_ms"] - began_ms) * 48))
-                    b = max(a + 960, int((event["end_ms"] - began_ms) * 48))
-                    span = sent[a:b]
-                else:
-                    span = sent
-                offline.append(await asyncio.to_thread(recognizer.recognize, soxr.resample(span, 48000, 16000)))
-                whole.append(await asyncio.to_thread(recognizer.recognize, soxr.resample(sent, 48000, 16000)))
+                offline.append(await asyncio.to_thread(recognizer.recognize, soxr.resample(sent, 48000, 16000)))
                 print(f"  webrtc {voice:13s} live {live[-1]!r} | offline {offline[-1]!r}", flush=True)
         finally:
             await client.close()
             await backend.close()
-    result = figures(turns, live, offline, latency, errors)
-    result["wer_offline_whole_clip"] = round(corpus_wer([p for p, _ in turns], whole), 3)
-    return result
+    return figures(turns, live, offline, latency, errors)
 
 
 async def twilio(turns: list[tuple[str, str]], recognizer: Pocketsphinx) -> dict:
