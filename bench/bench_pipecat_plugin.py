@@ -45,16 +45,8 @@ from _common import (  # noqa: E402
 )
 
 # The same first sentences as bench/gpu_check.py: 10-13 words, no comma, so each is one unit.
-SENTENCES = (
-    "Your package left our warehouse this morning and will arrive tomorrow.",
-    "I have booked a table for two at the Italian place downtown.",
-    "The next train to the airport leaves from platform four in ten minutes.",
-    "Please confirm the delivery address before I place the order for you.",
-    "Your appointment with the dentist has been moved to Thursday at noon.",
-    "I could not find any flights that leave before six in the morning.",
-    "The weather should stay dry and mild for the rest of the week.",
-    "Your refund was approved and should reach your account within three days.",
-)
+from gpu_check import SENTENCES  # noqa: E402
+
 WARMUP = "Hello there, this is a warm-up sentence."
 
 
