@@ -59,10 +59,12 @@ async def test_audio_per_request_is_capped(server_factory):
 class Held:
     """A /v1/tts request whose body is not read, so it keeps synthesizing (held open).
 
-    Its socket's receive buffer is 4 KB: 2,000 characters of tone (80 s, 2.5 MB
-    of pcm) would otherwise fit in loopback's socket buffers, the server would
-    write all of it, finish, and free its slot mid-test (seen on a fresh clone).
-    With a small window the server's writes wait, as they would for a slow reader.
+    Its socket's receive buffer is 4 KB, so the server's writes wait, as they
+    would for a slow reader. The text is 8,000 characters: 300 s of tone at the
+    default --tts-max-audio-s, 9.6 MB of pcm, more than loopback's send buffer
+    can take (tcp_wmem's ceiling is 4 MB). With 2,000 characters (80 s, 2.5 MB)
+    the kernel's autotuned send buffer sometimes took all of it, the request
+    ended and freed its slot mid-test (seen twice on fresh clones).
     """
 
     def __init__(self, http, url, key):
@@ -74,7 +76,7 @@ class Held:
         sock.setblocking(False)
         await asyncio.get_running_loop().sock_connect(sock, (self.url.hostname, self.url.port))
         self.reader, self.writer = await asyncio.open_connection(sock=sock)
-        body = json.dumps({"text": "a" * 2000, "format": "pcm"}).encode()
+        body = json.dumps({"text": "a" * 8000, "format": "pcm"}).encode()
         head = (
             f"POST /v1/tts HTTP/1.1\r\nHost: {self.url.netloc}\r\nX-API-Key: {self.key}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
