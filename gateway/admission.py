@@ -306,6 +306,14 @@ class Admission:
         else:
             self._requests.pop(caller, None)
 
+    def speech_slot(self, caller: str) -> "SpeechSlot":
+        """A speech request's slot (start_request), held until the slot is released:
+        `with gw.admission.speech_slot(caller):` around a request, or `release()` when
+        the request ends elsewhere (a /v1/tts/ws context). Releasing twice is harmless,
+        so no route can end a request twice, and `with` cannot forget to end it."""
+        self.start_request(caller)
+        return SpeechSlot(self, caller)
+
     def ready(self) -> tuple[bool, str | None]:
         """Whether load balancers should send new sessions here: --ready-margin of the budget before admission refuses."""
         gw = self.gw
@@ -337,6 +345,25 @@ class Admission:
             return f"the server sends {100 * f.late_share:.1f} % of its frames late; retry later"
         return (f"the server speaks at its capacity (expected {f.expected:.1f} of a budget of {f.budget:.1f} seconds "
                 "of audio per second); retry later")
+
+
+class SpeechSlot:
+    """One admitted speech request (Admission.speech_slot)."""
+
+    def __init__(self, admission: Admission, caller: str) -> None:
+        self._admission: Admission | None = admission
+        self._caller = caller
+
+    def release(self) -> None:
+        if self._admission is not None:
+            admission, self._admission = self._admission, None
+            admission.end_request(self._caller)
+
+    def __enter__(self) -> "SpeechSlot":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 def _count(histogram) -> float:

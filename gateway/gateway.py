@@ -15,6 +15,7 @@ from ..config import Settings
 from ..engine.client import EngineClient, EngineConfig
 from . import priority, rtc_internals
 from .admission import Admission
+from .backend_link import BackendLink, Socket
 from .encoder import OpusSettings
 from .errors import GatewayError, checked_voice
 from .feeder import listener_lag_s
@@ -280,6 +281,58 @@ class Gateway:
         if token is None:
             raise GatewayError("token_required", "joining a session needs its client 'token'", 401)
         return self.join_session(session_id, token), False
+
+    def owned_session(self, session_id: str, key: str | None) -> Session:
+        """The open session `session_id`, if the API key `key` made it; the same 404
+        otherwise, so another key cannot even learn that it exists."""
+        session = self.sessions.get(session_id)
+        if session is None or session.closed or not self.registry.owned_by(session_id, key):
+            raise GatewayError("unknown_session", "no such session", 404)
+        return session
+
+    def owned_sessions(self, key: str | None) -> list[Session]:
+        """The open sessions the API key `key` made (None: those made without one)."""
+        return [s for s in list(self.sessions.values()) if not s.closed and self.registry.owned_by(s.id, key)]
+
+    def token_session(self, token: object) -> str:
+        """The id of the open session a client token was issued for (GatewayError otherwise)."""
+        session_id = self.tokens.verify(token)
+        if session_id not in self.sessions:
+            raise GatewayError("unknown_session", "no such session; it may have ended", 404)
+        return session_id
+
+    def attach_backend(self, session: Session, socket: Socket, role: str, audio: bool) -> BackendLink:
+        """A backend's WebSocket on the session (gateway/backend_link.py), until its `detach`."""
+        return BackendLink(self, session, socket, role, audio)
+
+    def describe(self, session: Session) -> dict:
+        """A session as GET /v1/sessions/{id} shows it: what is attached, queued and set."""
+        registry = self.registry
+        now_mono, now_wall = time.monotonic(), time.time()
+        call = registry.calls.get(session.id)
+        backends = registry.backends.get(session.id, {})
+        playing = session.playout.current
+        return {
+            "session_id": session.id,
+            "made_ahead": session.id in registry.made_ahead,
+            "codec": session.output_codec,
+            "connected": {
+                "webrtc": self.peer_state(session.id),
+                "telephony": None if call is None else call.describe(),  # type: ignore[attr-defined]
+            },
+            "utterances": {
+                "queued": len(session.utterances),
+                "playing": playing.id if playing is not None and playing.started else None,
+                "ids": [u.id for u in session.utterances],
+            },
+            "writer": session.writer,
+            "watchers": sorted(name for name, role in backends.items() if role == "watcher"),
+            "backends": len(backends),
+            "options": session.describe_options(),
+            "stats": dict(session.stats),
+            "created_at": round(now_wall - (now_mono - session.created_at), 3),
+            "last_activity": round(now_wall - (now_mono - session.last_activity), 3),
+        }
 
     def has_peer(self, session_id: str) -> bool:
         return session_id in self.peers

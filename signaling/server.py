@@ -91,11 +91,9 @@ async def handle_ice_servers(request: web.Request) -> web.Response:
     session_id = None
     if token is not None:
         try:
-            session_id = request.app[sessions_api.SIGNER].verify(token)
+            session_id = gw.token_session(token)
         except GatewayError as exc:
             return error_response(exc)
-        if session_id not in gw.sessions:
-            return error_response(GatewayError("unknown_session", "no such session; it may have ended", 404))
     servers = []
     for server in gw.ice.servers_for(session_id or "anonymous"):
         url = server.urls if isinstance(server.urls, str) else server.urls[0]

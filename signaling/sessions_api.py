@@ -13,33 +13,23 @@ state and a restart with the same `--token-secret` still accepts them.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import itertools
-import json
 import logging
-import time
 
 from aiohttp import WSMsgType, web
 
-from ..gateway.protocol import parse
+from ..gateway.backend_link import AUDIO_FORMATS
 from ..gateway.session import Session
 from ..gateway.errors import GatewayError, checked_voice
-from ..gateway.frames import FRAME_MS
-from ..gateway.registry import SessionRegistry, TokenSigner
+from ..gateway.registry import TokenSigner
 from .errors import error_response, read_json_object
 
 log = logging.getLogger(__name__)
 
-# Events a slow backend may leave unread before it is disconnected.
-MAX_PENDING_EVENTS = 10000
-# What `?audio=` may ask for: 16 kHz mono PCM16 frames (gateway/caller_audio.py).
-AUDIO_FORMATS = ("pcm16",)
 CREATE_BODY_LIMIT = 8192
 
 
 SIGNER = web.AppKey("token_signer", TokenSigner)
-REGISTRY = web.AppKey("session_registry", SessionRegistry)
 def bearer_of(request: web.Request) -> str | None:
     auth = request.headers.get("Authorization", "")
     if auth[:7].lower() == "bearer ":
@@ -81,13 +71,8 @@ def check_api_key(request: web.Request, query: bool = False) -> str | None:
 
 
 def _session_or_404(request: web.Request, key: str | None) -> Session:
-    """The session in the path, if the caller's key made it; the same 404 otherwise,
-    so another key cannot even learn that it exists."""
-    sid = request.match_info["session_id"]
-    session = request.app["gateway"].sessions.get(sid)
-    if session is None or session.closed or not request.app[REGISTRY].owned_by(sid, key):
-        raise GatewayError("unknown_session", "no such session", 404)
-    return session
+    """The session in the path, if the caller's key made it (Gateway.owned_session)."""
+    return request.app["gateway"].owned_session(request.match_info["session_id"], key)
 
 
 def join_session(app: web.Application, sid: str | None, token: object) -> Session:
@@ -140,33 +125,7 @@ async def handle_create(request: web.Request) -> web.Response:
 
 
 def describe(app: web.Application, session: Session) -> dict:
-    gw = app["gateway"]
-    registry = app[REGISTRY]
-    now_mono, now_wall = time.monotonic(), time.time()
-    call = registry.calls.get(session.id)
-    backends = registry.backends.get(session.id, {})
-    playing = session.playout.current
-    return {
-        "session_id": session.id,
-        "made_ahead": session.id in registry.made_ahead,
-        "codec": session.output_codec,
-        "connected": {
-            "webrtc": gw.peer_state(session.id),
-            "telephony": None if call is None else call.describe(),
-        },
-        "utterances": {
-            "queued": len(session.utterances),
-            "playing": playing.id if playing is not None and playing.started else None,
-            "ids": [u.id for u in session.utterances],
-        },
-        "writer": session.writer,
-        "watchers": sorted(name for name, role in backends.items() if role == "watcher"),
-        "backends": len(backends),
-        "options": session.describe_options(),
-        "stats": dict(session.stats),
-        "created_at": round(now_wall - (now_mono - session.created_at), 3),
-        "last_activity": round(now_wall - (now_mono - session.last_activity), 3),
-    }
+    return app["gateway"].describe(session)
 
 
 async def handle_get(request: web.Request) -> web.Response:
@@ -177,12 +136,9 @@ async def handle_get(request: web.Request) -> web.Response:
 async def handle_list(request: web.Request) -> web.Response:
     """The caller's own sessions, or those of one phone call with `?call_sid=`."""
     key = check_api_key(request)
-    registry = request.app[REGISTRY]
     call_sid = request.query.get("call_sid")
     out = []
-    for session in list(request.app["gateway"].sessions.values()):
-        if session.closed or not registry.owned_by(session.id, key):
-            continue
+    for session in request.app["gateway"].owned_sessions(key):
         state = describe(request.app, session)
         telephony = state["connected"]["telephony"]
         if call_sid is not None and (telephony is None or telephony.get("call_sid") != call_sid):
@@ -199,10 +155,9 @@ async def handle_delete(request: web.Request) -> web.Response:
 
 
 # The backend WebSocket
-_connection_ids = itertools.count(1)
-
-
 async def handle_ws(request: web.Request) -> web.StreamResponse:
+    """Checks the request and wires the socket; the gateway's BackendLink
+    (gateway/backend_link.py) does the rest: role, events, the caller's audio."""
     key = check_api_key(request)
     session = _session_or_404(request, key)
     role = request.query.get("role", "writer")
@@ -217,108 +172,23 @@ async def handle_ws(request: web.Request) -> web.StreamResponse:
     # as bytes and earns an error event instead of closing the connection.
     ws = web.WebSocketResponse(heartbeat=20.0, max_msg_size=max(4 * limit, 1 << 20), decode_text=False)
     await ws.prepare(request)
-    name = f"ws:{next(_connection_ids)}"
-    if role == "writer" and session.writer is None:
-        session.writer = name
-    else:
-        role = "watcher"
-    request.app[REGISTRY].add_backend(session.id, name, role)
-    # Events (dicts) and, with ?audio=, the caller's audio frames (bytes), in the order they happened.
-    outbox: asyncio.Queue = asyncio.Queue()
-    frames_queued = 0
-    max_frames = max(1, gw.settings.caller_audio_buffer_ms // FRAME_MS)
-    frames_sent = gw.metrics.caller_audio_frames.labels("sent")
-    frames_dropped = gw.metrics.caller_audio_frames.labels("dropped")
-
-    def on_audio(message: bytes) -> None:
-        # A backend that reads too slowly loses frames, never memory: a gap in its sequence numbers.
-        nonlocal frames_queued
-        if frames_queued >= max_frames:
-            frames_dropped.inc()
-            return
-        frames_queued += 1
-        outbox.put_nowait(message)
-
-    def on_event(event: dict) -> None:
-        if outbox.qsize() - frames_queued >= MAX_PENDING_EVENTS:
-            log.warning("session %s: backend %s reads too slowly; disconnecting it", session.id, name, extra={"session_id": session.id})
-            outbox.put_nowait(None)
-            return
-        outbox.put_nowait(event)
-
-    async def pump() -> None:
-        nonlocal frames_queued
-        while True:
-            event = await outbox.get()
-            if isinstance(event, bytes):
-                frames_queued -= 1
-                try:
-                    await ws.send_bytes(event)
-                except (ConnectionError, RuntimeError):
-                    return
-                frames_sent.inc()
-                continue
-            if event is None:
-                await ws.close(code=1013, message=b"events not read fast enough")
-                return
-            try:
-                await ws.send_str(json.dumps(event))
-            except (ConnectionError, RuntimeError):
-                return
-            if event.get("type") == "session.closed":
-                await ws.close()
-                return
-
-    session.add_listener(name, on_event)
-    on_event({**session.ready_event(), "role": role, "writer": session.writer})
-    sender = asyncio.ensure_future(pump())
-    if audio is not None:
-        session.add_audio_tap(name, on_audio)
-    log.info("session %s: backend %s attached as %s%s", session.id, name, role, " with the caller's audio" if audio else "",
-             extra={"session_id": session.id})
+    link = gw.attach_backend(session, ws, role, audio is not None)
     try:
         async for msg in ws:
             if msg.type == WSMsgType.TEXT:
-                _backend_message(session, name, msg.data)
+                link.on_text(msg.data)
             elif msg.type == WSMsgType.BINARY:
-                on_event({"type": "error", "code": "binary_frame", "message": "binary frames are not accepted; send JSON text frames"})
+                link.on_binary()
             elif msg.type == WSMsgType.ERROR:
                 break
     finally:
-        session.remove_audio_tap(name)
-        session.remove_listener(name)
-        request.app[REGISTRY].drop_backend(session.id, name)
-        if session.writer == name:
-            session.writer = None
-        if not sender.done():
-            if session.closed:
-                await asyncio.wait([sender], timeout=1.0)
-            sender.cancel()
-        log.info("session %s: backend %s detached", session.id, name, extra={"session_id": session.id})
+        await link.detach()
     return ws
 
 
-def _backend_message(session: Session, name: str, raw: str | bytes) -> None:
-    if session.writer != name:
-        # A watcher may ping; everything else is refused here, even while no
-        # writer holds the session, so a watcher never races the writer.
-        try:
-            msg = parse(raw, session.options.limits)
-        except GatewayError:
-            msg = None  # let the session report the parse error itself
-        if msg is not None and msg["type"] != "ping":
-            session.emit(
-                GatewayError("read_only", "this backend watches the session; only its writer may send text, cancel or updates", id=msg.get("id")).event(),
-                only=name,
-            )
-            return
-    session.handle_message(raw, source=name)
-
-
 def add_routes(app: web.Application) -> None:
-    # The gateway's own (gateway/registry.py): the routes read them under these keys.
+    # The gateway's own client tokens (gateway/registry.py), under a key the routes share.
     app[SIGNER] = app["gateway"].tokens
-    app[REGISTRY] = app["gateway"].registry
     app.router.add_post("/v1/sessions", handle_create)
     app.router.add_get("/v1/sessions", handle_list)
     app.router.add_get("/v1/sessions/{session_id}", handle_get)

@@ -146,13 +146,11 @@ async def serve_speech(request: web.Request, parse: Callable[..., SpeechRequest]
         body = await read_json_object(request, body_limit(gw.settings), hint)
         job = parse(gw, body)
         # In flight in total and per caller, each taking a session's slot, and the node's load.
-        gw.admission.start_request(caller)
+        slot = gw.admission.speech_slot(caller)
     except GatewayError as exc:
         return error_response(exc)
-    try:
+    with slot:
         return await _synthesize(request, gw, job, timeline)
-    finally:
-        gw.admission.end_request(caller)
 
 
 async def handle_tts(request: web.Request) -> web.StreamResponse:

@@ -30,6 +30,7 @@ from collections import OrderedDict
 from aiohttp import WSMsgType, web
 
 from ..engine.base import SynthesisOptions
+from ..gateway.admission import SpeechSlot
 from ..gateway.errors import GatewayError, checked_voice
 from ..gateway.speech_request import SpeechStream, open_speech
 from ..gateway.protocol import RateLimiter, decode_json
@@ -76,7 +77,7 @@ class Context:
         self.cancelled = False
         self.ended = False  # `end` received
         self.task: asyncio.Task | None = None
-        self.admitted = False
+        self.slot: SpeechSlot | None = None  # its admission, released once when it ends
 
 
 class Connection:
@@ -219,18 +220,18 @@ class Connection:
             raise GatewayError("invalid_field", "'voice' must be a string", id=cid)
         voice = checked_voice(self.gw.engine, voice) if voice is not None else self.voice
         try:
-            self.gw.admission.start_request(self.caller)
+            slot = self.gw.admission.speech_slot(self.caller)
         except GatewayError as exc:
             exc.id = cid
             raise
         try:
             stream = open_speech(self.gw.engine, SynthesisOptions(voice=voice))
         except GatewayError as exc:
-            self.gw.admission.end_request(self.caller)
+            slot.release()
             exc.id = cid
             raise
         ctx = Context(cid, stream)
-        ctx.admitted = True
+        ctx.slot = slot
         self.contexts[cid] = ctx
         ctx.task = asyncio.ensure_future(self.speak(ctx))
         return ctx
@@ -241,9 +242,8 @@ class Connection:
             self.closed_ids[ctx.id] = None
             while len(self.closed_ids) > MAX_CLOSED_IDS:
                 self.closed_ids.popitem(last=False)
-        if ctx.admitted:
-            ctx.admitted = False
-            self.gw.admission.end_request(self.caller)
+        if ctx.slot is not None:
+            ctx.slot.release()
         ctx.stream.cancel()
 
     def cancel(self, ctx: Context) -> None:

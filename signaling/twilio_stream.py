@@ -36,7 +36,7 @@ from ..gateway.protocol import RateLimiter, decode_json
 from ..gateway.errors import GatewayError
 from .errors import error_response
 from .http_guard import RateLimitedLog, client_address
-from .sessions_api import REGISTRY, join_session
+from .sessions_api import join_session
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +233,7 @@ class TwilioCall:
         session = self._session_for(params)
         self.session = session
         self.input = TwilioInput(session)
-        self.app[REGISTRY].add_call(session.id, self)
+        self.app["gateway"].registry.add_call(session.id, self)
         session.attach_output("pcmu")
         self.output = TwilioOutput(session, stream_sid=stream_sid, send=self.send)
         self._listener = f"telephony:{stream_sid}"
@@ -302,7 +302,7 @@ class TwilioCall:
         if session is None:
             return
         session.remove_listener(self._listener)
-        self.app[REGISTRY].drop_call(session.id, self)
+        self.app["gateway"].registry.drop_call(session.id, self)
         if not session.closed:
             session.emit({"type": "call.ended", "call_sid": self.call_sid, "reason": reason})
             # The session's only output was this call; it cannot speak any more.

@@ -1,0 +1,147 @@
+"""A backend's WebSocket on a session (`/v1/sessions/{id}/ws`), as the gateway sees it:
+its role (the one writer, or a watcher), its place in the registry, the session's
+events and, when asked, the caller's audio frames sent to it in the order they
+happened, and the messages it sends. signaling/sessions_api.py checks the request
+and hands the open socket here; everything about the session happens in this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+from typing import TYPE_CHECKING, Protocol
+
+from .errors import GatewayError
+from .frames import FRAME_MS
+from .protocol import parse
+
+if TYPE_CHECKING:
+    from .gateway import Gateway
+    from .session import Session
+
+log = logging.getLogger(__name__)
+
+# Events a slow backend may leave unread before it is disconnected.
+MAX_PENDING_EVENTS = 10000
+# What `?audio=` may ask for: 16 kHz mono PCM16 frames (gateway/caller_audio.py).
+AUDIO_FORMATS = ("pcm16",)
+
+_connection_ids = itertools.count(1)
+
+
+class Socket(Protocol):
+    """What the link needs of a WebSocket (aiohttp's WebSocketResponse is one)."""
+
+    async def send_str(self, data: str) -> None: ...
+
+    async def send_bytes(self, data: bytes) -> None: ...
+
+    async def close(self, *, code: int = ..., message: bytes = ...) -> bool: ...
+
+
+class BackendLink:
+    """One backend attached to one session until `detach`."""
+
+    def __init__(self, gw: Gateway, session: Session, socket: Socket, role: str, audio: bool) -> None:
+        self.gw = gw
+        self.session = session
+        self.socket = socket
+        self.name = f"ws:{next(_connection_ids)}"
+        # Asked-for writer, but the session has one already: it watches instead.
+        if role == "writer" and session.writer is None:
+            session.writer = self.name
+        else:
+            role = "watcher"
+        self.role = role
+        self.audio = audio
+        # Events (dicts) and, with audio, the caller's frames (bytes); None: disconnect it.
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self._frames_queued = 0
+        self._max_frames = max(1, gw.settings.caller_audio_buffer_ms // FRAME_MS)
+        self._frames_sent = gw.metrics.caller_audio_frames.labels("sent")
+        self._frames_dropped = gw.metrics.caller_audio_frames.labels("dropped")
+        gw.registry.add_backend(session.id, self.name, role)
+        session.add_listener(self.name, self._on_event)
+        self._on_event({**session.ready_event(), "role": role, "writer": session.writer})
+        self._sender = asyncio.ensure_future(self._pump())
+        if audio:
+            session.add_audio_tap(self.name, self._on_audio)
+        log.info("session %s: backend %s attached as %s%s", session.id, self.name, role, " with the caller's audio" if audio else "",
+                 extra={"session_id": session.id})
+
+    def _on_audio(self, message: bytes) -> None:
+        # A backend that reads too slowly loses frames, never memory: a gap in its sequence numbers.
+        if self._frames_queued >= self._max_frames:
+            self._frames_dropped.inc()
+            return
+        self._frames_queued += 1
+        self._outbox.put_nowait(message)
+
+    def _on_event(self, event: dict) -> None:
+        if self._outbox.qsize() - self._frames_queued >= MAX_PENDING_EVENTS:
+            log.warning("session %s: backend %s reads too slowly; disconnecting it", self.session.id, self.name,
+                        extra={"session_id": self.session.id})
+            self._outbox.put_nowait(None)
+            return
+        self._outbox.put_nowait(event)
+
+    async def _pump(self) -> None:
+        ws = self.socket
+        while True:
+            event = await self._outbox.get()
+            if isinstance(event, bytes):
+                self._frames_queued -= 1
+                try:
+                    await ws.send_bytes(event)
+                except (ConnectionError, RuntimeError):
+                    return
+                self._frames_sent.inc()
+                continue
+            if event is None:
+                await ws.close(code=1013, message=b"events not read fast enough")
+                return
+            try:
+                await ws.send_str(json.dumps(event))
+            except (ConnectionError, RuntimeError):
+                return
+            if event.get("type") == "session.closed":
+                await ws.close()
+                return
+
+    def on_text(self, raw: str | bytes) -> None:
+        """A text frame from the backend (bytes when it is not valid UTF-8: the session reports that)."""
+        session = self.session
+        if session.writer != self.name:
+            # A watcher may ping; everything else is refused here, even while no
+            # writer holds the session, so a watcher never races the writer.
+            try:
+                msg = parse(raw, session.options.limits)
+            except GatewayError:
+                msg = None  # let the session report the parse error itself
+            if msg is not None and msg["type"] != "ping":
+                session.emit(
+                    GatewayError("read_only", "this backend watches the session; only its writer may send text, cancel or updates", id=msg.get("id")).event(),
+                    only=self.name,
+                )
+                return
+        session.handle_message(raw, source=self.name)
+
+    def on_binary(self) -> None:
+        self._on_event({"type": "error", "code": "binary_frame", "message": "binary frames are not accepted; send JSON text frames"})
+
+    async def detach(self) -> None:
+        """The socket ended: the session forgets the backend; what is left to send is
+        sent only when the session closed (its last events), briefly."""
+        session = self.session
+        session.remove_audio_tap(self.name)
+        session.remove_listener(self.name)
+        self.gw.registry.drop_backend(session.id, self.name)
+        if session.writer == self.name:
+            session.writer = None
+        if not self._sender.done():
+            if session.closed:
+                await asyncio.wait([self._sender], timeout=1.0)
+            self._sender.cancel()
+        log.info("session %s: backend %s detached", session.id, self.name, extra={"session_id": session.id})
