@@ -91,6 +91,8 @@ class Gateway:
         self.admission = Admission(self)
         # The speech recognizer every session's turns share (--stt, --stt-url); None: --stt none.
         self.stt = SpeechToText.from_settings(settings)
+        if self.stt is not None:
+            self.stt.on_outcome = lambda outcome: self.metrics.stt_turns.labels(outcome).inc()
 
     def _allowed_networks(self):
         explicit = [v for v in self.settings.ice_allow if v != "public"]

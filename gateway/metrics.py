@@ -77,6 +77,12 @@ class GatewayMetrics:
         self.caller_audio_frames = Counter("voxgate_caller_audio_frames_total",
                                            "Frames of callers' audio for backends that asked for it (?audio=pcm16): sent, "
                                            "or dropped because the backend read too slowly", ["outcome"], registry=r)
+        self.stt_turns = Counter("voxgate_stt_turns_total",
+                                 "Caller turns (or --stt-max-turn-s pieces) given to the recognizer: transcript, or "
+                                 "the error they got instead (stt_busy: it could not keep up; stt_timeout; stt_failed)",
+                                 ["outcome"], registry=r)
+        for outcome in ("transcript", "stt_busy", "stt_timeout", "stt_failed"):
+            self.stt_turns.labels(outcome)
         # Whatever else wants every session's samples (a benchmark's recorder), beside Prometheus;
         # read when a session is made.
         self.observers: list[SessionMetrics] = []

@@ -90,6 +90,8 @@ class SpeechToText:
         self.running = 0
         self.turns = 0
         self.errors: dict[str, int] = {}
+        # Called with each turn's outcome: transcript, stt_busy, stt_timeout, stt_failed (the gateway's /metrics).
+        self.on_outcome: Callable[[str], None] | None = None
         self._slots = asyncio.Semaphore(max_concurrent)
         self._pool = (ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="stt")
                       if recognizer.threaded else None)
@@ -144,8 +146,12 @@ class SpeechToText:
         if not work.cancelled():
             work.exception()  # retrieved: a thread that failed after its timeout is not logged as unhandled
 
-    def count_error(self, code: str) -> None:
-        self.errors[code] = self.errors.get(code, 0) + 1
+    def count(self, outcome: str) -> None:
+        """One turn's outcome: `transcript`, or the error code it got."""
+        if outcome != "transcript":
+            self.errors[outcome] = self.errors.get(outcome, 0) + 1
+        if self.on_outcome is not None:
+            self.on_outcome(outcome)
 
     async def close(self) -> None:
         await self.recognizer.close()
@@ -230,10 +236,11 @@ class TurnTranscriber:
         if event is None:
             self._error(error, start_ms, end_ms)
         else:
+            self.stt.count("transcript")
             self.emit(event)
 
     def _error(self, exc: SttError, start_ms: int, end_ms: int) -> None:
-        self.stt.count_error(exc.code)
+        self.stt.count(exc.code)
         self.emit({"type": "error", "code": exc.code, "message": exc.message, "start_ms": start_ms, "end_ms": end_ms})
 
     def close(self) -> None:
