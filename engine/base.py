@@ -22,7 +22,7 @@ import numpy as np
 # What the piper engine's prior (text encoder and duration predictor) runs in on the CPU
 # (engine/graph_quant.py): its convolutions as int8 products, or all of it as exported.
 # The choices and the default are the setting's (--engine-prior-precision).
-from ..config import PRIOR_PRECISIONS as PRIOR_PRECISIONS, Settings
+from ..config import PRIOR_PRECISIONS as PRIOR_PRECISIONS, Settings, threads_or_every_core
 
 DEFAULT_PRIOR_PRECISION = Settings.engine_prior_precision
 
@@ -90,6 +90,12 @@ class SynthesisJob:
     slack_s: float | None = None
     # Streams per core with steps to run, set by the worker with slack_s.
     load: float = 1.0
+    chunks_made: int = 0  # chunks this job has handed back (emit counts them)
+
+    def emit(self, pcm: np.ndarray, sample_rate: int, text: str, words: list[WordTiming], unit_end: bool) -> AudioChunk:
+        """The job's next chunk, counted: how every stepwise engine hands back audio."""
+        self.chunks_made += 1
+        return AudioChunk(pcm=pcm, sample_rate=sample_rate, text=text, words=words, unit_end=unit_end)
 
     @property
     def done(self) -> bool:
@@ -192,6 +198,20 @@ class Engine(ABC):
             "sample_rate": self.sample_rate(),
             "supported_tags": sorted(self.supported_tags),
         }
+
+
+class StepwiseEngine(Engine):
+    """An engine with start()/step() that runs on a device with a budget of threads (the
+    Piper engine and its torch port): the options they share are taken here, once."""
+
+    stepwise = True
+
+    def __init__(self, voice: str | None = None, device: str = "auto", threads: int | None = None, **_: object) -> None:
+        self.voice_option = voice  # --voice as given; each engine resolves its own default
+        self.device_name = device  # --device: "auto", "cpu", "cuda"...
+        # The most intra-op threads one step may use: every core by default; the
+        # worker asks for that when a step runs alone and for one thread under load.
+        self.threads = threads_or_every_core(threads)  # --engine-threads
 
 
 def words_by_length(text: str, duration: float, start: float = 0.0) -> list[WordTiming]:

@@ -24,7 +24,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -32,14 +32,14 @@ from .base import (
     DEFAULT_PRIOR_PRECISION,
     PRIOR_PRECISIONS,
     AudioChunk,
-    Engine,
+    StepwiseEngine,
     EngineError,
     StopSignal,
     SynthesisJob,
     SynthesisOptions,
     WordTiming,
 )
-from ..config import SPIN_POLICIES, threads_or_every_core
+from ..config import SPIN_POLICIES
 from .other_load import OtherLoad, shared_other_load, usable_cores
 from .piper_voice import (
     DEFAULT_VOICE,
@@ -98,35 +98,27 @@ class PiperJob(SynthesisJob):
     scales: np.ndarray | None = None
     pending: list[_Sentence] = field(default_factory=list)
     current: _Sentence | None = None
-    chunks: int = 0  # slack_s and load: SynthesisJob's, set by the worker before each step
 
     @property
     def done(self) -> bool:
         return self.current is None and not self.pending and not self.pieces
 
 
-class PiperEngine(Engine):
+class PiperEngine(StepwiseEngine):
     name = "piper"
-    stepwise = True
 
     def __init__(
         self,
-        voice: str | None = None,
-        device: str = "auto",
-        threads: int | None = None,
         voice_dir: str | None = None,
         max_loaded_voices: int = MAX_LOADED_VOICES,
         split: bool = True,
         schedule: WindowSchedule | None = None,
         spin: str = "auto",
         prior_precision: str = DEFAULT_PRIOR_PRECISION,
-        **_: object,
+        **common: Any,
     ) -> None:
-        self.default_voice, self.catalog = voice_catalog(voice, voice_dir)
-        self.device = device
-        # The most intra-op threads one step may use: every core by default; the
-        # worker asks for that when a step runs alone and for one thread under load.
-        self.threads = threads_or_every_core(threads)  # --engine-threads
+        super().__init__(**common)  # voice, device, threads (StepwiseEngine)
+        self.default_voice, self.catalog = voice_catalog(self.voice_option, voice_dir)
         self.max_loaded_voices = max(1, max_loaded_voices)
         self._voices: OrderedDict[str, LoadedVoice] = OrderedDict()
         self._voices_lock = threading.Lock()
@@ -185,7 +177,7 @@ class PiperEngine(Engine):
             loaded = self._voices.get(name)
             if loaded is None:
                 if not self._providers:
-                    self._providers = choose_providers(self.device)
+                    self._providers = choose_providers(self.device_name)
                 loaded = LoadedVoice(
                     path, self._providers, self.threads, self.split, self._spin_sets, self.prior_precision
                 )
@@ -200,7 +192,7 @@ class PiperEngine(Engine):
         return loaded
 
     def load(self) -> None:
-        self._providers = choose_providers(self.device)
+        self._providers = choose_providers(self.device_name)
         loaded = self._voice(None)
         # onnxruntime allocates on the first run of each session; pay that here,
         # not on a listener's first words.
@@ -428,12 +420,4 @@ class PiperEngine(Engine):
         unit_end = last and s.last_of_unit
         said = " ".join(w.text for w in words) if job.voice.graphs is not None else s.text
         text = chunk_text(said, s.last_of_unit and says_last)
-        chunk = AudioChunk(
-            pcm=pcm,
-            sample_rate=job.voice.sample_rate,
-            text=text,
-            words=words,
-            unit_end=unit_end,
-        )
-        job.chunks += 1
-        return chunk
+        return job.emit(pcm, job.voice.sample_rate, text, words, unit_end)

@@ -21,12 +21,11 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence, cast
+from typing import Any, Iterator, Sequence, cast
 
 import numpy as np
 
-from ..config import threads_or_every_core
-from .base import AudioChunk, Engine, EngineError, SynthesisJob, SynthesisOptions, WordTiming
+from .base import AudioChunk, EngineError, StepwiseEngine, SynthesisJob, SynthesisOptions, WordTiming
 from .piper_engine import DEFAULT_VOICE, PiperEngine
 from .piper_words import split_words_over, word_timings
 from .units import cap_phonemes, cap_text
@@ -98,7 +97,6 @@ class TorchJob(SynthesisJob):
     pending: list[_Sentence]
     generator: "torch.Generator | None" = None
     current: _Sentence | None = None
-    chunks: int = 0  # slack_s and load: SynthesisJob's, set by the worker before each step
 
     @property
     def done(self) -> bool:
@@ -137,24 +135,20 @@ class _Window:
         return self.span.src_end
 
 
-class TorchEngine(Engine):
+class TorchEngine(StepwiseEngine):
     name = "torch"
-    stepwise = True
 
     def __init__(
         self,
-        voice: str | None = None,
-        device: str = "auto",
-        threads: int | None = None,
         first_window: int = FIRST_WINDOW_FRAMES,
         max_window: int = BATCH_WINDOW_FRAMES,
         max_batch: int | None = None,
         half: bool | None = None,
-        **_: object,
+        voice_dir: str | None = None,
+        **common: Any,
     ) -> None:
-        self.default_voice = voice or DEFAULT_VOICE
-        self.device_name = device
-        self.threads = threads_or_every_core(threads)  # --engine-threads
+        super().__init__(**common)  # voice, device, threads (StepwiseEngine)
+        self.default_voice = self.voice_option or DEFAULT_VOICE
         self.first_window = max(1, int(first_window))
         self.max_window = max(self.first_window, int(max_window))
         self.schedule = WindowSchedule(self.first_window, self.max_window)
@@ -166,7 +160,7 @@ class TorchEngine(Engine):
         self._voices: dict[str, _TorchVoice] = {}
         self._load_lock = threading.Lock()
         # Voice names resolve exactly as in the ONNX engine (it loads nothing until load()).
-        self._names = PiperEngine(voice=voice, voice_dir=_.get("voice_dir"))  # type: ignore[arg-type]
+        self._names = PiperEngine(voice=self.voice_option, voice_dir=voice_dir)
 
     # Engine interface
 
@@ -396,12 +390,4 @@ class TorchEngine(Engine):
         unit_end = last_window and s.last_of_unit
         says_end = s.last_of_unit and says_last_word(s.words, t0, t1, last_window)
         text = chunk_text(" ".join(x.text for x in words), says_end)
-        chunk = AudioChunk(
-            pcm=pcm,
-            sample_rate=voice.sample_rate,
-            text=text,
-            words=words,
-            unit_end=unit_end,
-        )
-        job.chunks += 1
-        return chunk
+        return job.emit(pcm, voice.sample_rate, text, words, unit_end)
