@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from ..config import Settings
 from ..engine.client import EngineClient, EngineConfig
 from . import priority, rtc_internals
 from .admission import Admission
 from .backend_link import BackendLink, Socket
+from .call_link import CallLink
 from .encoder import OpusSettings
 from .errors import GatewayError, checked_voice
 from .feeder import listener_lag_s
@@ -306,6 +307,11 @@ class Gateway:
     def attach_backend(self, session: Session, socket: Socket, role: str, audio: bool) -> BackendLink:
         """A backend's WebSocket on the session (gateway/backend_link.py), until its `detach`."""
         return BackendLink(self, session, socket, role, audio)
+
+    def attach_call(self, session: Session, call: object, stream_sid: str, send: Callable[[dict], Awaitable[None]],
+                    on_session_close: Callable[[], Awaitable[None]]) -> CallLink:
+        """A phone call as the session's output and input (gateway/call_link.py), until its `end`."""
+        return CallLink(self, session, call, stream_sid, send, on_session_close)
 
     def describe(self, session: Session) -> dict:
         """A session as GET /v1/sessions/{id} shows it: what is attached, queued and set."""

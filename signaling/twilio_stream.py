@@ -30,8 +30,7 @@ from collections import OrderedDict
 from aiohttp import WSMsgType, web
 
 from ..gateway.session import Session
-from ..gateway.twilio_input import TwilioInput
-from ..gateway.twilio_output import TwilioOutput
+from ..gateway.call_link import CallLink
 from ..gateway.protocol import RateLimiter, decode_json
 from ..gateway.errors import GatewayError
 from .errors import error_response
@@ -141,11 +140,9 @@ class TwilioCall:
         self.stream_sid: str | None = None
         self.call_sid: str | None = None
         self.tracks: list[str] = []
-        self.output: TwilioOutput | None = None
         self.media_in = 0
         self.dtmf: list[str] = []
-        self.input: TwilioInput | None = None  # the caller's audio to the session, once it has one
-        self._listener = ""
+        self.link: CallLink | None = None  # the session's side of the call (gateway/call_link.py), once started
 
     def describe(self) -> dict:
         return {
@@ -155,7 +152,7 @@ class TwilioCall:
             "tracks": self.tracks,
             "media_in": self.media_in,
             "dtmf": "".join(self.dtmf),
-            **(self.output.describe() if self.output is not None else {}),
+            **(self.link.describe() if self.link is not None else {}),
         }
 
     async def send(self, message: dict) -> None:
@@ -192,8 +189,8 @@ class TwilioCall:
             name = mark.get("name") if isinstance(mark, dict) else None
             if not isinstance(name, str) or len(name) > 256:
                 raise GatewayError("invalid_message", "'mark' needs a string mark.name")
-            assert self.output is not None
-            self.output.on_mark(name)
+            assert self.link is not None
+            self.link.on_mark(name)
         elif event == "dtmf":
             dtmf = msg.get("dtmf")
             digit = dtmf.get("digit") if isinstance(dtmf, dict) else None
@@ -232,14 +229,7 @@ class TwilioCall:
         self.tracks = [t for t in tracks[:4] if isinstance(t, str) and len(t) <= 32]
         session = self._session_for(params)
         self.session = session
-        self.input = TwilioInput(session)
-        self.app["gateway"].registry.add_call(session.id, self)
-        session.attach_output("pcmu")
-        self.output = TwilioOutput(session, stream_sid=stream_sid, send=self.send)
-        self._listener = f"telephony:{stream_sid}"
-        session.add_listener(self._listener, self.output.on_event)
-        session.on_close.append(self._on_session_close)
-        self.output.start()
+        self.link = self.app["gateway"].attach_call(session, self, stream_sid, self.send, self._on_session_close)
         log.info(
             "call %s (stream %s) on session %s (%s)",
             _clean(self.call_sid), _clean(stream_sid), session.id, "new" if self.created else "made ahead",
@@ -285,28 +275,18 @@ class TwilioCall:
         except (binascii.Error, ValueError):
             raise GatewayError("invalid_payload", "media.payload is not base64") from None
         self.media_in += 1
-        assert self.input is not None
-        self.input.feed(ulaw)
+        assert self.link is not None
+        self.link.feed(ulaw)
 
     # Lifecycle
-    async def _on_session_close(self, session: Session) -> None:
-        if self.output is not None:
-            await self.output.stop()
+    async def _on_session_close(self) -> None:
         if not self.ws.closed:
             await self.ws.close()
 
     async def end(self, reason: str) -> None:
-        if self.output is not None:
-            await self.output.stop()
-        session = self.session
-        if session is None:
+        if self.link is None:
             return
-        session.remove_listener(self._listener)
-        self.app["gateway"].registry.drop_call(session.id, self)
-        if not session.closed:
-            session.emit({"type": "call.ended", "call_sid": self.call_sid, "reason": reason})
-            # The session's only output was this call; it cannot speak any more.
-            await session.close(f"call ended: {reason}")
+        await self.link.end({"type": "call.ended", "call_sid": self.call_sid, "reason": reason}, reason)
         log.info("call %s (stream %s) ended: %s", _clean(self.call_sid), _clean(self.stream_sid), _clean(reason, 200))
 
 
