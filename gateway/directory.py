@@ -43,12 +43,15 @@ import asyncio
 import logging
 import math
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .directory_records import (
     MAX_LOAD_RTF, GatewayLoad, RecordSigner, SessionRecord, gateway_entry, gateway_expiry, key_id,
 )
 from .errors import GatewayError
+
+if TYPE_CHECKING:
+    from .session import Session
 
 log = logging.getLogger(__name__)
 
@@ -209,13 +212,18 @@ class Directory:
         return result
 
     # Sessions this gateway holds
-    def hold(self, session_id: str, api_key: str | None, on_taken: Callable[[], None]) -> None:
+    def track(self, session: Session, api_key: str | None) -> None:
+        """Gateway.on_session_created: hold the session until it closes; close it if another gateway holds its id."""
+        self.hold(session.id, api_key, lambda: asyncio.ensure_future(session.close("session id taken by another gateway")))
+        session.on_close.append(lambda s: self.release(s.id))
+
+    def hold(self, session_id: str, api_key: str | None, on_taken: Callable[[], object]) -> None:
         """Record a new session; `on_taken` runs if another gateway holds the id already."""
         owner = key_id(api_key)
         self.held[session_id] = owner
         self._claims[session_id] = self._spawn(self._claim(session_id, owner, on_taken))
 
-    async def _claim(self, sid: str, owner: str, on_taken: Callable[[], None]) -> bool:
+    async def _claim(self, sid: str, owner: str, on_taken: Callable[[], object]) -> bool:
         key, px = KEY_PREFIX + sid, int(self.ttl_s * 1000)
         try:
             if await self._call(self._redis.set(key, self._record(sid, owner), nx=True, px=px)):

@@ -285,6 +285,11 @@ class Gateway:
             raise GatewayError("token_required", "joining a session needs its client 'token'", 401)
         return self.join_session(session_id, token), False
 
+    @property
+    def session_count(self) -> int:
+        """Sessions open now (/readyz, the fleet's published load)."""
+        return len(self.sessions)
+
     def owned_session(self, session_id: str, key: str | None) -> Session:
         """The open session `session_id`, if the API key `key` made it; the same 404
         otherwise, so another key cannot even learn that it exists."""

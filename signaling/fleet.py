@@ -39,7 +39,6 @@ a holder that does not answer gets 502 `owner_unreachable`.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import logging
@@ -51,7 +50,6 @@ from prometheus_client import Counter, Gauge
 
 from ..gateway.directory import Directory
 from ..gateway.directory_records import key_id
-from ..gateway.session import Session
 from ..gateway.errors import GatewayError
 from .errors import MAX_CANDIDATE_BYTES, MAX_OFFER_BYTES, READ_AHEAD, error_response, read_body
 from .fleet_placement import place, settle_new_session
@@ -116,14 +114,7 @@ class Fleet:
 
     def _load(self) -> tuple[float, float, int]:
         budget, demand = self.gateway.admission.fleet_load()
-        return budget, demand, len(self.gateway.sessions)
-
-    def track(self, session: Session, owner: str | None) -> None:
-        def taken() -> None:
-            asyncio.ensure_future(session.close("session id taken by another gateway"))
-
-        self.directory.hold(session.id, owner, taken)
-        session.on_close.append(lambda s: self.directory.release(s.id))
+        return budget, demand, self.gateway.session_count
 
     async def start(self) -> None:
         # No connection limit: proxied WebSockets hold theirs for the session's
@@ -151,7 +142,7 @@ def setup(app: web.Application) -> None:
     """Turn a gateway into a fleet member (create_app calls this with --redis-url)."""
     fleet = Fleet(app)
     app[FLEET] = fleet
-    app["gateway"].on_session_created.append(fleet.track)
+    app["gateway"].on_session_created.append(fleet.directory.track)
     app.middlewares.append(route)
 
     async def on_startup(app: web.Application) -> None:

@@ -117,7 +117,7 @@ async def handle_readyz(request: web.Request) -> web.Response:
     gw: Gateway = request.app["gateway"]
     ready, why = gw.admission.ready()
     load = gw.admission.figures
-    body: dict[str, object] = {"ready": ready, "engine": gw.engine.ready, "accepting": gw.accepting, "sessions": len(gw.sessions),
+    body: dict[str, object] = {"ready": ready, "engine": gw.engine.ready, "accepting": gw.accepting, "sessions": gw.session_count,
             # Admission's view (gateway/admission.py), in seconds of audio per second.
             "budget_rtf": round(load.budget, 2) if load.budget != float("inf") else None,
             "demand_rtf": round(load.expected, 2)}
