@@ -26,6 +26,14 @@ caller is played into it (espeak-ng voices, never the bot's).
   on the client's clock: measured at the client, with the real voice.
 - backchannel: the same with a one-word backchannel ("Okay.", "Mm-hmm."...).
 - background: music and room noise in the room while the bot speaks, no echo.
+- twilio: the echo (-20 and -10 dB), real interruptions over -10 dB echo and
+  backchannels in a quiet room, over the Twilio media-stream path: a backend
+  WebSocket speaks, a Twilio stand-in (tests/telephony/twilio_standin.py) is
+  the call, its line the phone's loudspeaker heard back (SpeakerPhone: what
+  it received, played at 20 ms a frame, `delay` later at the echo level, over
+  faint room noise, μ-law 8 kHz). The figure is from the caller's onset as the
+  line sent it to the `clear` reaching the phone, on the stand-in's clock; its
+  ratio to the WebRTC arm's p50 over -10 dB echo is from the same run.
 
 - quiet_room_baseline (with --baseline-arg): the quiet-room interruptions
   again, the same clips, against a second gateway started with those flags
@@ -54,8 +62,15 @@ from _common import ARTIFACTS, arg_parser, finish, free_port, machine, print_mac
 
 from tests import listening_corpus as corpus  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "telephony"))
+import soxr  # noqa: E402
+from twilio_standin import SpeakerPhone, TwilioStandIn  # noqa: E402
+
+from voxgate.client import VoxgateSession  # noqa: E402
+
 DELAYS_MS = (50, 100, 150, 200, 250, 300)
 ECHO_LEVELS_DB = (-20.0, -10.0, -6.0)
+TWILIO_ECHO_LEVELS_DB = (-20.0, -10.0)
 QUIET_ROOM_DBFS = -60.0  # faint room noise under every trial
 BARGE_EVENTS = ("utterance.interrupted", "speech.started")
 
@@ -157,6 +172,94 @@ class Trials:
                 await client.close()
 
 
+def to_phone(pcm: np.ndarray) -> np.ndarray:
+    """48 kHz corpus audio as the phone's 8 kHz line carries it."""
+    return soxr.resample(pcm.astype(np.float32), corpus.RATE, 8000).astype(np.int16)
+
+
+async def next_event(events, kinds: tuple[str, ...], uid: str | None = None) -> dict:
+    async for event in events:
+        if event["type"] in kinds and (uid is None or event.get("id") == uid):
+            return event
+    raise RuntimeError("the session closed")
+
+
+class TwilioTrials:
+    """The same trials over the Twilio path: a backend WebSocket speaks, a Twilio stand-in (tests/telephony)
+    is the call, its line the phone's loudspeaker heard back by its microphone (SpeakerPhone)."""
+
+    def __init__(self, url: str, concurrency: int, gate: asyncio.Semaphore | None = None) -> None:
+        self.url = url
+        self.gate = gate or asyncio.Semaphore(concurrency)
+
+    async def _call(self, echo_db: float | None, delay_ms: int, seed: int):
+        backend = VoxgateSession(self.url)
+        await backend.open()
+        phone = TwilioStandIn(self.url)
+        await phone.connect()
+        await phone.start({"session_id": backend.session_id, "token": backend.client_token})
+        await backend.wait_for("call.started")
+        line = SpeakerPhone(phone, echo_db=echo_db, delay_frames=delay_ms // 20,
+                            background=to_phone(corpus.room_noise(4.0, QUIET_ROOM_DBFS, seed)).astype(np.float64))
+        return backend, phone, line
+
+    @staticmethod
+    async def _hang_up(backend, phone, line) -> None:
+        line.task.cancel()
+        await phone.close()
+        await backend.close()
+
+    async def echo(self, echo_db: float, delay_ms: int, seed: int) -> list[dict]:
+        async with self.gate:
+            backend, phone, line = await self._call(echo_db, delay_ms, seed)
+            rows = []
+            try:
+                for k in range(2):
+                    mark = len(backend.history)
+                    outcome = await backend.say(corpus.BOT_REPLIES[(seed + k) % len(corpus.BOT_REPLIES)])
+                    seen = [e["type"] for e in backend.history[mark:]]
+                    rows.append({"echo_db": echo_db, "delay_ms": delay_ms, "reply": k, "cold": k == 0,
+                                 "false_barge_in": outcome.interrupted or "speech.started" in seen,
+                                 "interrupted": outcome.interrupted})
+                    # Let the phone play what it has and the echo of its end die away.
+                    await phone.wait(lambda: line.played >= len(phone.received.media), timeout=30)
+                    await asyncio.sleep((delay_ms + 500) / 1000)
+            finally:
+                await self._hang_up(backend, phone, line)
+            return rows
+
+    async def caller(self, clip: np.ndarray, echo_db: float | None, delay_ms: int, seed: int) -> dict:
+        """The bot speaks; 1.5-3 s of its audio into the call, `clip` goes down the line. The figure is
+        from the clip's onset as the line sent it to the `clear` reaching the phone."""
+        async with self.gate:
+            backend, phone, line = await self._call(echo_db, delay_ms, seed)
+            try:
+                uid = await backend.say(corpus.BOT_REPLIES[seed % len(corpus.BOT_REPLIES)], wait=False)
+                after = (1500 + (seed * 277) % 1500) // 20
+                await phone.wait(lambda: len(phone.received.media) >= after, timeout=30)
+                early = any(e["type"] in BARGE_EVENTS for e in backend.history)
+                if early:
+                    return {"echo_db": echo_db, "delay_ms": delay_ms, "early_barge_in": True, "interrupted": False,
+                            "latency_ms": None, "backchannel_events": 0}
+                events = backend.events()
+                line.say(clip)
+                end = await asyncio.wait_for(next_event(events, ("utterance.done", "utterance.interrupted"), uid), 60)
+                try:  # everything the caller's turn produced, up to its speech.stopped (or 3 s after the end)
+                    await asyncio.wait_for(next_event(events, ("speech.stopped",)), 3)
+                except asyncio.TimeoutError:
+                    pass
+                await events.aclose()
+                interrupted = end["type"] == "utterance.interrupted"
+                latency = None
+                if interrupted and phone.received.clears and line.caller_at is not None:
+                    latency = round((phone.received.clears[0] - line.caller_at - corpus.onset_s(clip, 8000)) * 1000, 1)
+                return {"echo_db": echo_db, "delay_ms": delay_ms, "early_barge_in": latency is not None and latency < 0,
+                        "interrupted": interrupted, "latency_ms": latency if latency is None or latency >= 0 else None,
+                        "backchannel_events": sum(1 for e in backend.history if e["type"] == "speech.backchannel")}
+            finally:
+                await self._hang_up(backend, phone, line)
+
+
 def clips(kind: str, n: int) -> list[tuple[str, str, np.ndarray]]:
     texts = corpus.INTERRUPTIONS if kind == "interrupt" else corpus.BACKCHANNELS
     out = []
@@ -248,6 +351,36 @@ async def run(args, url: str, baseline_url: str | None = None) -> dict:
     print(f"false barge-ins: music {out['background']['music']}/{args.backgrounds}, "
           f"room noise {out['background']['noise']}/{args.backgrounds}", flush=True)
 
+    if "twilio" in args.only:
+        section("the Twilio path: echo, interruptions over -10 dB echo, backchannels (a Twilio stand-in's line)")
+        phone = TwilioTrials(url, args.concurrency)
+        tw: dict = {"echo": {}}
+        calls = max(1, args.twilio_trials // 2)
+        for level in TWILIO_ECHO_LEVELS_DB:
+            jobs = [phone.echo(level, DELAYS_MS[i % len(DELAYS_MS)], i) for i in range(calls)]
+            rows = [r for rs in await asyncio.gather(*jobs) for r in rs]
+            tw["echo"][str(int(level))] = {"utterances": len(rows), "false_barge_ins": sum(r["false_barge_in"] for r in rows),
+                                           "false_on_cold": sum(r["false_barge_in"] for r in rows if r["cold"]), "rows": rows}
+            print(f"twilio echo {level:+.0f} dB: {tw['echo'][str(int(level))]['false_barge_ins']} false barge-ins over "
+                  f"{len(rows)} bot utterances", flush=True)
+        for name, kind, echo_db in (("interrupt_echo_-10", "interrupt", -10.0), ("backchannel", "backchannel", None)):
+            n = args.twilio_trials if kind == "interrupt" else args.twilio_backchannels
+            jobs = [phone.caller(to_phone(pcm), echo_db, DELAYS_MS[i % len(DELAYS_MS)], i)
+                    for i, (_, _, pcm) in enumerate(clips(kind, n))]
+            rows = list(await asyncio.gather(*jobs))
+            tw[name] = {**interrupt_summary(rows), "rows": rows}
+            t = tw[name]
+            print(f"twilio {name}: {t['detected']} of {t['trials'] - t['spoiled_by_early_barge_in']} interrupted the bot, "
+                  f"onset to the phone's clear p50 {t['latency_ms'].get('p50')} ms (p95 {t['latency_ms'].get('p95')}); "
+                  f"speech.backchannel events {t['backchannel_events']}", flush=True)
+        webrtc = out.get("interrupt", {}).get("echo_-10", {}).get("latency_ms", {}).get("p50")
+        twilio = tw["interrupt_echo_-10"]["latency_ms"].get("p50")
+        if webrtc and twilio:
+            tw["interrupt_p50_over_webrtc"] = round(twilio / webrtc, 2)
+            print(f"twilio over -10 dB echo: p50 {twilio} ms, {twilio / webrtc:.2f}x the WebRTC arm's {webrtc} ms "
+                  "in the same run", flush=True)
+        out["twilio"] = tw
+
     if args.min_interrupt_ms and "policy" in args.only:
         section("the backchannel policy's trade-off (per-session min_interrupt_ms)")
         out["policy"] = {}
@@ -277,12 +410,16 @@ def main() -> None:
     parser.add_argument("--min-interrupt-ms", type=int, action="append", default=[],
                         help="also measure the backchannel trade-off at this per-session setting (repeatable)")
     parser.add_argument("--policy-trials", type=int, default=12, help="trials of each kind per --min-interrupt-ms value")
-    parser.add_argument("--only", default="echo,interrupt,backchannel,background,policy",
+    parser.add_argument("--twilio-trials", type=int, default=10,
+                        help="Twilio arm: bot utterances per echo level, and real interruptions over -10 dB echo")
+    parser.add_argument("--twilio-backchannels", type=int, default=6, help="Twilio arm: backchannel trials")
+    parser.add_argument("--only", default="echo,interrupt,backchannel,background,twilio,policy",
                         help="comma-separated sections to run")
     args = parser.parse_args()
     args.only = set(args.only.split(","))
     if args.quick:
         args.utterances, args.interruptions, args.backchannels, args.backgrounds, args.policy_trials = 4, 4, 4, 1, 4
+        args.twilio_trials, args.twilio_backchannels = 4, 2
     started = time.perf_counter()
     port = free_port()
     os.makedirs(ARTIFACTS, exist_ok=True)

@@ -8,71 +8,16 @@ the real voice.
 
 from __future__ import annotations
 
-import asyncio
-import base64
-import time
-
 import numpy as np
 import soxr
 
 from tests import listening_corpus as corpus
 from voxgate.client import VoxgateSession
-from voxgate.gateway.encoder import ulaw_decode, ulaw_encode
 
-from twilio_standin import FRAME_S, TwilioStandIn
+from twilio_standin import SpeakerPhone, TwilioStandIn
 
 ECHO_DB = -10.0
 DELAY_FRAMES = 10  # 200 ms
-
-
-class SpeakerPhone:
-    """The stand-in's line: the phone's loudspeaker heard back by its microphone, plus a caller."""
-
-    def __init__(self, phone: TwilioStandIn) -> None:
-        self.phone = phone
-        self.played = 0  # received media frames played so far
-        self.line: list[np.ndarray] = [np.zeros(160, np.int16)] * DELAY_FRAMES
-        self.caller: np.ndarray | None = None
-        self.caller_at: float | None = None
-        self._clears = 0
-        self.task = asyncio.ensure_future(self._run())
-
-    def say(self, pcm8k: np.ndarray) -> None:
-        self.caller = pcm8k
-        self.caller_at = None
-
-    async def _run(self) -> None:
-        t0 = time.monotonic()
-        tick = 0
-        pos = 0
-        while True:
-            await asyncio.sleep(max(0.0, t0 + tick * FRAME_S - time.monotonic()))
-            tick += 1
-            media = self.phone.received.media
-            clears = self.phone.received.clears
-            if len(clears) > self._clears:  # what a clear dropped is never played
-                self._clears = len(clears)
-                self.played = max(self.played, sum(1 for t, _ in media if t < clears[-1]))
-            if self.played < len(media):
-                heard = ulaw_decode(media[self.played][1]).astype(np.float64)
-                self.played += 1
-            else:
-                heard = np.zeros(160)
-            self.line.append(heard)
-            mix = self.line.pop(0) * 10 ** (ECHO_DB / 20)
-            if self.caller is not None:
-                if self.caller_at is None:
-                    self.caller_at = time.perf_counter()
-                    pos = 0
-                piece = self.caller[pos : pos + 160]
-                mix[: len(piece)] += piece
-                pos += 160
-                if pos >= len(self.caller):
-                    self.caller = None
-            payload = ulaw_encode(np.clip(mix, -32768, 32767).astype(np.int16))
-            await self.phone.send({"event": "media", "streamSid": self.phone.stream_sid,
-                                   "media": {"track": "inbound", "chunk": str(tick), "timestamp": str(tick * 20),
-                                             "payload": base64.b64encode(payload).decode("ascii")}})
 
 
 async def test_a_speakerphone_echo_does_not_interrupt_and_the_caller_still_does(piper_server):
@@ -84,7 +29,7 @@ async def test_a_speakerphone_echo_does_not_interrupt_and_the_caller_still_does(
     try:
         await phone.start({"session_id": backend.session_id, "token": backend.client_token})
         await backend.wait_for("call.started")
-        line = SpeakerPhone(phone)
+        line = SpeakerPhone(phone, echo_db=ECHO_DB, delay_frames=DELAY_FRAMES)
         outcome = await backend.say(corpus.BOT_REPLIES[1])
         assert not outcome.interrupted and not phone.received.clears, "the bot's own echo interrupted it"
         # The same line, a caller over the echo of the next reply, two seconds into it.

@@ -180,3 +180,64 @@ class TwilioStandIn:
     def pcm(self, since: float = 0.0) -> np.ndarray:
         parts = [ulaw_decode(m) for t, m in self.received.media if t >= since]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int16)
+
+
+class SpeakerPhone:
+    """The stand-in's line, streamed as Twilio streams a call: the phone's loudspeaker (what it received,
+    played at 20 ms a frame) heard back by its microphone `delay_frames` later at `echo_db` (None: no
+    echo), over `background` (8 kHz, looped), plus a caller when `say` is called."""
+
+    def __init__(self, phone: TwilioStandIn, *, echo_db: float | None, delay_frames: int,
+                 background: np.ndarray | None = None) -> None:
+        self.phone = phone
+        self.gain = 0.0 if echo_db is None else 10 ** (echo_db / 20)
+        self.background = background
+        self.played = 0  # received media frames played so far
+        self.line: list[np.ndarray] = [np.zeros(160, np.int16)] * max(1, delay_frames)
+        self.caller: np.ndarray | None = None
+        self.caller_at: float | None = None  # when the caller's first sample went down the line
+        self._clears = 0
+        self.task = asyncio.ensure_future(self._run())
+
+    def say(self, pcm8k: np.ndarray) -> None:
+        self.caller = pcm8k
+        self.caller_at = None
+
+    async def _run(self) -> None:
+        t0 = time.monotonic()
+        tick = 0
+        pos = 0
+        while True:
+            await asyncio.sleep(max(0.0, t0 + tick * FRAME_S - time.monotonic()))
+            tick += 1
+            media = self.phone.received.media
+            clears = self.phone.received.clears
+            if len(clears) > self._clears:  # what a clear dropped is never played
+                self._clears = len(clears)
+                self.played = max(self.played, sum(1 for t, _ in media if t < clears[-1]))
+            if self.played < len(media):
+                heard = ulaw_decode(media[self.played][1]).astype(np.float64)
+                self.played += 1
+            else:
+                heard = np.zeros(160)
+            self.line.append(heard)
+            mix = self.line.pop(0) * self.gain
+            if self.background is not None:
+                start = (tick * 160) % max(1, len(self.background) - 160)
+                mix += self.background[start : start + 160]
+            if self.caller is not None:
+                if self.caller_at is None:
+                    self.caller_at = time.perf_counter()
+                    pos = 0
+                piece = self.caller[pos : pos + 160]
+                mix[: len(piece)] += piece
+                pos += 160
+                if pos >= len(self.caller):
+                    self.caller = None
+            payload = ulaw_encode(np.clip(mix, -32768, 32767).astype(np.int16))
+            await self.send_media(tick, payload)
+
+    async def send_media(self, tick: int, payload: bytes) -> None:
+        await self.phone.send({"event": "media", "streamSid": self.phone.stream_sid,
+                               "media": {"track": "inbound", "chunk": str(tick), "timestamp": str(tick * 20),
+                                         "payload": base64.b64encode(payload).decode("ascii")}})
