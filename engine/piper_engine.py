@@ -51,7 +51,7 @@ from .piper_voice import (
     voice_catalog,
 )
 from .piper_runner import StepRunner
-from .piper_words import split_words_over, word_timings
+from .piper_words import Sentence, split_words_over, word_timings
 from .units import cap_phonemes, cap_text
 from .windows import WindowSchedule, chunk_text, flow_end, says_last_word, words_in_window
 
@@ -68,21 +68,15 @@ FLOW_S_PER_FRAME = 0.0002
 
 
 @dataclass
-class _Sentence:
-    """One espeak sentence (or capped piece of one) of a unit, from phoneme ids to windows."""
+class _Sentence(Sentence):
+    """A sentence on onnxruntime, from phoneme ids to windows."""
 
-    text: str
-    phonemes: list[str]
-    ids: list[int]
-    last_of_unit: bool
     frames: int = 0
     z_p: np.ndarray | None = None  # the flow's input (three-stage split)
     mask: np.ndarray | None = None
     latent: np.ndarray | None = None  # the decoder's input, filled up to `flowed`
     flowed: int = 0
     decoded: int = 0
-    windows: int = 0
-    words: list[WordTiming] = field(default_factory=list)
 
 
 @dataclass

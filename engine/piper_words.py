@@ -3,9 +3,24 @@ shared among espeak's sentences, and each word's span from the phoneme alignment
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 
 from .base import WordTiming, words_by_length
+
+
+@dataclass
+class Sentence:
+    """One espeak sentence (or capped piece of one) of a unit, as both Piper engines
+    see it before their own stages: each adds what its graph needs."""
+
+    text: str
+    phonemes: list[str]
+    ids: list[int]  # the voice's phoneme ids
+    last_of_unit: bool
+    windows: int = 0  # windows emitted so far
+    words: list[WordTiming] = field(default_factory=list)
 
 
 def split_words_over(text: str, sentences: list[list[str]]) -> list[str]:

@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence, cast
 
 import numpy as np
 
-from .base import AudioChunk, EngineError, StepwiseEngine, SynthesisJob, SynthesisOptions, WordTiming
+from .base import AudioChunk, EngineError, StepwiseEngine, SynthesisJob, SynthesisOptions
 from .piper_engine import DEFAULT_VOICE, PiperEngine
-from .piper_words import split_words_over, word_timings
+from .piper_words import Sentence, split_words_over, word_timings
 from .units import cap_phonemes, cap_text
 from .windows import FIRST_WINDOW_FRAMES, Window, WindowSchedule, chunk_text, flow_end, says_last_word, words_in_window
 
@@ -53,19 +53,13 @@ MAX_BATCH = {"cpu": 4, "cuda": 64}
 
 
 @dataclass
-class _Sentence:
-    """One espeak sentence of a unit, from phonemes to emitted windows."""
+class _Sentence(Sentence):
+    """A sentence on torch, from phonemes to emitted windows."""
 
-    text: str
-    phonemes: list[str]
-    ids: list[int]
-    last_of_unit: bool
     aligned: Aligned | None = None
     z: "torch.Tensor | None" = None  # flow output, filled ahead of the vocoder
     flowed: int = 0  # frames of z computed
     decoded: int = 0  # frames turned into audio
-    windows: int = 0
-    words: list[WordTiming] = field(default_factory=list)
 
     @property
     def frames(self) -> int:
