@@ -61,7 +61,8 @@ def pool():
     # parallel=1: the tone engine is instant; one step at a time keeps the order simple to reason about.
     start_local(PoolConfig(engine="tone", num_cpus=1, parallel=1), "127.0.0.1", port, num_cpus=2, grpc_port=grpc_port)
     yield Pool(f"http://127.0.0.1:{port}/", f"127.0.0.1:{grpc_port}")
-    serve.shutdown()
+    # Ray's shutdown alone ends Serve's processes with it. serve.shutdown() first would wait
+    # out the replicas' draining period (engine.pool.DRAIN_S, 8 s) for gateways long gone.
     ray.shutdown()
 
 
