@@ -360,7 +360,6 @@ def section_ray(args, rec: Recorder) -> None:
         raise RuntimeError(f"the replica's voice needs {lacking}: carry .whl/core too, or rerun the core call first")
 
     import ray
-    from ray import serve
 
     from voxgate.engine.pool import STATS_PATH, PoolConfig, start_local
 
@@ -416,7 +415,8 @@ def section_ray(args, rec: Recorder) -> None:
             if c.poll() is None:
                 c.kill()
         if ray.is_initialized():
-            serve.shutdown()
+            # ray.shutdown() alone ends Serve with it; serve.shutdown() first would wait out the
+            # replica's draining period (engine.pool.DRAIN_S) for clients that are gone.
             ray.shutdown()
 
 
