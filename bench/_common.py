@@ -241,3 +241,26 @@ def arg_parser(doc: str | None) -> argparse.ArgumentParser:
 
 def section(title: str) -> None:
     print(f"\n== {title} ==", flush=True)
+
+
+def stop_server(proc, wait_s: float = 20.0) -> None:
+    """SIGTERM a server process started with subprocess.Popen; SIGKILL if it outlives `wait_s`."""
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def this_code_and_before(results: dict, measure, args) -> None:
+    """results["after"]: `measure(args, python)` with this tree's Python; results["before_fix"]:
+    with --before-python's (an install of the code before a fix), where one is given."""
+    import asyncio
+
+    section("this code")
+    results["after"] = asyncio.run(measure(args, sys.executable))
+    if args.before_python:
+        section(f"the code before ({args.before_python})")
+        results["before_fix"] = asyncio.run(measure(args, args.before_python))

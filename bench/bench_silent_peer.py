@@ -23,7 +23,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import arg_parser, finish, free_port, machine, print_machine, proc_mem_mb, section, wait_ready  # noqa: E402
+from _common import (  # noqa: E402
+    arg_parser, finish, free_port, machine, print_machine, proc_mem_mb, stop_server, this_code_and_before, wait_ready,
+)
 
 
 async def _never_acknowledge(chunk) -> None:
@@ -81,11 +83,7 @@ async def measure(args, python: str) -> dict:
               f"session closed after {out['session_closed_after_s']} s; {sent} pings", flush=True)
         return out
     finally:
-        server.terminate()
-        try:
-            server.wait(20)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server)
 
 
 def main() -> int:
@@ -101,11 +99,7 @@ def main() -> int:
     print_machine(info, "machine")
     results = {"what": "gateway RSS (server) while one connected peer never acknowledges its data channel and sends "
                        f"{args.rate:g} pings/s; tone engine, priority normal, loopback", "seconds": args.seconds}
-    section("this code")
-    results["after"] = asyncio.run(measure(args, sys.executable))
-    if args.before_python:
-        section(f"the code before ({args.before_python})")
-        results["before_fix"] = asyncio.run(measure(args, args.before_python))
+    this_code_and_before(results, measure, args)
     results["machine"] = info
     finish("silent-peer", results, started, args.out)
     return 0

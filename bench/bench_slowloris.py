@@ -28,7 +28,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import arg_parser, finish, free_port, machine, percentile, print_machine, section, wait_ready  # noqa: E402
+from _common import (  # noqa: E402
+    arg_parser, finish, free_port, machine, percentile, print_machine, stop_server, this_code_and_before, wait_ready,
+)
 
 HALF_HEAD = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: "
 PROBE = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
@@ -116,11 +118,7 @@ async def measure(args, python: str) -> dict:
     finally:
         for sock in held:
             sock.close()
-        server.terminate()
-        try:
-            server.wait(20)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server)
         os.unlink(log_path)
 
 
@@ -147,11 +145,7 @@ def main() -> int:
     results = {"what": f"/healthz (client socket, loopback) while {args.conns} connections from one non-loopback "
                        "address hold half-sent request heads; server ulimit -n 1024, default settings; tone engine, "
                        "priority normal"}
-    section("this code")
-    results["after"] = asyncio.run(measure(args, sys.executable))
-    if args.before_python:
-        section(f"the code before ({args.before_python})")
-        results["before_fix"] = asyncio.run(measure(args, args.before_python))
+    this_code_and_before(results, measure, args)
     results["machine"] = info
     finish("slowloris", results, started, args.out)
     return 0

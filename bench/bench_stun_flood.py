@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _common import (  # noqa: E402
     arg_parser, finish, free_port, machine, print_machine, proc_cpu_s, proc_mem_mb, ratio, section, summary_ms,
-    wait_ready,
+    stop_server, wait_ready,
 )
 
 SPEECH = ("Listener {i} keeps talking, sentence after sentence, so that every frame of its audio "
@@ -392,11 +392,7 @@ async def measure(args, python: str = sys.executable) -> dict:
         if attack is not None and attack.returncode is None:
             attack.kill()
             await attack.wait()
-        server.terminate()
-        try:
-            server.wait(20)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server)
     return results
 
 

@@ -27,7 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import aiohttp  # noqa: E402
 
-from _common import arg_parser, finish, free_port, machine, print_machine, proc_cpu_s, section, wait_ready  # noqa: E402
+from _common import (  # noqa: E402
+    arg_parser, finish, free_port, machine, print_machine, proc_cpu_s, stop_server, this_code_and_before, wait_ready,
+)
 
 PATH = "/v1/telephony/twilio"
 
@@ -92,11 +94,7 @@ async def measure(args, python: str) -> dict:
               f"with 48 KiB frames (x{out['cpu_ratio']})", flush=True)
         return out
     finally:
-        server.terminate()
-        try:
-            server.wait(20)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server)
 
 
 def main() -> int:
@@ -110,11 +108,7 @@ def main() -> int:
     print_machine(info, "machine")
     results = {"what": f"gateway CPU (server) while {args.streams} Twilio streams send 48 KiB media frames at 190/s, "
                        "against Twilio's 160-byte frames at 50/s in the same run; tone engine, priority normal, loopback"}
-    section("this code")
-    results["after"] = asyncio.run(measure(args, sys.executable))
-    if args.before_python:
-        section(f"the code before ({args.before_python})")
-        results["before_fix"] = asyncio.run(measure(args, args.before_python))
+    this_code_and_before(results, measure, args)
     results["machine"] = info
     finish("twilio-frames", results, started, args.out)
     return 0
