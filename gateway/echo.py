@@ -40,7 +40,7 @@ import numpy as np
 
 from . import opus, speex
 from .encoder import alaw_decode, ulaw_decode
-from .resample import StreamResampler
+from .resample import Upsampler2x
 from .vad import FRAME_SAMPLES, VAD_RATE
 
 HOP = VAD_RATE // 100  # 10 ms: the envelopes' step
@@ -136,11 +136,16 @@ class EchoCanceller:
         if codec == "opus":
             self._opus: opus.Decoder | None = opus.Decoder(VAD_RATE)
             self._law = None
-            self._resampler: StreamResampler | None = None
+            self._upsampler: Upsampler2x | None = None
         else:
             self._opus = None
             self._law = ulaw_decode if codec == "pcmu" else alaw_decode
-            self._resampler = StreamResampler(8000, VAD_RATE)
+            # Not a soxr stream: it hands 8 to 16 kHz over in ~100 ms blocks, which would lay the
+            # reference up to 100 ms after its departure, behind its own echo on a short path
+            # (the canceller and the guard then look the wrong way). The half-band filter gives
+            # each frame's samples at once, `Upsampler2x.DELAY_S` late, the same as the microphone's.
+            self._upsampler = Upsampler2x()
+        self._filter_delay_s = 0.0 if self._upsampler is None else Upsampler2x.DELAY_S
         self._canceller: speex.EchoCanceller | None = None
         self._ring = np.zeros(RING, dtype=np.int16)
         self._ref_end: int | None = None  # absolute sample position after the last reference sample
@@ -174,7 +179,9 @@ class EchoCanceller:
         frames = self.tap.frames
         while frames:
             sent_at, payload = frames.popleft()
-            if payload is None:
+            if payload is None and self._upsampler is not None:
+                pcm = self._upsampler.process(np.zeros(FRAME_SAMPLES // 2, dtype=np.int16))  # its filter runs on
+            elif payload is None:
                 pcm = np.zeros(FRAME_SAMPLES, dtype=np.int16)
             elif self._opus is not None:
                 try:
@@ -182,9 +189,9 @@ class EchoCanceller:
                 except opus.OpusError:
                     pcm = np.zeros(FRAME_SAMPLES, dtype=np.int16)
             else:
-                assert self._law is not None and self._resampler is not None
-                pcm = self._resampler.process(self._law(payload))
-            start = self._position(sent_at)
+                assert self._law is not None and self._upsampler is not None
+                pcm = self._upsampler.process(self._law(payload))
+            start = self._position(sent_at - self._filter_delay_s)
             if self._ref_end is None:
                 self._ref_end = self._first_ref = start
             # Frames leave every 20 ms within a few ms: lay them end to end. A jump (DTX between
