@@ -76,6 +76,7 @@ from _common import (  # noqa: E402
     summary_ci_ms,
     summary_ms,
 )
+from bench_streaming import first_chunk_s  # noqa: E402
 
 HELLO = "Hello!"
 SURE = "Sure, "
@@ -277,18 +278,8 @@ def run_server(engine: str, port: int) -> None:
     async def engine_first_chunk(request: web.Request) -> web.Response:
         """The server's own engine worker, driven directly by its EngineClient (no session, no
         media): push the text, end input, time to the first chunk; the rest is drained."""
-        from voxgate.engine.base import SynthesisOptions
-
         text = (await request.json())["text"]
-        stream = gw.engine.stream(SynthesisOptions())
-        t0 = time.perf_counter()
-        stream.push_text(text)
-        stream.end_input()
-        first = None
-        async for _chunk in stream:
-            if first is None:
-                first = time.perf_counter() - t0
-        return web.json_response({"first_chunk_s": first})
+        return web.json_response({"first_chunk_s": await first_chunk_s(gw.engine, text)})
 
     async def wire_silence(request: web.Request) -> web.Response:
         """The first silent RTP packet handed to a transport at or after `after` (perf_counter),

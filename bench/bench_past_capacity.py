@@ -52,7 +52,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import ARTIFACTS, arg_parser, finish, free_port, machine, percentile, print_machine, section, wait_ready  # noqa: E402
+from _common import (  # noqa: E402
+    ARTIFACTS, arg_parser, finish, free_port, machine, percentile, print_machine, section, stop_server, wait_ready,
+)
 
 from voxgate.rtc_client import OfferRefused, RtcClient  # noqa: E402
 
@@ -161,11 +163,7 @@ class Server:
         raise RuntimeError("sessions still open after the clients closed")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_server(self.proc)
         self.log.close()
 
 
