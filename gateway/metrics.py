@@ -193,3 +193,6 @@ class _SessionMetrics(SessionMetrics):
 
     def ice_dropped(self, reason: str) -> None:
         self.m.ice_dropped.labels(reason).inc()
+
+    def error(self, code: str) -> None:
+        self.m.errors.labels(code).inc()

@@ -176,6 +176,8 @@ class Session(SessionOutput, UtteranceQueue):
         self.listeners.pop(name, None)
 
     def emit(self, event: dict, only: str | None = None) -> None:
+        if event.get("type") == "error":
+            self.metrics.error(str(event.get("code")))  # codes are the gateway's own constants: bounded labels
         targets = [self.listeners[only]] if only and only in self.listeners else list(self.listeners.values())
         for listener in targets:
             try:

@@ -39,6 +39,9 @@ class SessionMetrics:
     def opus_signal_switch(self, signal: str) -> None:
         """With --opus-signal auto, the listener's loss turned in-band FEC on (voice) or off (music)."""
 
+    def error(self, code: str) -> None:
+        """An `error` event went to a client (a refused message, an engine or recognizer failure)."""
+
     def ice_dropped(self, reason: str) -> None:
         """The session's ICE guard dropped a datagram or a check (gateway/ice.py's IceGuard)."""
 

@@ -114,3 +114,28 @@ async def test_engine_first_chunk_counts_engine_time_not_the_wait_for_a_listener
     assert count == 1
     # The engine's first chunk took a few ms of the tone engine, not the seconds the utterance waited.
     assert seconds < 0.25 * wait_s, (seconds, ttfa_ms)
+
+
+async def test_error_events_are_counted_by_code(tone_server):
+    """voxgate_protocol_errors_total counts each `error` event a client got, by its code."""
+    from voxgate.client import VoxgateSession
+
+    async with aiohttp.ClientSession() as http:
+        before = await metrics_text(http, tone_server)
+        async with VoxgateSession(tone_server.url) as backend:
+            await backend.send({"type": "speak"})  # no text
+            await backend.wait_for("error")
+            await backend.send({"type": "no_such_message"})
+            await backend.wait_for("error")
+            await backend.send({"type": "cancel", "id": 7})  # an id must be a string
+            await backend.wait_for("error")
+            codes = [e["code"] for e in backend.history if e["type"] == "error"]
+        text = await metrics_text(http, tone_server)
+
+    def count(t: str, code: str) -> float:
+        match = re.search(rf'^voxgate_protocol_errors_total\{{code="{code}"\}} ([0-9.e+-]+)$', t, re.M)
+        return float(match.group(1)) if match else 0.0
+
+    assert len(codes) == 3
+    for code in set(codes):
+        assert count(text, code) - count(before, code) == codes.count(code), (code, codes)
