@@ -410,7 +410,7 @@ def main() -> None:
     parser.add_argument("--min-interrupt-ms", type=int, action="append", default=[],
                         help="also measure the backchannel trade-off at this per-session setting (repeatable)")
     parser.add_argument("--policy-trials", type=int, default=12, help="trials of each kind per --min-interrupt-ms value")
-    parser.add_argument("--twilio-trials", type=int, default=10,
+    parser.add_argument("--twilio-trials", type=int, default=20,
                         help="Twilio arm: bot utterances per echo level, and real interruptions over -10 dB echo")
     parser.add_argument("--twilio-backchannels", type=int, default=6, help="Twilio arm: backchannel trials")
     parser.add_argument("--only", default="echo,interrupt,backchannel,background,twilio,policy",
