@@ -243,6 +243,23 @@ def section(title: str) -> None:
     print(f"\n== {title} ==", flush=True)
 
 
+async def stop_server_async(proc, signum: int | None = None, wait_s: float = 10.0) -> None:
+    """The same from inside an event loop: `signum` (SIGTERM when None), then SIGKILL after `wait_s`,
+    polling so the loop's other tasks (the clients closing) keep running meanwhile."""
+    import asyncio
+    import signal
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM if signum is None else signum)
+        for _ in range(int(wait_s * 10)):
+            if proc.poll() is not None:
+                break
+            await asyncio.sleep(0.1)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def stop_server(proc, wait_s: float = 20.0) -> None:
     """SIGTERM a server process started with subprocess.Popen; SIGKILL if it outlives `wait_s`."""
     import subprocess

@@ -139,17 +139,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import (
-    ARTIFACTS,
-    ROOT,
-    _clean,
-    free_port,
-    machine,
-    percentile,
-    print_machine,
-    proc_cpu_s,
-    section,
-)
+from _common import ARTIFACTS, ROOT, _clean, free_port, machine, percentile, print_machine, proc_cpu_s, section
 from capacity_load import CYCLE_S, SCENARIOS, Scenario, prepare_mic
 
 RESULTS = os.path.join(ROOT, "bench", "results")

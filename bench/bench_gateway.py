@@ -73,6 +73,7 @@ from _common import (  # noqa: E402
     print_machine,
     proc_cpu_s,
     section,
+    stop_server_async,
     summary_ci_ms,
     summary_ms,
 )
@@ -394,15 +395,7 @@ class BenchServer:
     async def stop(self) -> None:
         if self.http is not None:
             await self.http.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            for _ in range(100):
-                if self.proc.poll() is not None:
-                    break
-                await asyncio.sleep(0.1)
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
+        await stop_server_async(self.proc, signal.SIGINT)
         self.log.close()
 
 

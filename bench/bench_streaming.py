@@ -70,7 +70,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import ARTIFACTS, arg_parser, finish, fmt_ms, free_port, machine, percentile, print_machine, section, summary_ms  # noqa: E402
+from _common import (  # noqa: E402
+    ARTIFACTS, arg_parser, finish, fmt_ms, free_port, machine, percentile, print_machine, section, stop_server_async, summary_ms,
+)
 from bench_engine import REPLY, concurrent, tokenize  # noqa: E402
 
 from voxgate.engine.base import SynthesisOptions  # noqa: E402
@@ -158,14 +160,7 @@ class Gateway:
         raise RuntimeError("voxgate serve not ready")
 
     async def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            for _ in range(100):
-                if self.proc.poll() is not None:
-                    break
-                await asyncio.sleep(0.1)
-            if self.proc.poll() is None:
-                self.proc.kill()
+        await stop_server_async(self.proc)
         self.log.close()
 
 

@@ -22,6 +22,7 @@ from voxgate.client import VoxgateSession
 from voxgate.rtc_client import RtcClient
 
 from tests.conftest import in_process_gateway
+from tests.llm_standin import serve_chat_completions
 from tests.speech import word_error_rate
 from tests.transcripts import CLEAR_TURNS, turn_audio
 
@@ -46,14 +47,7 @@ async def start_llm(requests: list) -> tuple[web.AppRunner, str]:
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}/v1"
+    return await serve_chat_completions(completions)
 
 
 async def test_caller_speech_to_llm_to_speech_keeps_only_what_was_heard_after_a_barge_in():

@@ -19,6 +19,8 @@ from aiohttp import web
 from voxgate.engine import tone
 from voxgate.rtc_client import RtcClient
 
+from tests.llm_standin import serve_chat_completions
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENS = ["Sure", "!", " The", " store", " opens", " at", " nine", ",", " and", " closes", " at", " six", "."]
 
@@ -39,14 +41,7 @@ async def start_llm(requests: list) -> tuple[web.AppRunner, str]:
         await resp.write(f"data: {json.dumps(end)}\n\ndata: [DONE]\n\n".encode())
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    return runner, f"http://127.0.0.1:{port}/v1"
+    return await serve_chat_completions(completions)
 
 
 async def test_bridge_speaks_the_streamed_reply(tone_server):
