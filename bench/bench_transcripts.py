@@ -36,12 +36,14 @@ from tests.transcripts import corpus_wer, every_turn, turn_audio  # noqa: E402
 from twilio_standin import TwilioStandIn  # noqa: E402
 from voxgate.client import VoxgateSession  # noqa: E402
 from voxgate.gateway.encoder import ulaw_decode  # noqa: E402
-from voxgate.gateway.stt_pocketsphinx import Pocketsphinx  # noqa: E402
+from voxgate.gateway.stt_pocketsphinx import decode  # noqa: E402
 from voxgate.rtc_client import RtcClient  # noqa: E402
 
 
-async def webrtc(turns: list[tuple[str, str]], recognizer: Pocketsphinx) -> dict:
-    live, offline, latency, errors = [], [], [], []
+async def webrtc(turns: list[tuple[str, str]]) -> dict:
+    live, sent, latency, errors = [], [], [], []
+    # Clips made before, and offline decoding after, the call: either would stall the event loop during it.
+    clips = [turn_audio(phrase, voice, 48000) for phrase, voice in turns]
     async with in_process_gateway(stt="pocketsphinx") as (_, url):
         backend = VoxgateSession(url)
         await backend.open()
@@ -49,8 +51,7 @@ async def webrtc(turns: list[tuple[str, str]], recognizer: Pocketsphinx) -> dict
         client.mic = RecordingMic()
         try:
             await client.connect()
-            for phrase, voice in turns:
-                clip = turn_audio(phrase, voice, 48000)
+            for clip in clips:
                 first = len(client.mic.sent)
                 events = backend.events()
                 client.mic.play(clip)
@@ -61,16 +62,18 @@ async def webrtc(turns: list[tuple[str, str]], recognizer: Pocketsphinx) -> dict
                     errors.append(event["code"])
                 while client.mic.busy:
                     await asyncio.sleep(0.05)
-                sent = np.concatenate(client.mic.sent[first:])[: len(clip)]
-                offline.append(await asyncio.to_thread(recognizer.recognize, soxr.resample(sent, 48000, 16000)))
-                print(f"  webrtc {voice:13s} live {live[-1]!r} | offline {offline[-1]!r}", flush=True)
+                sent.append(np.concatenate(client.mic.sent[first:])[: len(clip)])
         finally:
             await client.close()
             await backend.close()
+    offline = []
+    for (_phrase, voice), turn in zip(turns, sent):
+        offline.append(decode(soxr.resample(turn, 48000, 16000)))
+        print(f"  webrtc {voice:13s} live {live[len(offline) - 1]!r} | offline {offline[-1]!r}", flush=True)
     return figures(turns, live, offline, latency, errors)
 
 
-async def twilio(turns: list[tuple[str, str]], recognizer: Pocketsphinx) -> dict:
+async def twilio(turns: list[tuple[str, str]]) -> dict:
     live, latency, errors, events_ = [], [], [], []
     frames: list = []
     async with in_process_gateway(stt="pocketsphinx") as (_, url):
@@ -105,7 +108,7 @@ async def twilio(turns: list[tuple[str, str]], recognizer: Pocketsphinx) -> dict
     for (_phrase, voice), event in zip(turns, events_):
         span = [m for (_, m), f in zip(phone.sent_media, frames) if event["start_ms"] <= f.capture_ms + 10 < event["end_ms"]]
         sent = np.concatenate([ulaw_decode(m) for m in span]) if span else np.zeros(160, np.int16)
-        offline.append(recognizer.recognize(soxr.resample(sent, 8000, 16000)))
+        offline.append(decode(soxr.resample(sent, 8000, 16000)))
         print(f"  twilio {voice:13s} live {live[len(offline) - 1]!r} | offline {offline[-1]!r}", flush=True)
     return figures(turns, live, offline, latency, errors)
 
@@ -142,12 +145,11 @@ def main() -> None:
     started = time.perf_counter()
     info = machine()
     print_machine(info, "machine")
-    recognizer = Pocketsphinx()
     results: dict = {"machine": info, "args": vars(args), "label": "pocketsphinx caller turns, in-process gateway "
                      "(tone engine, --stt pocketsphinx, defaults), real time, espeak-ng corpus turns"}
     for name, path in (("webrtc", webrtc), ("twilio", twilio)):
         section(f"{name}: {len(turns)} turns")
-        results[name] = asyncio.run(path(turns, recognizer))
+        results[name] = asyncio.run(path(turns))
         r = results[name]
         print(f"{name}: WER live {r['wer_live']:.3f} against offline {r['wer_offline']:.3f} (difference {r['difference']:+.3f}); "
               f"speech.stopped to transcript p50 {r['latency_ms']['p50']} ms (p95 {r['latency_ms']['p95']}); errors {r['errors']}",

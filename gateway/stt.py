@@ -2,8 +2,8 @@
 
 One home for speech recognition. A recognizer is small (`Recognizer`): it
 turns one turn's audio (16 kHz mono int16) into text, either in a thread
-(`threaded`, e.g. pocketsphinx: gateway/stt_pocketsphinx.py) or as a
-coroutine (an OpenAI-compatible endpoint: gateway/stt_openai.py).
+(`threaded`, e.g. pocketsphinx: gateway/stt_pocketsphinx.py, whose thread waits
+on a worker process, since its decoder holds the GIL) or as a coroutine (an OpenAI-compatible endpoint: gateway/stt_openai.py).
 `load_recognizer` picks the one the settings name (--stt, --stt-url).
 
 `SpeechToText` is the process's one service around it: at most
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Protocol
@@ -69,7 +70,8 @@ def load_recognizer(settings: Settings) -> Recognizer | None:
     if settings.stt == "pocketsphinx":
         from .stt_pocketsphinx import Pocketsphinx
 
-        return Pocketsphinx()
+        # One process per slot, up to one per core: more would only share the cores (and cost ~60 MB each).
+        return Pocketsphinx(workers=min(settings.stt_max_concurrent, os.cpu_count() or 1))
     if settings.stt != "none":
         raise ConfigError(f"--stt {settings.stt!r}: no such recognizer")
     return None

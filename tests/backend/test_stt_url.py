@@ -41,8 +41,9 @@ class StandIn:
         self.redirect_to = redirect_to
         self.requests: list[dict] = []
         self.release = asyncio.Event()  # ends a hanging request
-        self.recognizer = Pocketsphinx()
-        self.thread = ThreadPoolExecutor(1)  # its decoder loaded before the first turn (warm())
+        # Its decoder in a worker process, loaded now (decoding in this process would stall the event loop).
+        self.recognizer = Pocketsphinx(workers=1)
+        self.thread = ThreadPoolExecutor(1)
 
     async def transcriptions(self, request: web.Request) -> web.StreamResponse:
         form = await request.post()
@@ -62,9 +63,6 @@ class StandIn:
         text = await asyncio.get_running_loop().run_in_executor(self.thread, self.recognizer.recognize, audio[3])
         return web.json_response({"text": text})
 
-
-    def warm(self) -> None:
-        self.thread.submit(self.recognizer.recognize, np.zeros(1600, np.int16)).result()
 
 
 async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
@@ -95,7 +93,6 @@ async def test_stt_url_turns_failures_timeouts_and_the_key(caplog):
     thief.router.add_post("/v1/audio/transcriptions", steal)
     thief_runner, thief_url = await serve(thief)
     standin = StandIn(["ok", "500", "hang", "redirect"], redirect_to=thief_url + "/v1/audio/transcriptions")
-    standin.warm()
     app = web.Application()
     app.router.add_post("/v1/audio/transcriptions", standin.transcriptions)
     runner, standin_url = await serve(app)
@@ -124,6 +121,7 @@ async def test_stt_url_turns_failures_timeouts_and_the_key(caplog):
     finally:
         standin.release.set()
         standin.thread.shutdown()
+        standin.recognizer.shutdown()
         await runner.cleanup()
         await thief_runner.cleanup()
     kinds = [(e["type"], e.get("code")) for e in history if e["type"] in ("speech.transcript", "error")]

@@ -24,7 +24,7 @@ import soxr
 
 from voxgate.client import VoxgateSession
 from voxgate.gateway.encoder import ulaw_decode
-from voxgate.gateway.stt_pocketsphinx import Pocketsphinx
+from voxgate.gateway.stt_pocketsphinx import decode
 
 from tests.conftest import in_process_gateway
 from tests.transcripts import CLEAR_TURNS, corpus_wer, turn_audio
@@ -63,14 +63,13 @@ async def test_twilio_caller_turns_reach_the_backend_as_transcripts_as_good_as_o
     # The gateway's caller frames are the phone's media frames, one for one, in order.
     assert [f.seq for f in frames] == list(range(frames[0].seq, frames[0].seq + len(frames)))
     assert len(phone.sent_media) - 3 <= len(frames) <= len(phone.sent_media)  # the last may be in flight at the end
-    recognizer = Pocketsphinx()
     live, offline = [], []
     for event in transcripts:
         live.append(event["text"])
         # Offline: the same recognizer on exactly the μ-law the phone sent in the turn's span.
         span = [m for (_, m), f in zip(phone.sent_media, frames) if event["start_ms"] <= f.capture_ms + 10 < event["end_ms"]]
         sent = np.concatenate([ulaw_decode(m) for m in span])
-        offline.append(recognizer.recognize(soxr.resample(sent, 8000, 16000)))
+        offline.append(decode(soxr.resample(sent, 8000, 16000)))
     phrases = [p for p, _ in CLEAR_TURNS]
     wer_live, wer_offline = corpus_wer(phrases, live), corpus_wer(phrases, offline)
     print(f"\npocketsphinx WER over {len(CLEAR_TURNS)} espeak-ng turns by phone (μ-law 8 kHz): live path {wer_live:.3f}, "
