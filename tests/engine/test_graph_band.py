@@ -50,10 +50,17 @@ def test_every_layer_loses_its_dense_position_products(voice_graphs):
     assert len(tables) == 12 and not tables & {i.name for i in banded.graph.initializer}
 
 
-@pytest.mark.parametrize("length", [1, 2, 4, 5, 9, 10, len(IDS)])
-def test_the_output_is_the_originals_at_every_length_around_the_window(voice_graphs, length):
-    """Lengths below, at and past the window (w = 4, 2w + 1 = 9): the band's edges are where an index goes wrong."""
+@pytest.fixture(scope="module")
+def voice_sessions(voice_graphs):
+    """Both graphs loaded once: a session of the whole voice takes about half a second to make."""
     original, banded, _ = voice_graphs
+    return session(original), session(banded)
+
+
+@pytest.mark.parametrize("length", [1, 2, 4, 5, 9, 10, len(IDS)])
+def test_the_output_is_the_originals_at_every_length_around_the_window(voice_sessions, length):
+    """Lengths below, at and past the window (w = 4, 2w + 1 = 9): the band's edges are where an index goes wrong."""
+    original, banded = voice_sessions
     ids = IDS[:length]
     for length_scale in (0.8, 1.3):
         feed = {
@@ -61,8 +68,8 @@ def test_the_output_is_the_originals_at_every_length_around_the_window(voice_gra
             "input_lengths": np.array([len(ids)], dtype=np.int64),
             "scales": np.array([0.0, length_scale, 0.0], dtype=np.float32),  # no noise: deterministic
         }
-        a = session(original).run(None, feed)[0].reshape(-1).astype(np.float64)
-        b = session(banded).run(None, feed)[0].reshape(-1).astype(np.float64)
+        a = original.run(None, feed)[0].reshape(-1).astype(np.float64)
+        b = banded.run(None, feed)[0].reshape(-1).astype(np.float64)
         assert a.shape == b.shape
         snr = 10 * np.log10(max((a**2).sum(), 1e-20) / max(((a - b) ** 2).sum(), 1e-30))
         assert snr >= graph_band.MIN_BAND_SNR_DB
