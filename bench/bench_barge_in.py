@@ -67,12 +67,15 @@ import soxr  # noqa: E402
 from twilio_standin import SpeakerPhone, TwilioStandIn  # noqa: E402
 
 from voxgate.client import VoxgateSession  # noqa: E402
+from voxgate.rtc_client import OfferRefused  # noqa: E402
 
 DELAYS_MS = (50, 100, 150, 200, 250, 300)
 ECHO_LEVELS_DB = (-20.0, -10.0, -6.0)
 TWILIO_ECHO_LEVELS_DB = (-20.0, -10.0)
 QUIET_ROOM_DBFS = -60.0  # faint room noise under every trial
 BARGE_EVENTS = ("utterance.interrupted", "speech.started")
+CAPACITY_RETRIES = 30
+CAPACITY_RETRY_S = 2.0
 
 
 class Trials:
@@ -80,10 +83,22 @@ class Trials:
         self.url = url
         self.gate = asyncio.Semaphore(concurrency)
         self.session_update = session_update
+        self.refused = 0  # offers refused at_capacity and tried again
 
     async def _client(self, echo_db: float | None, delay_ms: int, background: np.ndarray | None = None):
-        client = corpus.echo_client(self.url, echo_db=echo_db, delay_ms=delay_ms, background=background)
-        await client.connect()
+        # A full node refuses new sessions (503 at_capacity: this bench's own clients share its two
+        # cores); a client then tries again later, as a real one would. Each wait is counted.
+        for attempt in range(CAPACITY_RETRIES + 1):
+            client = corpus.echo_client(self.url, echo_db=echo_db, delay_ms=delay_ms, background=background)
+            try:
+                await client.connect()
+                break
+            except OfferRefused as exc:
+                await client.close()
+                if exc.code != "at_capacity" or attempt == CAPACITY_RETRIES:
+                    raise
+                self.refused += 1
+                await asyncio.sleep(CAPACITY_RETRY_S)
         if self.session_update:
             client.send({"type": "session.update", **self.session_update})
             await client.wait_for("session.updated", timeout=10)
@@ -300,8 +315,9 @@ async def run(args, url: str, baseline_url: str | None = None) -> dict:
               f"({sum(r['false_barge_in'] for r in rows if r['cold'])} on a cold first reply)", flush=True)
 
     async def callers(kind: str, echo_db: float | None, n: int, t: Trials) -> list[dict]:
-        jobs = [t.caller(pcm, echo_db, DELAYS_MS[i % len(DELAYS_MS)], i) for i, (_, _, pcm) in enumerate(clips(kind, n))]
-        return list(await asyncio.gather(*jobs))
+        picked = clips(kind, n)
+        jobs = [t.caller(pcm, echo_db, DELAYS_MS[i % len(DELAYS_MS)], i) for i, (_, _, pcm) in enumerate(picked)]
+        return [{**row, "clip": f"{text} ({voice})"} for row, (text, voice, _) in zip(await asyncio.gather(*jobs), picked)]
 
     section("caller interruptions")
     out["interrupt"] = {}
@@ -327,6 +343,9 @@ async def run(args, url: str, baseline_url: str | None = None) -> dict:
         print(f"{name}: detected {s['detected']}/{s['trials'] - s['spoiled_by_early_barge_in']}, "
               f"onset to utterance.interrupted p50 {s['latency_ms'].get('p50')} ms "
               f"(p95 {s['latency_ms'].get('p95')}; spoiled by an earlier barge-in: {s['spoiled_by_early_barge_in']})", flush=True)
+        for row in rows:
+            if not row["interrupted"] and not row["early_barge_in"]:
+                print(f"  missed: {row.get('clip', '?')} at {row['delay_ms']} ms", flush=True)
 
     if "quiet_room_baseline" in out["interrupt"]:
         a = out["interrupt"]["quiet_room"]["latency_ms"].get("p50")
@@ -348,8 +367,9 @@ async def run(args, url: str, baseline_url: str | None = None) -> dict:
     rows = list(await asyncio.gather(*jobs))
     out["background"] = {kind: sum(r["false_barge_in"] for r in rows if r["kind"] == kind) for kind in ("music", "noise")}
     out["background"]["trials_each"] = args.backgrounds
-    print(f"false barge-ins: music {out['background']['music']}/{args.backgrounds}, "
-          f"room noise {out['background']['noise']}/{args.backgrounds}", flush=True)
+    if rows:
+        print(f"false barge-ins: music {out['background']['music']}/{args.backgrounds}, "
+              f"room noise {out['background']['noise']}/{args.backgrounds}", flush=True)
 
     if "twilio" in args.only:
         section("the Twilio path: echo, interruptions over -10 dB echo, backchannels (a Twilio stand-in's line)")
@@ -393,6 +413,7 @@ async def run(args, url: str, baseline_url: str | None = None) -> dict:
             print(f"min_interrupt_ms {value}: real interruptions p50 {real['latency_ms'].get('p50')} ms "
                   f"({real['detected']}/{real['trials']} detected); backchannels that interrupted "
                   f"{back['detected']}/{back['trials']}", flush=True)
+    out["offers_refused_at_capacity_and_retried"] = trials.refused
     return out
 
 

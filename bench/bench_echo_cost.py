@@ -74,7 +74,7 @@ def run(packets: list[bytes], heard16: np.ndarray, echo: bool, silent_tail_s: fl
             events = vad.process(frame)
         else:
             events = []
-            for out, guard in canceller.process(frame, (j + 1) * 0.02):
+            for out, guard in canceller.process(frame, (j + 1) * 0.02, vad.floor_db):
                 events.extend(vad.frame(out, guard))
                 canceller.learn(caller_quiet=vad.quiet)
         took = time.perf_counter() - t0

@@ -62,6 +62,13 @@ MIN_SPREAD_DB = 6.0
 QUIET_DB = 20.0  # a frame the peer did not send: silence, as the VAD's floor has it (its lowest)
 ACTIVE_DB = 30.0  # a reference hop louder than this (VAD scale, 20 log10 of the int16 RMS) is the bot talking
 GUARD_MARGIN_DB = 6.0
+# A frame the microphone did not decode (a browser's packet marked quiet by its level, DTX) teaches
+# the guard only where the reference stands this far above the microphone's noise floor. Its level
+# is the room's, not the echo's, and where the bot is faint (a fricative, a word's end) it reads as
+# an echo nearly as loud as the bot: a handful of them raised the guard's percentile from -19 to
+# -5 dB and hid a caller's "Stop, stop" under it for 1.5 s. Decoded frames teach as before: there,
+# what is heard is the residue itself.
+FLOOR_HEADROOM_DB = 25.0
 GUARD_PERCENTILE = 95
 GUARD_HISTORY = 200  # frames of residue the guard learns from (4 s)
 GUARD_MIN_HISTORY = 10  # until this many (200 ms), the guard stays at its cold level
@@ -109,9 +116,11 @@ class EchoGain:
     def ready(self) -> bool:
         return len(self._history) >= GUARD_MIN_HISTORY
 
-    def add_against(self, level_db: float, reference_db: float) -> None:
-        """A frame with the caller quiet: its level against the reference's (only while the bot spoke)."""
-        if reference_db > ACTIVE_DB:
+    def add_against(self, level_db: float, reference_db: float, floor_db: float | None = None) -> None:
+        """A frame with the caller quiet: its level against the reference's (only while the bot spoke).
+        A frame known by its level alone (not decoded) teaches only while the bot spoke loudly enough
+        for its echo to be told from the room (`floor_db`, FLOOR_HEADROOM_DB)."""
+        if reference_db > ACTIVE_DB and (floor_db is None or reference_db > floor_db + FLOOR_HEADROOM_DB):
             self._add(level_db - reference_db)
 
     def _add(self, value_db: float) -> None:
@@ -242,27 +251,27 @@ class EchoCanceller:
             out[lo - start + split : hi - start] = self._ring[:b]
         return out
 
-    def process(self, pcm: np.ndarray, arrived_at: float) -> list[tuple[np.ndarray, float | None]]:
+    def process(self, pcm: np.ndarray, arrived_at: float, floor_db: float) -> list[tuple[np.ndarray, float | None]]:
         """Microphone PCM (16 kHz int16) that arrived at `arrived_at`: whole frames, each less the
         echo, with the level (VAD scale, dB) it must exceed to count as the caller's voice, or None
         where no echo can be in it."""
         self._take_reference()
         pcm = np.asarray(pcm, dtype=np.int16)
-        self._follow(arrived_at, len(pcm) + len(self._pending))
+        self._follow(arrived_at, len(pcm) + len(self._pending), floor_db)
         buf = np.concatenate([self._pending, pcm]) if len(self._pending) else pcm
         n = len(buf) // FRAME_SAMPLES
         self._pending = buf[n * FRAME_SAMPLES :]
         return [self._frame(buf[i * FRAME_SAMPLES : (i + 1) * FRAME_SAMPLES]) for i in range(n)]
 
-    def skip(self, frames: int, level_db: float | None, arrived_at: float, caller_quiet: bool) -> None:
+    def skip(self, frames: int, level_db: float | None, arrived_at: float, caller_quiet: bool, floor_db: float) -> None:
         """Frames the microphone did not decode (DTX, loss, its level gate; `level_db` their level
         where the peer said it): time moves on, and a quiet microphone while the bot speaks
-        teaches the guard that its echo is faint."""
+        teaches the guard that its echo is faint (`floor_db`: the VAD's noise floor)."""
         self._take_reference()
-        self._follow(arrived_at, frames * FRAME_SAMPLES)
-        self._quiet(frames, QUIET_DB if level_db is None else level_db, caller_quiet)
+        self._follow(arrived_at, frames * FRAME_SAMPLES, floor_db)
+        self._quiet(frames, QUIET_DB if level_db is None else level_db, caller_quiet, floor_db)
 
-    def _quiet(self, frames: int, level: float, caller_quiet: bool) -> None:
+    def _quiet(self, frames: int, level: float, caller_quiet: bool, floor_db: float) -> None:
         assert self._mic_end is not None
         energy = max(10 ** (level / 10), _LOG_FLOOR)
         for _ in range(frames):
@@ -275,9 +284,9 @@ class EchoCanceller:
             if caller_quiet and self._teaches(hop):
                 # Not decoded, so not cancelled either: its level is the most its residue could be.
                 for _, reference_db, gain in self._references(hop):
-                    gain.add_against(level, reference_db)
+                    gain.add_against(level, reference_db, floor_db)
 
-    def _follow(self, arrived_at: float, samples: int) -> None:
+    def _follow(self, arrived_at: float, samples: int, floor_db: float) -> None:
         """Where the microphone's next samples lie: after the last ones, unless the arrivals say
         otherwise by more than two frames (the first packet, a stall, the peer's clock)."""
         start = self._position(arrived_at) - samples
@@ -287,7 +296,7 @@ class EchoCanceller:
             missing = 0 if self._ref_end is None else min(MAX_MISSING_FRAMES, max(0, start - self._first_ref) // FRAME_SAMPLES)
             self._mic_end = start - missing * FRAME_SAMPLES
             self._mic_first_hop = -(-start // HOP)
-            self._quiet(missing, QUIET_DB, caller_quiet=True)
+            self._quiet(missing, QUIET_DB, True, floor_db)
         elif abs(start - self._mic_end) > 2 * FRAME_SAMPLES:
             self._mic_end = start
 

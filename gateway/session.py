@@ -65,13 +65,13 @@ def _hear(echo: EchoCanceller | None, vad: VoiceActivityDetector, items: list[tu
         end = origin + (capture_ms + FRAME_MS) / 1000.0
         if pcm is None:
             if echo is not None:
-                echo.skip(1, level_db, end, caller_quiet=vad.quiet)
+                echo.skip(1, level_db, end, caller_quiet=vad.quiet, floor_db=vad.floor_db)
             events = vad.skip(1, level_db)
         elif echo is None:
             events = vad.process(pcm)
         else:
             events = []
-            for frame, guard in echo.process(pcm, end):
+            for frame, guard in echo.process(pcm, end, vad.floor_db):
                 events.extend(vad.frame(frame, guard))
                 echo.learn(caller_quiet=vad.quiet)
         if events:

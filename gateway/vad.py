@@ -24,6 +24,7 @@ from ..config_fields import bounds
 
 VAD_RATE = 16000
 FRAME_SAMPLES = VAD_RATE // 50
+FLOOR_MIN_DB = 20.0  # the lowest the noise floor goes: digital silence must not drag it to nothing
 
 
 @dataclass
@@ -124,8 +125,12 @@ class VoiceActivityDetector:
         floor_db = level_db if self._floor_db is None else self._floor_db
         rate = 0.2 if level_db < floor_db else 0.01
         floor_db += rate * (level_db - floor_db)
-        # Digital silence must not drag the floor to nothing (-70 dBFS).
-        self._floor_db = max(floor_db, 20.0)
+        self._floor_db = max(floor_db, FLOOR_MIN_DB)
+
+    @property
+    def floor_db(self) -> float:
+        """The room's noise floor as this detector tracks it (FLOOR_MIN_DB before the first frame)."""
+        return FLOOR_MIN_DB if self._floor_db is None else self._floor_db
 
     @property
     def quiet(self) -> bool:

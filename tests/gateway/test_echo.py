@@ -119,7 +119,7 @@ def test_the_echo_delay_is_found_and_its_echo_kept_under_the_guard():
             tap(packets[j], j * 0.02)
         else:
             tap(None, j * 0.02)
-        for frame, guard in echo.process(mic[j * 320 : (j + 1) * 320], now):
+        for frame, guard in echo.process(mic[j * 320 : (j + 1) * 320], now, vad.floor_db):
             vad.frame(frame, guard)
             voiced += vad.voiced
             echo.learn(caller_quiet=vad.quiet)
@@ -157,13 +157,59 @@ def test_a_phone_calls_short_echo_is_found_behind_its_reference():
         tap(packets[j] if j < len(packets) else None, j * 0.02)
         mic = upsampler.process(ulaw_decode(ulaw_encode(np.clip(line[j * 160 : (j + 1) * 160], -32768, 32767).astype(np.int16))))
         # Stamped as a call's frames are (gateway/twilio_input.py): at their end, less the filter's delay.
-        for frame, guard in echo.process(mic, (j + 1) * 0.02 - Upsampler2x.DELAY_S):
+        for frame, guard in echo.process(mic, (j + 1) * 0.02 - Upsampler2x.DELAY_S, vad.floor_db):
             vad.frame(frame, guard)
             voiced += vad.voiced
             echo.learn(caller_quiet=vad.quiet)
     assert echo.delay_hops is not None and abs(echo.delay_hops - 5) <= 1, echo.delay_hops
     assert echo.cancelled > 0
     assert voiced == 0
+
+
+def test_a_gated_microphone_in_the_bots_quiet_moments_does_not_raise_the_guard():
+    """A browser marks its quiet packets with their level (RFC 6464) and the gateway does not decode
+    them (gateway/mic.py): they reach the canceller as skipped frames at the room's level. Where the
+    bot itself is faint (a fricative, a word's end), the room's level against that faint reference
+    reads as an echo nearly as loud as the bot. Taught to the guard, such frames raised its learnt
+    gain from about -19 to -5 dB and hid a caller's "Stop, stop" under it (bench_barge_in, 300 ms,
+    -10 dB). Here the bot alternates 400 ms of speech-loud sound with 200 ms at -30 dB, its echo
+    comes back 150 ms later at -10 dB over the room, and the quiet stretches are gated: the guard
+    must learn the echo's -10 dB, not the room against the faint stretches."""
+    from voxgate.gateway.mic import FULL_SCALE_DB, QUIET_DBOV
+
+    rng = np.random.default_rng(1)
+    bursts = [rng.standard_normal(int(48000 * s)) * rms for _ in range(8) for s, rms in ((0.4, 3000.0), (0.2, 100.0))]
+    played = np.concatenate(bursts)
+    encoder = opus.Encoder(48000, 32000, 0, True, 10, False)
+    packets = encoder.encode(played[: len(played) // 960 * 960].astype(np.int16))
+    decoder = opus.Decoder(16000)
+    reference = np.concatenate([decoder.decode(p) for p in packets]).astype(np.float64)
+    delay = int(0.15 * 16000)
+    mic = np.zeros(len(reference) + delay + 16000)
+    mic[delay : delay + len(reference)] += reference * 10 ** (-10 / 20)
+    mic = (mic + rng.standard_normal(len(mic)) * 30).astype(np.int16)
+    tap = ReferenceTap()
+    echo = EchoCanceller("opus", tap, epoch=0.0)
+    vad = VoiceActivityDetector(VadSettings())
+    gated = 0
+    for j in range(len(mic) // 320):
+        now = (j + 1) * 0.02
+        tap(packets[j] if j < len(packets) else None, j * 0.02)
+        frame = mic[j * 320 : (j + 1) * 320]
+        samples = frame.astype(np.float64)
+        dbov = round(FULL_SCALE_DB - 20 * np.log10(np.sqrt(np.dot(samples, samples) / len(samples)) + 1e-9))
+        if dbov >= QUIET_DBOV:  # the browser says it is quiet: not decoded, its level only
+            gated += 1
+            echo.skip(1, FULL_SCALE_DB - dbov, now, caller_quiet=vad.quiet, floor_db=vad.floor_db)
+            vad.skip(1, FULL_SCALE_DB - dbov)
+            continue
+        for out, guard in echo.process(frame, now, vad.floor_db):
+            vad.frame(out, guard)
+            echo.learn(caller_quiet=vad.quiet)
+    assert gated > 40, gated  # the quiet stretches' echo is under the room: gated
+    assert echo.delay_hops is not None and echo._locked.ready
+    # The residue's gain at the delay: -15.7 dB here; -2.4 dB with every gated frame taught.
+    assert echo._locked.gain_db <= -8.0, echo._locked.gain_db
 
 
 def test_music_that_starts_with_the_bot_is_not_taken_for_its_echo():
@@ -183,7 +229,7 @@ def test_music_that_starts_with_the_bot_is_not_taken_for_its_echo():
         events = []
         for j in range(min(len(mic) // 320, len(packets))):
             tap(packets[j], j * 0.02)
-            for frame, guard in echo.process(mic[j * 320 : (j + 1) * 320], (j + 1) * 0.02):
+            for frame, guard in echo.process(mic[j * 320 : (j + 1) * 320], (j + 1) * 0.02, vad.floor_db):
                 events.extend(vad.frame(frame, guard))
                 echo.learn(caller_quiet=vad.quiet)
         assert echo.delay_hops is None, (seed, echo.delay_hops, echo.correlation)
