@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import numpy as np
@@ -35,12 +36,20 @@ def word_error_rate(reference: str, hypothesis: str) -> float:
     return d[len(hyp)] / max(1, len(ref))
 
 
-def synthesize_48k(text: str) -> np.ndarray:
-    """Real speech from the embedded voice, at 48 kHz, for a client's microphone."""
-    from voxgate.engine.base import SynthesisOptions
+@functools.cache
+def the_voice():
+    """The embedded voice as the engine loads it by default (one thread), loaded once for the whole
+    run (~2 s a load): the tests that use it start their own jobs and leave its settings as they were."""
     from voxgate.engine.piper_engine import PiperEngine
 
     engine = PiperEngine(threads=1)
     engine.load()
-    pcm = np.concatenate([c.pcm for c in engine.synthesize(text, SynthesisOptions())])
+    return engine
+
+
+def synthesize_48k(text: str) -> np.ndarray:
+    """Real speech from the embedded voice, at 48 kHz, for a client's microphone."""
+    from voxgate.engine.base import SynthesisOptions
+
+    pcm = np.concatenate([c.pcm for c in the_voice().synthesize(text, SynthesisOptions())])
     return soxr.resample(pcm, 22050, 48000).astype(np.int16)

@@ -17,15 +17,14 @@ from voxgate.engine.base import SynthesisOptions
 from voxgate.engine.client import EngineClient, EngineConfig
 from voxgate.engine.piper_engine import PiperEngine
 from voxgate.engine.scheduler import Scheduler
+from tests.speech import the_voice
 
 BIG_CREDIT = 1000  # no backpressure: the order is the scheduler's alone
 
 
 @pytest.fixture(scope="module")
 def engine() -> PiperEngine:
-    e = PiperEngine(threads=1)
-    e.load()
-    return e
+    return the_voice()
 
 
 class Run:

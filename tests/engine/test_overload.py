@@ -26,6 +26,7 @@ from voxgate.engine.capacity import calibrate
 from voxgate.engine.client import STREAM_WINDOW
 from voxgate.engine.piper_engine import PiperEngine
 from voxgate.engine.scheduler import Scheduler
+from tests.speech import the_voice
 
 ENCODE_AHEAD_S = 1.0  # gateway/feeder.py ENCODE_AHEAD_MS
 GAP_S = 0.02  # one 20 ms frame of silence inside an utterance
@@ -34,9 +35,7 @@ REPLY = "Sure, I can help with that. Your order shipped on Monday, and it should
 
 @pytest.fixture(scope="module")
 def engine() -> PiperEngine:
-    e = PiperEngine(threads=1)
-    e.load()
-    return e
+    return the_voice()
 
 
 class Listener:

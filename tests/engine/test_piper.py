@@ -5,14 +5,12 @@ import pytest
 
 from voxgate.engine.base import EngineError, SynthesisOptions
 from voxgate.engine.piper_engine import PiperEngine, choose_providers
-from tests.speech import recognize, word_error_rate
+from tests.speech import recognize, the_voice, word_error_rate
 
 
 @pytest.fixture(scope="module")
-def engine():
-    e = PiperEngine(threads=1)
-    e.load()
-    return e
+def engine() -> PiperEngine:
+    return the_voice()
 
 
 def synth(engine, text, **options):

@@ -21,6 +21,7 @@ from voxgate.engine.piper_engine import FLOW_AHEAD_FRAMES, PiperEngine, embedded
 from voxgate.engine.piper_voice import LoadedVoice, probe_plan
 from voxgate.engine.piper_split import split_voice
 from voxgate.engine.windows import WindowSchedule
+from tests.speech import the_voice
 
 SENTENCES = [
     "Hello there.",
@@ -42,9 +43,7 @@ def pcm16(audio: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def engine() -> PiperEngine:
-    e = PiperEngine(threads=1)
-    e.load()
-    return e
+    return the_voice()
 
 
 def stream(engine: PiperEngine, text: str, options: SynthesisOptions, slack_s):

@@ -15,15 +15,15 @@ import numpy as np
 
 from voxgate.engine.base import SynthesisOptions
 from voxgate.engine.client import EngineClient, EngineConfig
-from voxgate.engine.piper_engine import PiperEngine
 from voxgate.engine.segmenter import Segmenter, SegmenterConfig
 from voxgate.engine.units import MAX_UNIT_CHARS, MAX_UNIT_PHONEMES, cap_phonemes, cap_text
 from voxgate.engine.windows import FIRST_WINDOW_FRAMES, MAX_WINDOW_FRAMES
+from tests.speech import the_voice
 
 HOSTILE = "<" + " ".join(f"word{i}" for i in range(400))[:2000]
-# What the worker test speaks: three caps' worth of the same text (about 100 s of audio,
+# What the worker test speaks: two caps' worth of the same text (about 65 s of audio,
 # several seconds of synthesis). The whole of HOSTILE is 330 s of audio, 28 s of synthesis.
-HOSTILE_SPOKEN = HOSTILE[: 3 * MAX_UNIT_CHARS]
+HOSTILE_SPOKEN = HOSTILE[: 2 * MAX_UNIT_CHARS]
 # One window at most: the largest, plus a folded-in tail shorter than half a first window.
 LONGEST_CHUNK = (MAX_WINDOW_FRAMES + FIRST_WINDOW_FRAMES // 2) * 256
 
@@ -79,8 +79,8 @@ def test_cap_phonemes_cuts_at_word_gaps():
 def test_the_engine_caps_text_that_skipped_the_segmenter():
     """Numbers expand: 60 characters of digits are hundreds of phonemes. No encoder
     pass sees more than the cap, and the audio still says all of it."""
-    engine = PiperEngine(threads=1)
-    text = " ".join(["987654321987654321"] * 8) + ". " + "word " * 120
+    engine = the_voice()
+    text = " ".join(["987654321987654321"] * 3) + ". " + "word " * 50
     job = engine.start(text, SynthesisOptions())
     assert all(len(p) <= MAX_UNIT_CHARS for p in job.pieces) and len(job.pieces) > 1
     sentences, chunks = {}, []

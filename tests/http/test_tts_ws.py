@@ -154,7 +154,10 @@ async def test_flush_speaks_what_is_buffered_mid_sentence(piper_server):
         await c.send(type="end", context_id="a")
         await c.wait(lambda m: m["type"] == "done")
     assert all(m["words"] == [] for m in c.of("a", "audio"))  # words=false
-    assert word_error_rate("Hold on while I look", recognize(c.pcm("a"), 22050)) < 0.4
+    # The buffered words, not a fragment (1.3 s here; "Hold on" alone is 0.6 s). The recognizer
+    # heard "while it looked" once in many runs: two of five words, the bound.
+    assert 0.9 < len(c.pcm("a")) / 22050 < 2.5
+    assert word_error_rate("Hold on while I look", recognize(c.pcm("a"), 22050)) <= 0.4
 
 
 async def test_opus_is_one_packet_a_message_and_decodes_to_the_text(tone_server):

@@ -20,6 +20,7 @@ from voxgate.client import VoxgateSession
 from voxgate.engine import tone
 
 from twilio_standin import FRAME_S, TwilioStandIn
+from tests.speech import the_voice
 
 BOT_TEXT = "Thanks for calling. Your order ships on Monday and arrives by Thursday."
 
@@ -100,14 +101,10 @@ async def test_media_marks_and_pacing(tone_server):
 def caller_speech() -> np.ndarray:
     """A caller's words at 8 kHz, from the Piper voice, in this process."""
     from voxgate.engine.base import SynthesisOptions
-    from voxgate.engine.piper_engine import PiperEngine
 
-    engine = PiperEngine(threads=1)
-    engine.load()
-    chunks = list(engine.synthesize("Wait, stop please. I have a question about my order.", SynthesisOptions()))
+    chunks = list(the_voice().synthesize("Wait, stop please. I have a question about my order.", SynthesisOptions()))
     rate = chunks[0].sample_rate
     pcm = np.concatenate([c.pcm for c in chunks]).astype(np.int16)
-    engine.close()
     return soxr.resample(pcm, rate, 8000).astype(np.int16)
 
 

@@ -111,13 +111,20 @@ def open_page(page, server, mic: bool = False) -> None:
 
 
 def wait_event(page, kind: str, uid: str | None = None, timeout: float = 20000, after: float = 0.0) -> dict:
-    """The first server event of this type (and id) the page received after `after` (page ms)."""
-    handle = page.wait_for_function(
-        """([kind, uid, after]) => window.voxgate.events.find(
-            (e) => e.dir === 'in' && e.msg.type === kind && (uid === null || e.msg.id === uid) && e.t > after)""",
-        arg=[kind, uid, after],
-        timeout=timeout,
-    )
+    """The first server event of this type (and id) the page received after `after` (page ms).
+    A timeout fails with what the page did receive, so a failure on CI says where it stopped."""
+    try:
+        handle = page.wait_for_function(
+            """([kind, uid, after]) => window.voxgate.events.find(
+                (e) => e.dir === 'in' && e.msg.type === kind && (uid === null || e.msg.id === uid) && e.t > after)""",
+            arg=[kind, uid, after],
+            timeout=timeout,
+        )
+    except playwright_sync.TimeoutError:
+        got = page.evaluate(
+            "window.voxgate.events.filter((e) => e.dir === 'in').map((e) => [Math.round(e.t), e.msg.type, e.msg.id || ''])"
+        )
+        raise AssertionError(f"no {kind} {uid or ''} within {timeout} ms; the page received {got[-40:]}") from None
     return handle.json_value()
 
 
@@ -262,11 +269,13 @@ def test_live_captions_follow_the_voice_word_by_word(page, piper_server):
 
 def test_microphone_barge_in_and_vad_toggle(page, piper_server):
     open_page(page, piper_server, mic=True)
-    page.fill("#text", LONG_TEXT)
+    page.fill("#text", LONG_TEXT + " " + LONG_TEXT)
     page.click("#speak")
-    # The fake microphone asks its question every few seconds: the server hears
-    # it and stops the speech.
-    interrupted = wait_event(page, "utterance.interrupted", "p1", timeout=15000)["msg"]
+    # The fake microphone asks its question every three seconds or so: the server hears it
+    # and stops the speech. The first may come before the echo guard has heard the room
+    # (then the caller must be louder than the bot: gateway/echo.py); one of the next does it,
+    # ~4 s in here. The answer lasts ~25 s, so it cannot end first.
+    interrupted = wait_event(page, "utterance.interrupted", "p1", timeout=25000)["msg"]
     assert interrupted["reason"] == "barge_in"
     wait_event(page, "speech.started")
     page.wait_for_function("document.querySelector('#vad-indicator').dataset.active === 'true'", timeout=10000)
