@@ -287,6 +287,7 @@ def test_microphone_barge_in_and_vad_toggle(page, piper_server):
     page.uncheck("#vad")
     page.wait_for_function("window.voxgate.state.vad_enabled === false")
     t = page.evaluate("performance.now()")
+    page.fill("#text", LONG_TEXT)
     page.click("#speak")
     wait_event(page, "audio.started", "p2")
     done = wait_event(page, "utterance.done", "p2", timeout=30000)
