@@ -276,7 +276,7 @@ class RtcClient:
         """When an event returned by wait_for arrived (perf_counter)."""
         return next(t for t, e in reversed(self.event_log) if e is event)
 
-    async def wait_tail(self, event: dict, timeout: float = 10.0) -> None:
+    async def wait_tail(self, event: dict, timeout: float = 10.0, tail_frames: int = TAIL_FRAMES) -> None:
         """Wait until all audio the server sent before `event` has arrived, and some after it.
 
         Used after `utterance.done` or `utterance.interrupted` before decoding the
@@ -285,11 +285,13 @@ class RtcClient:
         every frame from a packet that came off the wire before the event, then
         TAIL_FRAMES decoded after the event arrived (which also covers a server
         that sends the event before its last packet, as aiortc's own sender may).
+        A listener on DTX gets one packet every 400 ms between utterances: a few
+        `tail_frames` then do, where 20 would take 8 s.
         """
         packets = self.frame_index(event)
         if packets is not None:  # None: no audio yet, or aiortc renamed its counters
             await self.audio.wait_total(packets, timeout=timeout)
-        await self.audio.wait_frames(TAIL_FRAMES, since=self.arrival(event), timeout=timeout)
+        await self.audio.wait_frames(tail_frames, since=self.arrival(event), timeout=timeout)
 
     def frame_index(self, event: dict) -> int | None:
         """Where audio sent after `event` starts in `audio.frames`.

@@ -81,7 +81,8 @@ def test_the_worker_resolves_catalog_names_only_and_bounds_its_cache(tmp_path):
         with pytest.raises(EngineError):
             engine.resolve_voice(path)
     engine.load()
-    for name in ("amy", "bea", "cy", "amy"):
+    # Room for one voice beside the default: bea's load puts amy out, and amy comes back on demand.
+    for name in ("amy", "bea", "amy"):
         assert sum(len(c.pcm) for c in engine.synthesize("Hi.", SynthesisOptions(voice=name))) > 0
         assert len(engine._voices) <= 2 and "joe" in engine._voices  # the default stays loaded
 
