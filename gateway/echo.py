@@ -24,7 +24,10 @@ microphone before the VAD hears it:
    gain (`GUARD_PERCENTILE` of the residue against the reference, over the
    last seconds the caller was quiet) plus `GUARD_MARGIN_DB`. Before the delay
    is known, the guard is the loudest reference over every delay, at full
-   level: the caller must be louder than the bot itself.
+   level: the caller must be louder than the bot itself. After the reference
+   jumps (a stall, a phone's drained queue) the canceller's bound waits
+   `SETTLE_HOPS` past the jump's echo: the far end may now play it a little
+   sooner or later than the canceller learnt.
 
 While the bot has been silent for longer than any echo lasts, none of this
 runs: the microphone goes to the VAD as it is. See docs/barge-in.md for how
@@ -69,6 +72,12 @@ GUARD_MARGIN_DB = 6.0
 # -5 dB and hid a caller's "Stop, stop" under it for 1.5 s. Decoded frames teach as before: there,
 # what is heard is the residue itself.
 FLOOR_HEADROOM_DB = 25.0
+# After the reference jumps (a stall, or a phone's queue drained between replies), the echo may
+# come back sooner or later against it than the canceller learnt: 20-40 ms seen on a loaded
+# machine, and the canceller's residue was then the echo itself, far over a guard that trusted it
+# (the bot stopped itself). Until the jump's echo has been back this long, the guard is the one
+# that holds for any delay; the canceller's comes back after. Without stalls nothing changes.
+SETTLE_HOPS = 60
 GUARD_PERCENTILE = 95
 GUARD_HISTORY = 200  # frames of residue the guard learns from (4 s)
 GUARD_MIN_HISTORY = 10  # until this many (200 ms), the guard stays at its cold level
@@ -159,6 +168,7 @@ class EchoCanceller:
         self._ring = np.zeros(RING, dtype=np.int16)
         self._ref_end: int | None = None  # absolute sample position after the last reference sample
         self._first_ref = 0
+        self._resync_hop = -(10**9)  # the reference hop of its last jump (_resynced)
         self._ref_env = np.full(_ENV_RING, _LOG_FLOOR)  # reference hop energies, by hop index mod _ENV_RING
         self._ref_env_end = 0  # hop index after the last complete reference hop
         self._mic_env = np.full(_ENV_RING, _LOG_FLOOR)
@@ -203,13 +213,25 @@ class EchoCanceller:
             start = self._position(sent_at - self._filter_delay_s)
             if self._ref_end is None:
                 self._ref_end = self._first_ref = start
+            if payload is None and self._law is not None and start < self._ref_end - HOP:
+                # A phone call is sent nothing between utterances, so the phone's queue drains: a
+                # reference laid behind the clock (the frames of a stall, played one after another)
+                # waits for it here, and the next reply is laid where the phone plays it, on time.
+                self._resynced(start)
+                continue
             # Frames leave every 20 ms within a few ms: lay them end to end. A jump (DTX between
             # utterances, a stall) leaves silence in between.
             gap = start - self._ref_end
             if gap > HOP:
                 self._write(np.zeros(min(gap, RING), dtype=np.int16))
                 self._ref_end = start
+                self._resynced(start)
             self._write(pcm)
+
+    def _resynced(self, start: int) -> None:
+        """The reference left its even 20 ms (a stall, a drained queue): where the far end plays it may
+        have moved against it by up to a stall's length, past what the canceller's filter spans."""
+        self._resync_hop = start // HOP
 
     def _write(self, pcm: np.ndarray) -> None:
         assert self._ref_end is not None
@@ -351,7 +373,7 @@ class EchoCanceller:
             self.cancelled += 1
             r = frame.astype(np.float64)
             learn.append((_db(float(np.dot(r, r)) / FRAME_SAMPLES), aligned, self._locked))
-            if self._locked.ready:
+            if self._locked.ready and hop >= self._resync_hop + self.delay_hops + SETTLE_HOPS:
                 # Either bound holds the echo under it; the lower lets more of the caller through.
                 guard = min(guard, aligned + self._locked.gain_db + GUARD_MARGIN_DB)
         self._last = learn if self._teaches(hop) else None
