@@ -25,7 +25,7 @@ microphone before the VAD hears it:
    last seconds the caller was quiet) plus `GUARD_MARGIN_DB`. Before the delay
    is known, the guard is the loudest reference over every delay, at full
    level: the caller must be louder than the bot itself. After the reference
-   jumps (a stall, a phone's drained queue) the canceller's bound waits
+   comes back to the clock (a phone's queue drained) the canceller's bound waits
    `SETTLE_HOPS` past the jump's echo: the far end may now play it a little
    sooner or later than the canceller learnt.
 
@@ -72,9 +72,9 @@ GUARD_MARGIN_DB = 6.0
 # -5 dB and hid a caller's "Stop, stop" under it for 1.5 s. Decoded frames teach as before: there,
 # what is heard is the residue itself.
 FLOOR_HEADROOM_DB = 25.0
-# After the reference jumps (a stall, or a phone's queue drained between replies), the echo may
-# come back sooner or later against it than the canceller learnt: 20-40 ms seen on a loaded
-# machine, and the canceller's residue was then the echo itself, far over a guard that trusted it
+# After a phone's queue drains between replies (it held the frames of a stall), the reference comes
+# back to the clock and the echo comes back sooner against it than the canceller learnt: 20-40 ms
+# seen on a loaded machine, and the canceller's residue was then the echo itself, far over a guard that trusted it
 # (the bot stopped itself). Until the jump's echo has been back this long, the guard is the one
 # that holds for any delay; the canceller's comes back after. Without stalls nothing changes.
 SETTLE_HOPS = 60
@@ -225,12 +225,13 @@ class EchoCanceller:
             if gap > HOP:
                 self._write(np.zeros(min(gap, RING), dtype=np.int16))
                 self._ref_end = start
-                self._resynced(start)
             self._write(pcm)
 
     def _resynced(self, start: int) -> None:
-        """The reference left its even 20 ms (a stall, a drained queue): where the far end plays it may
-        have moved against it by up to a stall's length, past what the canceller's filter spans."""
+        """The reference came back to the clock after a phone's queue drained: where the phone plays it
+        moved sooner against it by what the queue held, which the canceller's filter may not span.
+        (Only this jump: a gap laid as silence moves nothing, and counting every late tick as a jump
+        kept a loaded browser's caller under the guard for a whole answer.)"""
         self._resync_hop = start // HOP
 
     def _write(self, pcm: np.ndarray) -> None:
