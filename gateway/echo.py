@@ -225,6 +225,11 @@ class EchoCanceller:
             if gap > HOP:
                 self._write(np.zeros(min(gap, RING), dtype=np.int16))
                 self._ref_end = start
+                if self._law is not None:
+                    # A phone call's stall: the phone plays what it then gets one frame after
+                    # another, behind, until its queue drains (a browser's jitter buffer follows
+                    # by itself, and counting its late ticks kept its caller under the guard).
+                    self._resynced(start)
             self._write(pcm)
 
     def _resynced(self, start: int) -> None:
