@@ -24,8 +24,8 @@ microphone before the VAD hears it:
    gain (`GUARD_PERCENTILE` of the residue against the reference, over the
    last seconds the caller was quiet) plus `GUARD_MARGIN_DB`. Before the delay
    is known, the guard is the loudest reference over every delay, at full
-   level: the caller must be louder than the bot itself. After the reference
-   comes back to the clock (a phone's queue drained) the canceller's bound waits
+   level: the caller must be louder than the bot itself. On a phone call, after
+   a stall or a drained queue moves the reference, the canceller's bound waits
    `SETTLE_HOPS` past the jump's echo: the far end may now play it a little
    sooner or later than the canceller learnt.
 
@@ -72,10 +72,9 @@ GUARD_MARGIN_DB = 6.0
 # -5 dB and hid a caller's "Stop, stop" under it for 1.5 s. Decoded frames teach as before: there,
 # what is heard is the residue itself.
 FLOOR_HEADROOM_DB = 25.0
-# After a phone's queue drains between replies (it held the frames of a stall), the reference comes
-# back to the clock and the echo comes back sooner against it than the canceller learnt: 20-40 ms
-# seen on a loaded machine, and the canceller's residue was then the echo itself, far over a guard that trusted it
-# (the bot stopped itself). Until the jump's echo has been back this long, the guard is the one
+# On a phone call, a stall of the output, and the phone's queue draining after it, move where the
+# phone plays the audio against the reference (20-40 ms seen on a loaded machine): the canceller's
+# residue was then the echo itself, far over a guard that trusted it (the bot stopped itself). Until the jump's echo has been back this long, the guard is the one
 # that holds for any delay; the canceller's comes back after. Without stalls nothing changes.
 SETTLE_HOPS = 60
 GUARD_PERCENTILE = 95
@@ -168,7 +167,7 @@ class EchoCanceller:
         self._ring = np.zeros(RING, dtype=np.int16)
         self._ref_end: int | None = None  # absolute sample position after the last reference sample
         self._first_ref = 0
-        self._resync_hop = -(10**9)  # the reference hop of its last jump (_resynced)
+        self._resync_hop = -(10**9)  # a phone call's last stall or drained queue, as a reference hop (SETTLE_HOPS)
         self._ref_env = np.full(_ENV_RING, _LOG_FLOOR)  # reference hop energies, by hop index mod _ENV_RING
         self._ref_env_end = 0  # hop index after the last complete reference hop
         self._mic_env = np.full(_ENV_RING, _LOG_FLOOR)
@@ -217,7 +216,7 @@ class EchoCanceller:
                 # A phone call is sent nothing between utterances, so the phone's queue drains: a
                 # reference laid behind the clock (the frames of a stall, played one after another)
                 # waits for it here, and the next reply is laid where the phone plays it, on time.
-                self._resynced(start)
+                self._resync_hop = start // HOP
                 continue
             # Frames leave every 20 ms within a few ms: lay them end to end. A jump (DTX between
             # utterances, a stall) leaves silence in between.
@@ -229,15 +228,8 @@ class EchoCanceller:
                     # A phone call's stall: the phone plays what it then gets one frame after
                     # another, behind, until its queue drains (a browser's jitter buffer follows
                     # by itself, and counting its late ticks kept its caller under the guard).
-                    self._resynced(start)
+                    self._resync_hop = start // HOP
             self._write(pcm)
-
-    def _resynced(self, start: int) -> None:
-        """The reference came back to the clock after a phone's queue drained: where the phone plays it
-        moved sooner against it by what the queue held, which the canceller's filter may not span.
-        (Only this jump: a gap laid as silence moves nothing, and counting every late tick as a jump
-        kept a loaded browser's caller under the guard for a whole answer.)"""
-        self._resync_hop = start // HOP
 
     def _write(self, pcm: np.ndarray) -> None:
         assert self._ref_end is not None
