@@ -4,8 +4,9 @@ Measures, in this process, what the gateway does on the event loop with one
 utterance's text: the segmenter, speakable() and the speech-tag rules. Each
 hostile input (the ones that froze the loop before the linear-time rules, see
 docs/security.md) is timed beside plain sentences of the same length, in the
-same run; the ratio is the figure. `--label` names the run in the JSON, so a
-run on older code can be kept beside it.
+same run; the ratio is the figure. `--label` names the run in the JSON (the
+run on the code before the linear-time rules is in git: bench/results/
+hostile-text-before.json at d7f8ed7).
 
     python bench/bench_hostile_text.py [--quick] [--label after]
 """
@@ -67,7 +68,7 @@ def main() -> int:
             "repeat": repeat, "rows": rows, "machine": info, "machine_end": machine()}
     out_dir = os.path.join(ROOT, "bench", "results")
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"hostile-text-{args.label}.json")
+    path = os.path.join(out_dir, "hostile-text.json")
     with open(path, "w") as f:
         json.dump(data, f, indent=2)
     print("wrote", path)
