@@ -62,8 +62,19 @@ def op_types(model: onnx.ModelProto) -> list[str]:
     return [n.op_type for n in model.graph.node]
 
 
+# The rewrite's distance from float, by weight bits. 8 bits only where this processor adds u8 x s8
+# pairs without 16-bit overflow (graph_quant.weight_bits): forced on an AVX2-only x86 (an EPYC without
+# VNNI), the overflow alone took one case here to 29.3 dB, the reason the product gives it 7 bits.
+BITS = graph_quant.weight_bits()
+MIN_SNR_DB = {8: 30.0, 7: 24.0}
+
+
+def snr_db(want: np.ndarray, got: np.ndarray) -> float:
+    return float(10 * np.log10((want.astype(np.float64) ** 2).sum() / ((want - got).astype(np.float64) ** 2).sum()))
+
+
 @pytest.mark.parametrize("pads", [(1, 1), (0, 0), (2, 0)])
-@pytest.mark.parametrize("bits", [8, 7])
+@pytest.mark.parametrize("bits", sorted({BITS, 7}))
 def test_a_convolution_in_the_prior_becomes_an_int8_product_close_to_float(pads, bits):
     x = np.random.default_rng(1).standard_normal((1, C, 37)).astype(np.float32)
     original = prior_like(pads=pads)
@@ -75,8 +86,7 @@ def test_a_convolution_in_the_prior_becomes_an_int8_product_close_to_float(pads,
     assert ops.count("Conv") == 1  # the flow's, after z_p, stays float
     want, got = run(original, x)[1], run(rewritten, x)[1]
     assert got.shape == want.shape
-    snr = 10 * np.log10((want.astype(np.float64) ** 2).sum() / ((want - got).astype(np.float64) ** 2).sum())
-    assert snr >= (30.0 if bits == 8 else 24.0)
+    assert snr_db(want, got) >= MIN_SNR_DB[bits]
 
 
 def test_new_names_never_collide_and_the_float_weights_go():
@@ -86,11 +96,10 @@ def test_new_names_never_collide_and_the_float_weights_go():
     model.graph.output.append(helper.make_tensor_value_info("h/int8/padded", TensorProto.FLOAT, [1, C, "t"]))
     x = np.random.default_rng(4).standard_normal((1, C, 21)).astype(np.float32)
     want = run(prior_like(), x)[1]
-    assert quantize_prior(model, bits=8) == 1
+    assert quantize_prior(model, bits=BITS) == 1
     onnx.checker.check_model(model)
     got = run(model, x)[1]
-    snr = 10 * np.log10((want.astype(np.float64) ** 2).sum() / ((want - got).astype(np.float64) ** 2).sum())
-    assert snr >= 30.0
+    assert snr_db(want, got) >= MIN_SNR_DB[BITS]
     names = [i.name for i in model.graph.initializer]
     assert "w" not in names and "b" not in names and "w_flow" in names  # the replaced float weights are gone
 
@@ -149,15 +158,14 @@ def test_convolutions_reading_one_input_share_its_quantization(convs):
     original = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)], ir_version=8)
     rewritten = onnx.ModelProto()
     rewritten.CopyFrom(original)
-    assert quantize_prior(rewritten, bits=8) == 3
+    assert quantize_prior(rewritten, bits=BITS) == 3
     ops = op_types(rewritten)
     assert ops.count("MatMulInteger") == 3 and ops.count("DynamicQuantizeLinear") == 1 and "Conv" not in ops
     assert ops.count("Concat") == sum(kernel > 1 for kernel, _ in convs)  # one tap: no columns to join
     assert ops.count("Pad") == sum(any(pads) for _, pads in convs)
     want, got = run(original, x)[0], run(rewritten, x)[0]
     assert got.shape == want.shape
-    snr = 10 * np.log10((want.astype(np.float64) ** 2).sum() / ((want - got).astype(np.float64) ** 2).sum())
-    assert snr >= 30.0
+    assert snr_db(want, got) >= MIN_SNR_DB[BITS]
 
 
 def test_without_the_noise_add_nothing_is_rewritten():
