@@ -142,7 +142,10 @@ async def test_cancel_stops_one_context_within_a_chunk_while_another_goes_on(pip
     assert old_ms < 15000  # eight sentences are some 30 s; it stopped early
     new_pcm = c.pcm("new")
     assert 1.5 < len(new_pcm) / 22050 < 6
-    assert word_error_rate("Okay, let me start over with a shorter answer.", recognize(new_pcm, 22050)) < 0.35
+    # The voice draws fresh noise each time: 100 offline syntheses of this sentence were recognised at
+    # a WER of 0.11-0.44 (8 at 0.44: "okay what we start over with the short answer"). Any of the old
+    # reply in it, or a cut, reads as far more than five of the nine words wrong.
+    assert word_error_rate("Okay, let me start over with a shorter answer.", recognize(new_pcm, 22050)) < 0.55
 
 
 async def test_flush_speaks_what_is_buffered_mid_sentence(piper_server):
@@ -154,10 +157,11 @@ async def test_flush_speaks_what_is_buffered_mid_sentence(piper_server):
         await c.send(type="end", context_id="a")
         await c.wait(lambda m: m["type"] == "done")
     assert all(m["words"] == [] for m in c.of("a", "audio"))  # words=false
-    # The buffered words, not a fragment (1.3 s here; "Hold on" alone is 0.6 s). The recognizer
-    # heard "while it looked" once in many runs: two of five words, the bound.
+    # The buffered words, not a fragment (1.3 s here; "Hold on" alone is 0.6 s): the length says so.
+    # The recognizer, on 130 offline syntheses of these words (the voice draws fresh noise each time),
+    # heard them whole mostly, and once "although on while it looked": three of five words, the bound.
     assert 0.9 < len(c.pcm("a")) / 22050 < 2.5
-    assert word_error_rate("Hold on while I look", recognize(c.pcm("a"), 22050)) <= 0.4
+    assert word_error_rate("Hold on while I look", recognize(c.pcm("a"), 22050)) <= 0.6
 
 
 async def test_opus_is_one_packet_a_message_and_decodes_to_the_text(tone_server):
