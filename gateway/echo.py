@@ -52,28 +52,13 @@ FILTER_MS = 128  # the canceller's tail after its reference: the room, and an es
 LEAD_MS = 20  # the reference goes to the canceller this much early, so an estimate a little long still works
 TAIL_MS = 60  # the room's reverberation: the echo outlasts its reference this long
 ESTIMATE_WINDOW_MS = 2000
-# Of that window, how much must be the microphone's own sound (from its first frame SOUND_DB over
-# the VAD's noise floor): before it, its envelope is a floor, and the step from that floor to
-# sound (the room as the microphone opens, or a caller who starts talking over the bot's first
-# second) correlates with the bot's own start at a lag where no echo is. Taken as the echo's
-# delay, a caller's first words were cancelled and learnt as its residue: a caller with no echo
-# who started 0.1-1.0 s into a reply went unheard for seconds. On the module alone (four espeak
-# callers, no echo, a question every 3 s over an 18 s reply), 50 of 140 later questions were missed
-# before SOUND_DB, UNLIKE_CORRELATION and LIKE_HEARD_MS; none with them, and echoes at -20 to -6 dB
-# and 50-300 ms still found their delay and started nothing.
+# Of that window, how much must be the microphone's own sound (after its first packet): before it,
+# its envelope is a floor, and the step from that floor to the room (music, noise) as the
+# microphone opens, just as the bot starts to talk, correlates with the bot's own step at a lag
+# where no echo is.
 MIN_HEARD_MS = 300
-SOUND_DB = 15.0
 ESTIMATE_EVERY_FRAMES = 10  # 200 ms
 MIN_CORRELATION = 0.6
-# Until an echo's delay is found, a frame with sound teaches the guard only while the microphone's
-# envelope follows the bot's at some delay this well: one that does not is the caller (or the
-# room), not the echo. Taught anyway, a caller who talked over a cold guard was learnt as an echo
-# as loud as the bot, and the guard kept them out for as long as they kept talking.
-UNLIKE_CORRELATION = 0.4
-# And until that delay is found, the guard learns nothing in the first LIKE_HEARD_MS of the
-# microphone's sound: over a shorter window, a caller's first words against the bot's first
-# (both starting from silence) correlate as well as an echo does.
-LIKE_HEARD_MS = 1500
 CONFIRMATIONS = 3  # estimates in a row (600 ms) that must agree before a delay is taken
 # The reference has to move for the correlation to mean something: its envelope's spread, in dB.
 MIN_SPREAD_DB = 6.0
@@ -106,7 +91,6 @@ _LOG_FLOOR = 1e2  # hop energies under this are the floor (silence), in int16 un
 _MAX_LAG_HOPS = MAX_DELAY_MS // 10
 _WINDOW_HOPS = ESTIMATE_WINDOW_MS // 10
 _MIN_HEARD_HOPS = MIN_HEARD_MS // 10
-_LIKE_HEARD_HOPS = LIKE_HEARD_MS // 10
 _ENV_RING = 1 << 9  # hops of envelope kept: more than a window plus the longest lag
 
 
@@ -188,7 +172,7 @@ class EchoCanceller:
         self._ref_env_end = 0  # hop index after the last complete reference hop
         self._mic_env = np.full(_ENV_RING, _LOG_FLOOR)
         self._mic_end: int | None = None
-        self._sound_hop: int | None = None  # the first hop of sound in it (SOUND_DB over the floor)
+        self._mic_first_hop: int | None = None  # the first hop of the microphone's own sound
         self._pending = np.zeros(0, dtype=np.int16)
         self._last_active_hop = -(10**9)
         self._talk_start_hop = 0
@@ -197,7 +181,6 @@ class EchoCanceller:
         self._candidate: int | None = None  # a delay seen in the last estimates, not yet confirmed
         self._seen = 0
         self.correlation = 0.0
-        self._heard_hops = 0  # the microphone's sound in the last estimate's window, in hops
         # The last frame's (level dB, reference dB, the gain it teaches), until learn().
         self._last: list[tuple[float, float, EchoGain]] | None = None
         self._unlocked = EchoGain()  # the microphone against the loudest reference over every delay
@@ -298,7 +281,7 @@ class EchoCanceller:
         buf = np.concatenate([self._pending, pcm]) if len(self._pending) else pcm
         n = len(buf) // FRAME_SAMPLES
         self._pending = buf[n * FRAME_SAMPLES :]
-        return [self._frame(buf[i * FRAME_SAMPLES : (i + 1) * FRAME_SAMPLES], floor_db) for i in range(n)]
+        return [self._frame(buf[i * FRAME_SAMPLES : (i + 1) * FRAME_SAMPLES]) for i in range(n)]
 
     def skip(self, frames: int, level_db: float | None, arrived_at: float, caller_quiet: bool, floor_db: float) -> None:
         """Frames the microphone did not decode (DTX, loss, its level gate; `level_db` their level
@@ -332,17 +315,14 @@ class EchoCanceller:
             # browser its DTX), which is what a gap says too. Up to a second of it teaches the guard.
             missing = 0 if self._ref_end is None else min(MAX_MISSING_FRAMES, max(0, start - self._first_ref) // FRAME_SAMPLES)
             self._mic_end = start - missing * FRAME_SAMPLES
+            self._mic_first_hop = -(-start // HOP)
             self._quiet(missing, QUIET_DB, True, floor_db)
         elif abs(start - self._mic_end) > 2 * FRAME_SAMPLES:
             self._mic_end = start
 
     def _teaches(self, hop: int) -> bool:
         """Whether a quiet frame at `hop` says anything about the echo: only once the bot has been
-        talking for longer than any echo's delay (before that, its echo may just not be back yet),
-        and, until the echo's delay is found, once the microphone's sound has been heard for
-        LIKE_HEARD_MS (before that, a caller cannot be told from an echo)."""
-        if self.delay_hops is None and self._sound_hop is not None and self._heard_hops < _LIKE_HEARD_HOPS:
-            return False
+        talking for longer than any echo's delay. Before that, its echo may just not be back yet."""
         return hop - self._talk_start_hop >= _MAX_LAG_HOPS
 
     def _bot_silent(self, hop: int) -> bool:
@@ -363,7 +343,7 @@ class EchoCanceller:
             out.append(("at", self._loudest(hop - self.delay_hops - TAIL_MS // 10, hop - self.delay_hops + 2), self._locked))
         return out
 
-    def _frame(self, frame: np.ndarray, floor_db: float) -> tuple[np.ndarray, float | None]:
+    def _frame(self, frame: np.ndarray) -> tuple[np.ndarray, float | None]:
         assert self._mic_end is not None
         m = self._mic_end
         self._mic_end += FRAME_SAMPLES
@@ -375,17 +355,13 @@ class EchoCanceller:
             self._mic_env[(hop + k) % _ENV_RING] = max(float(np.dot(seg, seg)) / HOP, _LOG_FLOOR)
         if self._bot_silent(hop):
             return frame, None
-        level_db = _db(float(np.dot(samples, samples)) / FRAME_SAMPLES)
-        sound = level_db > floor_db + SOUND_DB
-        if sound and self._sound_hop is None:
-            self._sound_hop = hop
         self._tick(hop)
         references = self._references(hop)
         _, loudest, _ = references[0]
+        level_db = _db(float(np.dot(samples, samples)) / FRAME_SAMPLES)
         # Any delay, at the gain learnt of the microphone against that (full level until then).
         guard = loudest + self._unlocked.gain_db + GUARD_MARGIN_DB
-        unlike = self.delay_hops is None and sound and self.correlation < UNLIKE_CORRELATION
-        learn = [] if unlike else [(level_db, loudest, self._unlocked)]
+        learn = [(level_db, loudest, self._unlocked)]
         if self.delay_hops is not None:
             _, aligned, _ = references[1]
             if self._canceller is None:
@@ -422,9 +398,9 @@ class EchoCanceller:
     def _estimate(self, end_hop: int) -> None:
         """Correlate the last window of microphone envelope (what of it the microphone has heard)
         with the reference's at every lag."""
-        if self._sound_hop is None:
-            return  # only the floor so far: no echo to find
-        window = min(_WINDOW_HOPS, end_hop - self._sound_hop)
+        window = _WINDOW_HOPS
+        if self._mic_first_hop is not None:
+            window = min(window, end_hop - self._mic_first_hop)
         if window < _MIN_HEARD_HOPS:
             return  # the microphone has not been heard for long enough yet
         first = end_hop - window - _MAX_LAG_HOPS
@@ -445,7 +421,6 @@ class EchoCanceller:
         corr = centred @ mic / np.maximum(norms * mic_norm, 1e-9)
         best = int(np.argmax(corr))
         self.correlation = float(corr[best])
-        self._heard_hops = window
         if self.correlation < MIN_CORRELATION:
             return
         lag = _MAX_LAG_HOPS - best

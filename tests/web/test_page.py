@@ -53,14 +53,19 @@ def speech_wav(tmp_path_factory) -> str:
         rate = w.getframerate()
         pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16)
     speech = soxr.resample(pcm.astype(np.float32), rate, 48000).clip(-32768, 32767).astype(np.int16)
-    silence = np.zeros(48000 * 8 // 10, dtype=np.int16)
-    # Chromium loops the file: the question comes back every three seconds or so.
+    # Chromium loops the file: the question comes back every QUESTION_EVERY_S. The 4.4 s of silence
+    # after it outlast the echo guard's memory of the room (4 s, gateway/echo.py): a question under
+    # the guard while it is cold (the bot's first second) is learnt as the bot's echo, and with
+    # 1.6 s of silence between questions, at the bot's own level, none got through a 20 s answer
+    # (2 of 5 runs on a loaded machine). A caller with no echo who keeps talking over the reply's
+    # first second is the case: docs/barge-in.md.
+    before, after = (np.zeros(48000 * ms // 1000, dtype=np.int16) for ms in (800, 4400))
     out = str(folder / "question48k.wav")
     with wave.open(out, "wb") as w:
         w.setnchannels(1)
         w.setsampwidth(2)
         w.setframerate(48000)
-        w.writeframes(np.concatenate([silence, speech, silence]).tobytes())
+        w.writeframes(np.concatenate([before, speech, after]).tobytes())
     return out
 
 
@@ -271,11 +276,9 @@ def test_microphone_barge_in_and_vad_toggle(page, piper_server):
     open_page(page, piper_server, mic=True)
     page.fill("#text", LONG_TEXT + " " + LONG_TEXT)
     page.click("#speak")
-    # The fake microphone asks its question every three seconds or so: the server hears it
+    # The fake microphone asks its question every six seconds or so: the server hears it
     # and stops the speech. The first may come before the echo guard has heard the room
-    # (then the caller must be louder than the bot: gateway/echo.py); one of the next does it.
-    # Before echo.py's SOUND_DB and UNLIKE_CORRELATION, a first question under the cold guard
-    # could be learnt as the bot's echo, and none got through the answer (2 of 5 loaded runs).
+    # (then the caller must be louder than the bot: gateway/echo.py); the next does it.
     # The answer lasts ~20 s, so it cannot end first.
     interrupted = wait_event(page, "utterance.interrupted", "p1", timeout=25000)["msg"]
     assert interrupted["reason"] == "barge_in"
@@ -284,7 +287,7 @@ def test_microphone_barge_in_and_vad_toggle(page, piper_server):
     wait_event(page, "speech.stopped", timeout=10000)
 
     # With barge-in off, the server does not listen to the microphone at all (nothing
-    # is decoded): the question, which comes back every three seconds, neither
+    # is decoded): the question, which comes back every six seconds, neither
     # interrupts the whole answer nor shows as voice activity.
     page.uncheck("#vad")
     page.wait_for_function("window.voxgate.state.vad_enabled === false")
@@ -293,7 +296,7 @@ def test_microphone_barge_in_and_vad_toggle(page, piper_server):
     page.click("#speak")
     wait_event(page, "audio.started", "p2")
     done = wait_event(page, "utterance.done", "p2", timeout=30000)
-    assert done["msg"]["audio_ms"] > 6000  # the question came at least twice meanwhile
+    assert done["msg"]["audio_ms"] > 7000  # the question came at least once meanwhile
     heard = page.evaluate(
         "(t) => window.voxgate.events.filter((e) => e.dir === 'in' && e.t > t).map((e) => e.msg.type)", t
     )
