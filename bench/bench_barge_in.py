@@ -251,8 +251,11 @@ class TwilioTrials:
             try:
                 uid = await backend.say(corpus.BOT_REPLIES[seed % len(corpus.BOT_REPLIES)], wait=False)
                 after = (1500 + (seed * 277) % 1500) // 20
-                await phone.wait(lambda: len(phone.received.media) >= after, timeout=30)
-                early = any(e["type"] in BARGE_EVENTS for e in backend.history)
+                # Or a barge-in on the echo before the caller speaks: the bot stops short of `after`,
+                # and the trial counts as spoiled (it stopped the whole bench before).
+                early_barge = lambda: any(e["type"] in BARGE_EVENTS for e in backend.history)
+                await phone.wait(lambda: len(phone.received.media) >= after or early_barge(), timeout=30)
+                early = early_barge()
                 if early:
                     return {"echo_db": echo_db, "delay_ms": delay_ms, "early_barge_in": True, "interrupted": False,
                             "latency_ms": None, "backchannel_events": 0}
