@@ -124,7 +124,7 @@ class Trials:
                         "echo_db": echo_db, "delay_ms": delay_ms, "reply": k, "cold": k == 0,
                         "false_barge_in": end["type"] == "utterance.interrupted" or any(e["type"] == "speech.started" for e in seen),
                         "interrupted": end["type"] == "utterance.interrupted",
-                        "audio_ms": end.get("audio_ms", end.get("played_ms")),
+                        "audio_ms": end.get("audio_ms", end.get("played_ms")), "session_id": client.session_id,
                     })
                     # Let the echo of its end die away before the next reply.
                     await client.wait_frames_after(end, 25, timeout=10)
@@ -147,7 +147,7 @@ class Trials:
                 early = [e for _, e in client.event_log if e["type"] in BARGE_EVENTS]
                 if early:  # the bot already stopped (its own echo): nothing left to interrupt
                     return {"echo_db": echo_db, "delay_ms": delay_ms, "early_barge_in": True, "interrupted": False,
-                            "latency_ms": None, "backchannel_events": 0}
+                            "latency_ms": None, "backchannel_events": 0, "session_id": client.session_id}
                 index = client.mic.play(clip)
                 end = await client.wait_for_any(("utterance.done", "utterance.interrupted"), timeout=60)
                 # Everything the caller's turn produced, up to its speech.stopped (or 3 s after the end).
@@ -164,6 +164,7 @@ class Trials:
                     "latency_ms": round((client.arrival(end) - onset) * 1000, 1)
                     if end["type"] == "utterance.interrupted" and not early else None,
                     "backchannel_events": sum(1 for _, e in client.event_log if e["type"] == "speech.backchannel"),
+                    "session_id": client.session_id,
                 }
             finally:
                 await client.close()
@@ -235,7 +236,7 @@ class TwilioTrials:
                     seen = [e["type"] for e in backend.history[mark:]]
                     rows.append({"echo_db": echo_db, "delay_ms": delay_ms, "reply": k, "cold": k == 0,
                                  "false_barge_in": outcome.interrupted or "speech.started" in seen,
-                                 "interrupted": outcome.interrupted})
+                                 "interrupted": outcome.interrupted, "session_id": backend.session_id})
                     # Let the phone play what it has and the echo of its end die away.
                     await phone.wait(lambda: line.played >= len(phone.received.media), timeout=30)
                     await asyncio.sleep((delay_ms + 500) / 1000)
@@ -258,7 +259,7 @@ class TwilioTrials:
                 early = early_barge()
                 if early:
                     return {"echo_db": echo_db, "delay_ms": delay_ms, "early_barge_in": True, "interrupted": False,
-                            "latency_ms": None, "backchannel_events": 0}
+                            "latency_ms": None, "backchannel_events": 0, "session_id": backend.session_id}
                 events = backend.events()
                 line.say(clip)
                 end = await asyncio.wait_for(next_event(events, ("utterance.done", "utterance.interrupted"), uid), 60)
@@ -273,7 +274,8 @@ class TwilioTrials:
                     latency = round((phone.received.clears[0] - line.caller_at - corpus.onset_s(clip, 8000)) * 1000, 1)
                 return {"echo_db": echo_db, "delay_ms": delay_ms, "early_barge_in": latency is not None and latency < 0,
                         "interrupted": interrupted, "latency_ms": latency if latency is None or latency >= 0 else None,
-                        "backchannel_events": sum(1 for e in backend.history if e["type"] == "speech.backchannel")}
+                        "backchannel_events": sum(1 for e in backend.history if e["type"] == "speech.backchannel"),
+                        "session_id": backend.session_id}
             finally:
                 await self._hang_up(backend, phone, line)
 

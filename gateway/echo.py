@@ -77,6 +77,9 @@ FLOOR_HEADROOM_DB = 25.0
 # residue was then the echo itself, far over a guard that trusted it (the bot stopped itself). Until the jump's echo has been back this long, the guard is the one
 # that holds for any delay; the canceller's comes back after. Without stalls nothing changes.
 SETTLE_HOPS = 60
+# Before the bot has talked for the longest delay, a microphone frame this far over the VAD's noise
+# floor (its own margin, vad.py) is loud enough to say something of the echo: it teaches the guard.
+AUDIBLE_DB = 9.0
 GUARD_PERCENTILE = 95
 GUARD_HISTORY = 200  # frames of residue the guard learns from (4 s)
 GUARD_MIN_HISTORY = 10  # until this many (200 ms), the guard stays at its cold level
@@ -84,6 +87,7 @@ COLD_GAIN_DB = 0.0  # the echo path's gain assumed before anything is learnt: as
 # The least gain the guard learns, however quiet the microphone was: an echo that appears later (a
 # speakerphone switched on) then still has to be within this of the bot to be let through.
 MIN_GAIN_DB = -30.0
+TRACE_FRAMES = 25  # frames describe() shows (500 ms): more than the VAD's window to start a turn
 RING = 1 << 15  # reference samples kept (2 s at 16 kHz)
 MAX_TAPPED = 150  # departed frames waiting to be decoded (3 s): a session that stops listening cannot grow it
 MAX_MISSING_FRAMES = 50  # before the microphone's first packet, at most this much counts as quiet
@@ -188,6 +192,11 @@ class EchoCanceller:
         self.frames = 0
         self.cancelled = 0  # frames that went through the canceller
         self.delay_changes = 0
+        # (hop, level dB, guard dB, voiced) of the last frames, kept only at debug level (describe()).
+        self._trace: deque = deque(maxlen=TRACE_FRAMES)
+        self._estimates: deque = deque(maxlen=TRACE_FRAMES // 3)  # (hop, best lag, its correlation)
+        self._raw_db = 0.0  # the last frame's level before the canceller
+        self.started_trace: str | None = None  # describe() where the VAD's last turn started over the guard
 
     # Positions: samples at 16 kHz since `epoch`, on the session's clock (perf_counter).
     def _position(self, t: float) -> int:
@@ -281,7 +290,7 @@ class EchoCanceller:
         buf = np.concatenate([self._pending, pcm]) if len(self._pending) else pcm
         n = len(buf) // FRAME_SAMPLES
         self._pending = buf[n * FRAME_SAMPLES :]
-        return [self._frame(buf[i * FRAME_SAMPLES : (i + 1) * FRAME_SAMPLES]) for i in range(n)]
+        return [self._frame(buf[i * FRAME_SAMPLES : (i + 1) * FRAME_SAMPLES], floor_db) for i in range(n)]
 
     def skip(self, frames: int, level_db: float | None, arrived_at: float, caller_quiet: bool, floor_db: float) -> None:
         """Frames the microphone did not decode (DTX, loss, its level gate; `level_db` their level
@@ -343,7 +352,7 @@ class EchoCanceller:
             out.append(("at", self._loudest(hop - self.delay_hops - TAIL_MS // 10, hop - self.delay_hops + 2), self._locked))
         return out
 
-    def _frame(self, frame: np.ndarray) -> tuple[np.ndarray, float | None]:
+    def _frame(self, frame: np.ndarray, floor_db: float) -> tuple[np.ndarray, float | None]:
         assert self._mic_end is not None
         m = self._mic_end
         self._mic_end += FRAME_SAMPLES
@@ -358,7 +367,7 @@ class EchoCanceller:
         self._tick(hop)
         references = self._references(hop)
         _, loudest, _ = references[0]
-        level_db = _db(float(np.dot(samples, samples)) / FRAME_SAMPLES)
+        level_db = self._raw_db = _db(float(np.dot(samples, samples)) / FRAME_SAMPLES)
         # Any delay, at the gain learnt of the microphone against that (full level until then).
         guard = loudest + self._unlocked.gain_db + GUARD_MARGIN_DB
         learn = [(level_db, loudest, self._unlocked)]
@@ -374,7 +383,18 @@ class EchoCanceller:
             if self._locked.ready and hop >= self._resync_hop + self.delay_hops + SETTLE_HOPS:
                 # Either bound holds the echo under it; the lower lets more of the caller through.
                 guard = min(guard, aligned + self._locked.gain_db + GUARD_MARGIN_DB)
-        self._last = learn if self._teaches(hop) else None
+        if self._teaches(hop):
+            self._last = learn
+        elif level_db > floor_db + AUDIBLE_DB:
+            # Before the bot has talked for the longest delay, a quiet microphone proves nothing (its
+            # echo may not be back yet), but a loud one is its echo (or the caller, as the VAD will
+            # say): the guard for any delay learns it. Otherwise a pause could be all it learnt: the
+            # bot's first words' echo gone by before teaching began, their reference still the
+            # loudest, the microphone near the room (-30 dB from 10 frames where the echo was -10
+            # dB: its next words went past the guard).
+            self._last = learn[:1]
+        else:
+            self._last = None
         return frame, guard
 
     def learn(self, caller_quiet: bool) -> None:
@@ -421,6 +441,7 @@ class EchoCanceller:
         corr = centred @ mic / np.maximum(norms * mic_norm, 1e-9)
         best = int(np.argmax(corr))
         self.correlation = float(corr[best])
+        self._estimates.append((end_hop, _MAX_LAG_HOPS - best, self.correlation))
         if self.correlation < MIN_CORRELATION:
             return
         lag = _MAX_LAG_HOPS - best
@@ -441,6 +462,24 @@ class EchoCanceller:
             # A new path: what the guard learnt of the old one's residue no longer holds.
             self._locked = EchoGain()
         self.delay_hops = lag
+
+    def trace_frame(self, frame: np.ndarray, guard: float | None, voiced: bool) -> None:
+        """Keep a frame's judgement for describe() (debug logging only)."""
+        samples = frame.astype(np.float64)
+        hop = -1 if self._mic_end is None else self._mic_end // HOP - 2
+        self._trace.append((hop, self._raw_db, _db(float(np.dot(samples, samples)) / FRAME_SAMPLES), guard, voiced))
+
+    def describe(self) -> str:
+        """The canceller's state, its last delay estimates and frames, for a log line: why a frame
+        passed the guard."""
+        estimates = " ".join(f"{h}:{lag}@{c:.2f}" for h, lag, c in self._estimates)
+        frames = " ".join(f"{h}:{raw:.0f}>{lv:.0f}/{'-' if g is None else f'{g:.0f}'}{'*' if v else ''}"
+                          for h, raw, lv, g, v in self._trace)
+        return (f"delay={self.delay_hops} corr={self.correlation:.2f} changes={self.delay_changes} "
+                f"gain_any={self._unlocked.gain_db:.1f}({len(self._unlocked._history)}) "
+                f"gain_at={self._locked.gain_db:.1f}({len(self._locked._history)}) resync_hop={self._resync_hop} "
+                f"talk_start={self._talk_start_hop} ref_end_hop={self._ref_env_end} "
+                f"estimates hop:lag@corr: {estimates} frames hop:mic>heard/guard(*voiced): {frames}")
 
     def close(self) -> None:
         if self._canceller is not None:

@@ -61,6 +61,8 @@ def _hear(echo: EchoCanceller | None, vad: VoiceActivityDetector, items: list[tu
     job per session runs at a time, so the canceller and the VAD need no lock. `origin` is the
     session clock's, so a frame's capture time is on the clock its departures are (perf_counter)."""
     out: list[tuple[list[str], int]] = []
+    # At debug level the canceller keeps its last frames, to say why speech started over the bot.
+    tracing = echo is not None and log.isEnabledFor(logging.DEBUG)
     for pcm, capture_ms, level_db in items:
         end = origin + (capture_ms + FRAME_MS) / 1000.0
         if pcm is None:
@@ -72,8 +74,13 @@ def _hear(echo: EchoCanceller | None, vad: VoiceActivityDetector, items: list[tu
         else:
             events = []
             for frame, guard in echo.process(pcm, end, vad.floor_db):
-                events.extend(vad.frame(frame, guard))
+                heard = vad.frame(frame, guard)
+                events.extend(heard)
                 echo.learn(caller_quiet=vad.quiet)
+                if tracing:
+                    echo.trace_frame(frame, guard, vad.voiced)
+                    if "speech.started" in heard and guard is not None:
+                        echo.started_trace = echo.describe()
         if events:
             out.append((events, int(capture_ms) + FRAME_MS))
     return out
@@ -379,6 +386,10 @@ class Session(SessionOutput, UtteranceQueue):
             self.playout.tap = None
             self._mic_queue.clear()
             return
+        if self.echo is not None and self.echo.started_trace:
+            log.debug("session %s: speech started over the bot's echo guard: %s", self.id, self.echo.started_trace,
+                      extra={"session_id": self.id})
+            self.echo.started_trace = None
         for events, at_ms in job.result():
             self._vad_events(events, at_ms)
         if self._mic_queue and self.echo is not None:

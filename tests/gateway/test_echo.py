@@ -313,3 +313,76 @@ async def test_a_session_with_the_vad_off_keeps_no_canceller_and_no_reference():
                 await client.wait_for("session.updated", timeout=10)
                 assert (session.echo is not None) is enabled
                 assert (session.playout.tap is not None) is enabled
+
+
+def test_at_debug_level_a_turn_started_over_the_bot_says_what_the_guard_saw(caplog):
+    """Why did the bot stop? At debug level the listening job keeps the canceller's last frames and,
+    where the VAD starts a turn over the guard, its state and those frames (level/guard, voiced
+    marked) for the session's log line. At info level nothing is kept."""
+    import logging
+
+    from voxgate.gateway.session import _hear
+
+    packets = _joe_packets("The new plan costs twelve dollars a month and includes unlimited calls.")
+    caller = corpus.espeak("Wait, hold on, I have a question.", "en-gb+f3", 16000).astype(np.float64)
+
+    def run() -> tuple[EchoCanceller, list]:
+        tap = ReferenceTap()
+        echo = EchoCanceller("opus", tap, epoch=0.0)
+        vad = VoiceActivityDetector(VadSettings())
+        mic = np.random.default_rng(0).standard_normal(len(packets) * 320) * 30
+        mic[32000 : 32000 + len(caller)] += caller[: len(mic) - 32000] * 4  # well over the bot, 2 s in
+        mic = np.clip(mic, -32768, 32767).astype(np.int16)
+        events = []
+        for j, packet in enumerate(packets):
+            tap(packet, j * 0.02)
+            items = [(mic[j * 320 : (j + 1) * 320], j * 20.0, None)]
+            events += [e for es, _ in _hear(echo, vad, items, 0.0) for e in es]
+        return echo, events
+
+    with caplog.at_level(logging.INFO, logger="voxgate.gateway.session"):
+        echo, events = run()
+    assert "speech.started" in events and echo.started_trace is None and not echo._trace
+    with caplog.at_level(logging.DEBUG, logger="voxgate.gateway.session"):
+        echo, events = run()
+    assert "speech.started" in events
+    trace = echo.started_trace
+    assert trace is not None and trace.startswith("delay=") and "gain_any=" in trace, trace
+    assert "estimates hop:lag@corr: " in trace
+    frames = trace.split("(*voiced): ")[1].split()
+    assert len(frames) == 25 and frames[-1].endswith("*")  # the frame that started the turn was voiced
+
+
+def test_a_pause_in_the_first_echo_does_not_teach_the_guard_that_the_echo_is_faint():
+    """Before the bot has talked for the longest delay, quiet microphone frames teach the guard
+    nothing (the echo may not be back yet). A reply that opens with a short phrase and a pause, on a
+    300 ms echo at -10 dB: the phrase's echo is back and gone before teaching begins, its reference
+    is still the loudest over every delay, and the pause's frames alone taught the guard for any
+    delay a gain of -30 dB (10 frames). The next words' echo went past it and the bot stopped
+    itself (1.1 s in). The phrase's loud echo frames now teach it too."""
+    import soxr
+
+    from voxgate.gateway.encoder import ulaw_decode, ulaw_encode
+    from voxgate.gateway.resample import Upsampler2x
+
+    speech = corpus.espeak(corpus.BOT_REPLIES[0], "en-us")  # "Thanks for calling." and a pause, then more
+    phone = soxr.resample(speech.astype(np.float32), corpus.RATE, 8000).astype(np.int16)
+    packets = [ulaw_encode(phone[i : i + 160]) for i in range(0, len(phone) // 160 * 160, 160)]
+    delay = 15 * 160
+    line = np.zeros(len(packets) * 160 + delay + 8000, dtype=np.float64)
+    line[delay : delay + len(packets) * 160] += np.concatenate([ulaw_decode(p) for p in packets]) * 10 ** (-10 / 20)
+    line += np.random.default_rng(15).standard_normal(len(line)) * 30
+    tap = ReferenceTap()
+    echo = EchoCanceller("pcmu", tap, epoch=0.0)
+    upsampler = Upsampler2x()
+    vad = VoiceActivityDetector(VadSettings())
+    started, voiced = [], 0
+    for j in range(len(line) // 160):
+        tap(packets[j] if j < len(packets) else None, j * 0.02)
+        mic = upsampler.process(ulaw_decode(ulaw_encode(np.clip(line[j * 160 : (j + 1) * 160], -32768, 32767).astype(np.int16))))
+        for frame, guard in echo.process(mic, (j + 1) * 0.02 - Upsampler2x.DELAY_S, vad.floor_db):
+            started += vad.frame(frame, guard)
+            voiced += vad.voiced
+            echo.learn(caller_quiet=vad.quiet)
+    assert echo.delay_hops is not None and abs(echo.delay_hops - 30) <= 2, echo.delay_hops
+    assert "speech.started" not in started and voiced <= 2, (started, voiced)
