@@ -13,10 +13,13 @@ import asyncio
 
 import numpy as np
 import pytest
+import soxr
 
 from tests import listening_corpus as corpus
 from voxgate.gateway import opus
 from voxgate.gateway.echo import ReferenceTap, EchoCanceller
+from voxgate.gateway.encoder import ulaw_decode, ulaw_encode
+from voxgate.gateway.resample import Upsampler2x
 from voxgate.gateway.vad import VadSettings, VoiceActivityDetector
 
 REPLY = corpus.BOT_REPLIES[0]
@@ -98,6 +101,32 @@ def _joe_packets(text: str) -> list[bytes]:
     return encoder.encode(pcm[: len(pcm) // 960 * 960])
 
 
+def _phone_packets(text: str) -> list[bytes]:
+    """`text` in espeak-ng's en-us as a phone call sends it: μ-law, 8 kHz, 20 ms a frame."""
+    speech = soxr.resample(corpus.espeak(text, "en-us").astype(np.float32), corpus.RATE, 8000).astype(np.int16)
+    return [ulaw_encode(speech[i : i + 160]) for i in range(0, len(speech) // 160 * 160, 160)]
+
+
+def _phone_call(packets: list, line: np.ndarray, sent_at=lambda j: j * 0.02) -> tuple[EchoCanceller, list]:
+    """A call's canceller and VAD, on a clock of their own: packet j leaves at `sent_at(j)` (nothing
+    after the last, every 20 ms), and the phone's line (8 kHz: its echo and its room) comes back μ-law
+    coded. The canceller, and each 20 ms frame's (index, the VAD's events, voiced)."""
+    tap = ReferenceTap()
+    echo = EchoCanceller("pcmu", tap, epoch=0.0)
+    upsampler = Upsampler2x()
+    vad = VoiceActivityDetector(VadSettings())
+    heard = []
+    for j in range(len(line) // 160):
+        tap(packets[j] if j < len(packets) else None, sent_at(j) if j < len(packets) else j * 0.02)
+        mic = upsampler.process(ulaw_decode(ulaw_encode(np.clip(line[j * 160 : (j + 1) * 160], -32768, 32767).astype(np.int16))))
+        # Stamped as a call's frames are (gateway/twilio_input.py): at their end, less the filter's delay.
+        for frame, guard in echo.process(mic, (j + 1) * 0.02 - Upsampler2x.DELAY_S, vad.floor_db):
+            events = vad.frame(frame, guard)
+            heard.append((j, events, vad.voiced))
+            echo.learn(caller_quiet=vad.quiet)
+    return echo, heard
+
+
 def test_the_echo_delay_is_found_and_its_echo_kept_under_the_guard():
     """The module alone, on a clock of its own: the reference leaves every 20 ms, its echo comes
     back 230 ms later at -6 dB; the delay is found within a hop and no echo frame counts as voiced."""
@@ -135,32 +164,14 @@ def test_a_phone_calls_short_echo_is_found_behind_its_reference():
     8 to 16 kHz ~100 ms at a time; the echo then came before its reference, the delay was taken
     as 0 and the echo went past the guard: 2 of 10 false barge-ins on the Twilio arm of
     bench_barge_in)."""
-    import soxr
-
-    from voxgate.gateway.encoder import ulaw_decode, ulaw_encode
-    from voxgate.gateway.resample import Upsampler2x
-
-    speech = corpus.espeak("The new plan costs twelve dollars a month and includes unlimited calls.", "en-us")
-    phone = soxr.resample(speech.astype(np.float32), corpus.RATE, 8000).astype(np.int16)
-    packets = [ulaw_encode(phone[i : i + 160]) for i in range(0, len(phone) // 160 * 160, 160)]
-    tap = ReferenceTap()
-    echo = EchoCanceller("pcmu", tap, epoch=0.0)
+    packets = _phone_packets("The new plan costs twelve dollars a month and includes unlimited calls.")
     played = np.concatenate([ulaw_decode(p) for p in packets]).astype(np.float64)
     delay = int(0.05 * 8000)
     line = np.zeros(len(played) + delay + 8000, dtype=np.float64)
     line[delay : delay + len(played)] += played * 10 ** (-10 / 20)
     line += np.random.default_rng(0).standard_normal(len(line)) * 30
-    upsampler = Upsampler2x()
-    vad = VoiceActivityDetector(VadSettings())
-    voiced = 0
-    for j in range(len(line) // 160):
-        tap(packets[j] if j < len(packets) else None, j * 0.02)
-        mic = upsampler.process(ulaw_decode(ulaw_encode(np.clip(line[j * 160 : (j + 1) * 160], -32768, 32767).astype(np.int16))))
-        # Stamped as a call's frames are (gateway/twilio_input.py): at their end, less the filter's delay.
-        for frame, guard in echo.process(mic, (j + 1) * 0.02 - Upsampler2x.DELAY_S, vad.floor_db):
-            vad.frame(frame, guard)
-            voiced += vad.voiced
-            echo.learn(caller_quiet=vad.quiet)
+    echo, heard = _phone_call(packets, line)
+    voiced = sum(v for _, _, v in heard)
     assert echo.delay_hops is not None and abs(echo.delay_hops - 5) <= 1, echo.delay_hops
     assert echo.cancelled > 0
     assert voiced == 0
@@ -173,17 +184,8 @@ def test_a_reply_after_a_stall_is_held_to_the_guard_for_any_delay_until_the_canc
     back 60 ms sooner against the reference than the canceller learnt. Its residue was then the
     echo itself, past a guard that trusted the canceller, and the bot stopped itself
     (tests/telephony/test_twilio_echo.py, 4 in 4 with a fresh server on a loaded machine)."""
-    import soxr
-
-    from voxgate.gateway.encoder import ulaw_decode, ulaw_encode
-    from voxgate.gateway.resample import Upsampler2x
-
-    def reply(text: str) -> list[bytes]:
-        speech = soxr.resample(corpus.espeak(text, "en-us").astype(np.float32), corpus.RATE, 8000).astype(np.int16)
-        return [ulaw_encode(speech[i : i + 160]) for i in range(0, len(speech) // 160 * 160, 160)]
-
-    first = reply("The new plan costs twelve dollars a month and includes unlimited calls.")
-    second = reply("Your order shipped on Monday and should arrive by Thursday afternoon.")
+    first = _phone_packets("The new plan costs twelve dollars a month and includes unlimited calls.")
+    second = _phone_packets("Your order shipped on Monday and should arrive by Thursday afternoon.")
     gap = [None] * 25  # 500 ms between the replies: nothing is sent, the phone's queue drains
     packets = first + gap + second
     stall, late, delay = 100, 3, int(0.2 * 8000)  # frames 100-102 leave 60 ms late, with frame 103
@@ -195,22 +197,9 @@ def test_a_reply_after_a_stall_is_held_to_the_guard_for_any_delay_until_the_canc
     line[delay + (stall + late) * 160 : delay + (len(first) + late) * 160] += played[stall * 160 : len(first) * 160] * gain
     line[delay + split * 160 : delay + len(played)] += played[split * 160 :] * gain
     line += np.random.default_rng(0).standard_normal(len(line)) * 30
-    tap = ReferenceTap()
-    echo = EchoCanceller("pcmu", tap, epoch=0.0)
-    upsampler = Upsampler2x()
-    vad = VoiceActivityDetector(VadSettings())
-    started, voiced_in_second = [], 0
-    for j in range(len(line) // 160):
-        if j < len(packets):
-            tap(packets[j], (stall + late) * 0.02 if stall <= j < stall + late else j * 0.02)
-        else:
-            tap(None, j * 0.02)
-        mic = upsampler.process(ulaw_decode(ulaw_encode(np.clip(line[j * 160 : (j + 1) * 160], -32768, 32767).astype(np.int16))))
-        for frame, guard in echo.process(mic, (j + 1) * 0.02 - Upsampler2x.DELAY_S, vad.floor_db):
-            started += vad.frame(frame, guard)
-            if j >= split:
-                voiced_in_second += vad.voiced
-            echo.learn(caller_quiet=vad.quiet)
+    echo, heard = _phone_call(packets, line, lambda j: (stall + late) * 0.02 if stall <= j < stall + late else j * 0.02)
+    started = [e for _, events, _ in heard for e in events]
+    voiced_in_second = sum(v for j, _, v in heard if j >= split)
     assert echo.delay_hops is not None and echo.cancelled > 0
     assert "speech.started" not in started and voiced_in_second <= 2, (started, voiced_in_second)
 
@@ -266,8 +255,6 @@ def test_music_that_starts_with_the_bot_is_not_taken_for_its_echo():
     The step from nothing to music must not line up with the bot's own start as an echo at some
     delay (the canceller then pumps the music with the bot's syllables, and it starts speech):
     no delay is taken and no frame is voiced. bench_barge_in's music trials, on the module alone."""
-    import soxr
-
     packets = _joe_packets(corpus.BOT_REPLIES[0])
     for seed in range(3):
         room = corpus.music(8.0, -30.0, seed).astype(np.float64) + corpus.room_noise(8.0, -60.0, seed)
@@ -360,29 +347,13 @@ def test_a_pause_in_the_first_echo_does_not_teach_the_guard_that_the_echo_is_fai
     is still the loudest over every delay, and the pause's frames alone taught the guard for any
     delay a gain of -30 dB (10 frames). The next words' echo went past it and the bot stopped
     itself (1.1 s in). The phrase's loud echo frames now teach it too."""
-    import soxr
-
-    from voxgate.gateway.encoder import ulaw_decode, ulaw_encode
-    from voxgate.gateway.resample import Upsampler2x
-
-    speech = corpus.espeak(corpus.BOT_REPLIES[0], "en-us")  # "Thanks for calling." and a pause, then more
-    phone = soxr.resample(speech.astype(np.float32), corpus.RATE, 8000).astype(np.int16)
-    packets = [ulaw_encode(phone[i : i + 160]) for i in range(0, len(phone) // 160 * 160, 160)]
+    packets = _phone_packets(corpus.BOT_REPLIES[0])  # "Thanks for calling." and a pause, then more
     delay = 15 * 160
     line = np.zeros(len(packets) * 160 + delay + 8000, dtype=np.float64)
     line[delay : delay + len(packets) * 160] += np.concatenate([ulaw_decode(p) for p in packets]) * 10 ** (-10 / 20)
     line += np.random.default_rng(15).standard_normal(len(line)) * 30
-    tap = ReferenceTap()
-    echo = EchoCanceller("pcmu", tap, epoch=0.0)
-    upsampler = Upsampler2x()
-    vad = VoiceActivityDetector(VadSettings())
-    started, voiced = [], 0
-    for j in range(len(line) // 160):
-        tap(packets[j] if j < len(packets) else None, j * 0.02)
-        mic = upsampler.process(ulaw_decode(ulaw_encode(np.clip(line[j * 160 : (j + 1) * 160], -32768, 32767).astype(np.int16))))
-        for frame, guard in echo.process(mic, (j + 1) * 0.02 - Upsampler2x.DELAY_S, vad.floor_db):
-            started += vad.frame(frame, guard)
-            voiced += vad.voiced
-            echo.learn(caller_quiet=vad.quiet)
+    echo, heard = _phone_call(packets, line)
+    started = [e for _, events, _ in heard for e in events]
+    voiced = sum(v for _, _, v in heard)
     assert echo.delay_hops is not None and abs(echo.delay_hops - 30) <= 2, echo.delay_hops
     assert "speech.started" not in started and voiced <= 2, (started, voiced)
