@@ -192,7 +192,7 @@ class EchoCanceller:
         self.frames = 0
         self.cancelled = 0  # frames that went through the canceller
         self.delay_changes = 0
-        # (hop, level dB, guard dB, voiced) of the last frames, kept only at debug level (describe()).
+        # (hop, microphone dB, heard dB, guard dB, voiced) of the last frames: kept only at debug level (describe()).
         self._trace: deque = deque(maxlen=TRACE_FRAMES)
         self._estimates: deque = deque(maxlen=TRACE_FRAMES // 3)  # (hop, best lag, its correlation)
         self._raw_db = 0.0  # the last frame's level before the canceller
