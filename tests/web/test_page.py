@@ -53,7 +53,7 @@ def speech_wav(tmp_path_factory) -> str:
         rate = w.getframerate()
         pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16)
     speech = soxr.resample(pcm.astype(np.float32), rate, 48000).clip(-32768, 32767).astype(np.int16)
-    # Chromium loops the file: the question comes back every QUESTION_EVERY_S. The 4.4 s of silence
+    # Chromium loops the file: the question comes back about every six seconds. The 4.4 s of silence
     # after it outlast the echo guard's memory of the room (4 s, gateway/echo.py): a question under
     # the guard while it is cold (the bot's first second) is learnt as the bot's echo, and with
     # 1.6 s of silence between questions, at the bot's own level, none got through a 20 s answer
