@@ -108,11 +108,24 @@ def page(browser):
 
 
 def open_page(page, server, mic: bool = False) -> None:
+    # What the page logged and asked the gateway for, so a page that never gets ready says where it stopped.
+    seen: list[str] = []
+    page.on("console", lambda m: seen.append(f"console {m.type}: {m.text}"))
+    page.on("pageerror", lambda e: seen.append(f"uncaught: {e}"))
+    page.on("request", lambda r: seen.append(f"request {r.method} {r.url}"))
+    page.on("requestfinished", lambda r: seen.append(f"finished {r.method} {r.url}"))
+    page.on("requestfailed", lambda r: seen.append(f"failed {r.method} {r.url}: {r.failure}"))
     page.goto(server.url + "/")
     if mic:
         page.check("#mic")
     page.click("#connect")
-    page.wait_for_function("window.voxgate.state.session === 'ready'", timeout=20000)
+    try:
+        page.wait_for_function("window.voxgate.state.session === 'ready'", timeout=20000)
+    except playwright_sync.TimeoutError:
+        state = page.evaluate(
+            "[window.voxgate.state, window.voxgate.events.map((e) => [Math.round(e.t), e.dir, e.msg.type])]"
+        )
+        raise AssertionError(f"the page never got ready: state and events {state}; the page's log {seen[-40:]}") from None
 
 
 def wait_event(page, kind: str, uid: str | None = None, timeout: float = 20000, after: float = 0.0) -> dict:
