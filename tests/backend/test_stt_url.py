@@ -100,7 +100,7 @@ async def test_stt_url_turns_failures_timeouts_and_the_key(caplog):
     outcomes = []
     try:
         async with in_process_gateway(stt_url=standin_url + "/v1", stt_model=MODEL, stt_api_key=KEY,
-                                      stt_timeout_s=5.0) as (_, url):
+                                      stt_timeout_s=3.0) as (_, url):
             backend = VoxgateSession(url)
             await backend.open()
             client = RtcClient(url, mic=True, session_id=backend.session_id, token=backend.client_token)

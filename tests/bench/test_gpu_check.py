@@ -130,10 +130,11 @@ def test_gpu_check_sh_on_cpu_with_small_counts(tmp_path: Path) -> None:
 def test_a_section_out_of_its_time_is_reported_and_the_run_goes_on(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--quick", "--sections", "env,first_chunk",
-         "--section-budget", "env=60", "--section-budget", "first_chunk=1", "--out", str(tmp_path)],
+         "--section-budget", "env=1", "--section-budget", "first_chunk=1", "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     s = json.loads((tmp_path / "gpu-check.json").read_text())["sections"]
-    assert s["env"]["status"] == "ok"
+    # env out of its second (importing torch alone takes longer), and the run went on to the next.
+    assert s["env"]["status"] == "timed_out" and s["env"]["elapsed_s"] < 30
     assert s["first_chunk"]["status"] == "timed_out" and s["first_chunk"]["elapsed_s"] < 30
