@@ -8,10 +8,17 @@ espeak-ng caller turns (tests/transcripts.py: the interruptions and questions
 in three voices) in real time, through two paths: a real aiortc client over
 WebRTC (Opus 48 kHz) and the Twilio stand-in (μ-law 8 kHz). Per path: the
 WER of the backend's `speech.transcript`s (the live path), against the same
-recognizer run offline on the exact audio the client sent (WebRTC: the whole
-turn as the microphone sent it; Twilio: the μ-law sent in the turn's span,
-matched frame for frame, raised to 16 kHz with soxr), and the recognizer's
-latency per turn: `speech.stopped` to `speech.transcript` at the backend.
+recognizer run offline on the exact audio the client sent, as it sent it, in the
+turn's span (`start_ms` to `end_ms` on the session clock). WebRTC: every frame the
+microphone handed aiortc, Opus-coded again after the call by aiortc's own encoder
+(its settings: 96 kb/s, VoIP) from the first frame on, decoded at 16 kHz as the
+gateway decodes it, the frames chosen by when each was due. Twilio: the μ-law
+media frames matched one for one, raised to 16 kHz with soxr. Both sides hear the
+same stretch of the same coded audio, so the difference is what the path lost
+(packets, order, the capture clock). WebRTC also offline on the whole turn as the
+microphone had it, before Opus (pocketsphinx scores it differently: a reference,
+not the bound). And the recognizer's latency per turn: `speech.stopped` to
+`speech.transcript` at the backend.
 Figures go to stdout and to artifacts/bench-transcripts.json (--out).
 """
 
@@ -26,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "telephony"))
 
+import av  # noqa: E402
 import numpy as np  # noqa: E402
 import soxr  # noqa: E402
 from _common import arg_parser, finish, machine, percentile, print_machine, section  # noqa: E402
@@ -35,18 +43,22 @@ from tests.conftest import in_process_gateway  # noqa: E402
 from tests.transcripts import corpus_wer, every_turn, turn_audio  # noqa: E402
 from twilio_standin import TwilioStandIn  # noqa: E402
 from voxgate.client import VoxgateSession  # noqa: E402
+from aiortc.codecs.opus import OpusEncoder  # noqa: E402
+from voxgate.gateway import opus  # noqa: E402
 from voxgate.gateway.encoder import ulaw_decode  # noqa: E402
 from voxgate.gateway.stt_pocketsphinx import decode  # noqa: E402
 from voxgate.rtc_client import RtcClient  # noqa: E402
 
 
 async def webrtc(turns: list[tuple[str, str]]) -> dict:
-    live, sent, latency, errors = [], [], [], []
+    live, sent, latency, errors, spans = [], [], [], [], []
     # Clips made before, and offline decoding after, the call: either would stall the event loop during it.
     clips = [turn_audio(phrase, voice, 48000) for phrase, voice in turns]
-    async with in_process_gateway(stt="pocketsphinx") as (_, url):
+    async with in_process_gateway(stt="pocketsphinx") as (app, url):
         backend = VoxgateSession(url)
         await backend.open()
+        # The session's clock: the gateway runs in this process.
+        origin = app["gateway"].sessions[backend.session_id].clock.origin
         client = RtcClient(url, mic=True, session_id=backend.session_id, token=backend.client_token)
         client.mic = RecordingMic()
         try:
@@ -63,14 +75,36 @@ async def webrtc(turns: list[tuple[str, str]]) -> dict:
                 while client.mic.busy:
                     await asyncio.sleep(0.05)
                 sent.append(np.concatenate(client.mic.sent[first:])[: len(clip)])
+                spans.append((event.get("start_ms", 0), event.get("end_ms", 0)))
         finally:
             await client.close()
             await backend.close()
-    offline = []
-    for (_phrase, voice), turn in zip(turns, sent):
-        offline.append(decode(soxr.resample(turn, 48000, 16000)))
-        print(f"  webrtc {voice:13s} live {live[len(offline) - 1]!r} | offline {offline[-1]!r}", flush=True)
-    return figures(turns, live, offline, latency, errors)
+    coded = as_sent(client.mic.sent)
+    due_ms = [(due - origin) * 1000 for due in client.mic.due]
+    offline, whole = [], []
+    for (_phrase, voice), (start_ms, end_ms), turn in zip(turns, spans, sent):
+        # The frames due within the turn's span (their middle, as the Twilio arm's), on the session clock.
+        inside = [f for f, t in zip(coded, due_ms) if start_ms <= t + 10 < end_ms]
+        offline.append(decode(np.concatenate(inside) if inside else np.zeros(320, np.int16)))
+        whole.append(decode(soxr.resample(turn, 48000, 16000)))
+        print(f"  webrtc {voice:13s} live {live[len(offline) - 1]!r} | offline {offline[-1]!r} | whole turn {whole[-1]!r}",
+              flush=True)
+    out = figures(turns, live, offline, latency, errors)
+    out["wer_offline_whole_turn"] = round(corpus_wer([p for p, _ in turns], whole), 3)
+    out["offline_whole_turn"] = whole
+    return out
+
+
+def as_sent(frames: list[np.ndarray]) -> list[np.ndarray]:
+    """The microphone's 48 kHz frames as the client sent them and the gateway heard them: through
+    aiortc's Opus encoder, from the first frame on, and back through Opus at 16 kHz."""
+    encoder, decoder, out = OpusEncoder(), opus.Decoder(16000), []
+    for i, pcm in enumerate(frames):
+        frame = av.AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate, frame.pts = 48000, i * len(pcm)
+        packets, _ = encoder.encode(frame)
+        out.append(np.concatenate([decoder.decode(p) for p in packets]) if packets else np.zeros(320, np.int16))
+    return out
 
 
 async def twilio(turns: list[tuple[str, str]]) -> dict:
@@ -151,7 +185,9 @@ def main() -> None:
         section(f"{name}: {len(turns)} turns")
         results[name] = asyncio.run(path(turns))
         r = results[name]
-        print(f"{name}: WER live {r['wer_live']:.3f} against offline {r['wer_offline']:.3f} (difference {r['difference']:+.3f}); "
+        whole = f", whole turn {r['wer_offline_whole_turn']:.3f}" if "wer_offline_whole_turn" in r else ""
+        print(f"{name}: WER live {r['wer_live']:.3f} against offline on the turn's span {r['wer_offline']:.3f} "
+              f"(difference {r['difference']:+.3f}{whole}); "
               f"speech.stopped to transcript p50 {r['latency_ms']['p50']} ms (p95 {r['latency_ms']['p95']}); errors {r['errors']}",
               flush=True)
     finish("transcripts", results, started, args.out)
