@@ -140,6 +140,8 @@ class BackendLink:
         self.gw.registry.drop_backend(session.id, self.name)
         if session.writer == self.name:
             session.writer = None
+        if not session.closed:
+            session.writer_gone(self.name)  # what it left open must not hold the session
         if not self._sender.done():
             if session.closed:
                 await asyncio.wait([self._sender], timeout=1.0)

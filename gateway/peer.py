@@ -229,6 +229,11 @@ class PeerConnection:
         def on_message(message) -> None:
             session.handle_message(message, "peer")
 
+        @channel.on("close")
+        def on_close() -> None:
+            if not session.closed:
+                session.writer_gone("peer")  # what the page left open must not hold the session
+
         if channel.readyState == "open":
             opened()
         else:

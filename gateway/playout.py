@@ -215,6 +215,12 @@ class Playout:
         if self.on_done is not None:
             self.on_done(utt)
 
+    def drop(self, utt: UtterancePlay) -> None:
+        """Take one utterance out that has not started (its sender went away); the rest play on."""
+        assert not utt.started, "a started utterance ends; it is not dropped"
+        if utt in self.queue:
+            self.queue.remove(utt)
+
     def clear(self) -> list[UtterancePlay]:
         """Drop everything; returns the dropped utterances, the playing one first."""
         dropped = list(self.queue)

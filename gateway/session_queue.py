@@ -130,6 +130,33 @@ class UtteranceQueue:
             del self._open_by_source[utt.source]
         self._text.push(utt.stream, None)
 
+    def writer_gone(self, source: str) -> None:
+        """`source` (a backend WebSocket, the data channel) went away: its open utterances end
+        with it. One the listener has begun to hear is finished with the text it has; one
+        nothing of was heard is dropped. Either way what is queued behind it plays, and the
+        session says which (docs/protocol.md, "When a writer goes away")."""
+        for utt in [u for u in self.utterances if u.source == source and not u.ended]:
+            if utt.play.started:
+                self._end(utt)
+                self.emit({"type": "utterance.ended", "id": utt.id, "reason": "writer_gone"})
+            else:
+                self._drop(utt, "writer_gone")
+        self._open_by_source.pop(source, None)
+
+    def _drop(self, utt: Utterance, reason: str) -> None:
+        """One utterance that nothing of was heard, out of the queue; the others stay."""
+        self.utterances.remove(utt)
+        self.playout.drop(utt.play)
+        utt.ended = True
+        utt.stream.cancel()  # the feeder, if it was on this one, moves to the next
+        self._interrupted_ids.add((utt.source, utt.id))
+        self.stats["interrupted"] += 1
+        self.metrics.utterance("interrupted")
+        self.emit({"type": "utterance.interrupted", "id": utt.id, "reason": reason, "played_ms": 0,
+                   "played_text": "", "at_ms": self.clock.at_ms()})
+        if self._feeder is not None:
+            self._feeder.wake()
+
     # Barge-in and cancel
     def interrupt(self, reason: str) -> None:
         t0 = time.perf_counter()
