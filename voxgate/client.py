@@ -352,33 +352,67 @@ class VoxgateSession:
         return future
 
     async def say(self, text: str, *, id: str | None = None, wait: bool = True) -> Outcome | str:
-        """A whole utterance; returns its Outcome (or its id when wait=False)."""
+        """A whole utterance; returns its Outcome (or its id when wait=False). An `error`
+        the server answers it with raises VoxgateError with its code."""
         uid = id or self.new_id()
         future = self._expect(uid)
-        await self.send({"type": "speak", "id": uid, "text": text})
-        return await self._finish(uid, future) if wait else uid
+        try:
+            await self.send({"type": "speak", "id": uid, "text": text})
+        except BaseException:
+            self._forget(uid, future)
+            raise
+        if not wait:
+            self._forget(uid, future)  # nobody awaits it: its events are in `history` and `events()`
+            return uid
+        return await self._finish(uid, future)
 
     async def say_stream(
         self, tokens: AsyncIterable[str] | Iterable[str], *, id: str | None = None, wait: bool = True, batch_s: float = 0.1
     ) -> Outcome | str:
         """Speak LLM tokens as they come. Stops reading tokens if the listener
-        interrupts; the Outcome says what was heard."""
+        interrupts; the Outcome says what was heard.
+
+        If `tokens` raises (an LLM failing mid-reply), the utterance is ended with
+        `text.end`: what was sent is spoken, and what is queued after it plays; then
+        the source's own exception is raised here. The same if this task is cancelled."""
         uid = id or self.new_id()
         future = self._expect(uid)
         sent = []
-        async for piece in coalesce(_as_async(tokens), batch_s):
-            if future.done():
-                break  # interrupted (or refused): the rest would not be spoken
-            await self.send({"type": "text.delta", "id": uid, "text": piece})
-            sent.append(piece)
+        try:
+            async for piece in coalesce(_as_async(tokens), batch_s):
+                if future.done():
+                    break  # interrupted (or refused): the rest would not be spoken
+                await self.send({"type": "text.delta", "id": uid, "text": piece})
+                sent.append(piece)
+        except BaseException:
+            still_open = bool(sent) and not future.done()
+            self._forget(uid, future)
+            if still_open and self._ws is not None and not self._ws.closed:
+                try:
+                    await self.send({"type": "text.end", "id": uid})
+                except (VoxgateError, ConnectionError, RuntimeError):
+                    pass  # the connection went meanwhile: the server ends it for us (docs/protocol.md)
+            raise
         if not future.done():
             await self.send({"type": "text.end", "id": uid})
         if not wait:
+            self._forget(uid, future)
             return uid
         outcome = await self._finish(uid, future)
         if outcome.interrupted:
             outcome.text = "".join(sent)
         return outcome
+
+    def _forget(self, uid: str, future: asyncio.Future) -> None:
+        """An utterance's future that nobody will await: no outcome lands on it, and an
+        error that did is taken, so asyncio does not report it as never retrieved."""
+        if self._outcomes.get(uid) is future:
+            del self._outcomes[uid]
+        if future.done():
+            if not future.cancelled():
+                future.exception()
+        else:
+            future.cancel()
 
     async def _finish(self, uid: str, future: asyncio.Future) -> Outcome:
         try:
@@ -390,8 +424,32 @@ class VoxgateSession:
         await self.send({"type": "cancel"})
 
     async def update(self, **fields) -> dict:
-        await self.send({"type": "session.update", **fields})
-        return await self.wait_for("session.updated")
+        """Change the session's settings: the `session.updated` event, or VoxgateError
+        with the server's code (`unknown_voice`, `invalid_field`, `read_only`...)."""
+        return await self._ask({"type": "session.update", **fields}, "session.updated")
+
+    async def _ask(self, message: dict, answer: str, timeout: float = 30.0) -> dict:
+        """Send a message the server answers with one event of type `answer` or an `error`
+        about no utterance (no `id`, no caller turn's span): the event, or the error raised."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self._subscribers.append(queue)  # before the message goes, so the answer cannot be missed
+
+        async def reply() -> dict:
+            while True:
+                event = await queue.get()
+                kind = event.get("type")
+                if kind == answer:
+                    return event
+                if kind == "error" and "id" not in event and "start_ms" not in event:
+                    raise VoxgateError(str(event.get("code", "error")), str(event.get("message", "")))
+                if kind == "session.closed":
+                    raise VoxgateError("session_closed", f"the session closed before {answer}: {event.get('reason')}")
+
+        try:
+            await self.send(message)
+            return await asyncio.wait_for(reply(), timeout)
+        finally:
+            self._subscribers.remove(queue)
 
     async def end(self) -> None:
         """End the session for everyone attached to it."""

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 
-from voxgate.client import VoxgateSession, coalesce
+import pytest
+
+from voxgate.client import VoxgateError, VoxgateSession, coalesce
 from voxgate.engine import tone
 
 from backend_helpers import JoiningRtcClient
@@ -75,3 +78,54 @@ async def test_say_stream_and_interruption(tone_server):
             assert outcome.played_ms > 0
             assert outcome.text.startswith(outcome.played_text.strip())
             assert len(consumed) < 1000  # it stopped reading the LLM
+
+
+async def test_say_stream_whose_tokens_fail_ends_its_utterance_and_raises_the_sources_error(tone_server):
+    """An LLM failing mid-reply: the source's own exception comes out of say_stream, the utterance
+    is ended (what was sent plays), the next say() plays after it, and no future is left unretrieved."""
+    loop = asyncio.get_running_loop()
+    unhandled: list = []
+    loop.set_exception_handler(lambda _, context: unhandled.append(context))
+
+    class LLMDown(Exception):
+        pass
+
+    async def failing():
+        yield "Part of a reply, "
+        await asyncio.sleep(0.05)
+        raise LLMDown("the LLM dropped the stream")
+
+    async def converse() -> None:  # its session is garbage once it returns: a stray future would be reported
+        async with JoiningRtcClient(tone_server.url, None, None) as listener:
+            async with VoxgateSession(tone_server.url, session_id=listener.session_id) as session:
+                with pytest.raises(LLMDown, match="dropped the stream"):
+                    await session.say_stream(failing(), id="broken")
+                outcome = await asyncio.wait_for(session.say("Next."), 10)
+                assert not outcome.interrupted and outcome.text == "Next."
+                first = next(e for e in session.history if e.get("id") == "broken" and e["type"] == "utterance.done")
+                assert first["text"].strip() == "Part of a reply,"
+                # Once more, with the session closed under a failed stream's future.
+                with pytest.raises(LLMDown):
+                    await session.say_stream(failing(), id="broken-2")
+
+    try:
+        await converse()
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(None)
+    assert not [c for c in unhandled if "never retrieved" in str(c.get("message"))], unhandled
+
+
+async def test_every_call_the_server_refuses_raises_its_error_at_once(tone_server):
+    async with VoxgateSession(tone_server.url) as session:
+        with pytest.raises(VoxgateError) as refused:
+            await asyncio.wait_for(session.update(voice="nobody"), 5)
+        assert refused.value.code == "unknown_voice" and "nobody" in refused.value.message
+        updated = await asyncio.wait_for(session.update(rate=1.5), 5)
+        assert updated["rate"] == 1.5
+        async with VoxgateSession(tone_server.url, session_id=session.session_id, role="watcher") as watcher:
+            for call in (watcher.say("Hi."), watcher.say_stream(["Hi."]), watcher.update(rate=1.0)):
+                with pytest.raises(VoxgateError) as refused:
+                    await asyncio.wait_for(call, 5)
+                assert refused.value.code == "read_only"
