@@ -54,6 +54,11 @@ MAX_CONTROL = 256
 SEND_STALL_S = 10.0
 # Ids of ended contexts remembered, so late text for one is refused rather than opening it anew.
 MAX_CLOSED_IDS = 256
+# How a remembered context ended. After an error about it (it failed, or was refused as it opened),
+# its error was its last word: what the client still sends for it is ignored, not answered with
+# more errors (a client streaming tokens sends them before it reads the error). One refused for
+# want of room may be opened again by a later `text` (a retry); its flush and end are ignored.
+ENDED, FAILED, REFUSED = "ended", "failed", "refused"
 # A connection over its message rate for this long in a row is closed.
 MAX_FLOOD_S = 5.0
 OPUS_RATE = 48000  # what a receiver decodes the packets at (audio_formats.OpusPackets)
@@ -75,6 +80,7 @@ class Context:
         self.engine_s = 0.0  # engine audio received so far (words are placed on it)
         self.samples = 0  # engine samples taken (the audio cap)
         self.cancelled = False
+        self.failed = False  # ended by an error about it
         self.ended = False  # `end` received
         self.task: asyncio.Task | None = None
         self.slot: SpeechSlot | None = None  # its admission, released once when it ends
@@ -93,7 +99,7 @@ class Connection:
         self.voice = voice
         self.words = words
         self.contexts: dict[str, Context] = {}
-        self.closed_ids: OrderedDict[str, None] = OrderedDict()
+        self.closed_ids: OrderedDict[str, str] = OrderedDict()  # id -> ENDED, FAILED or REFUSED
         # Everything for the socket, in order; audio bounded by the slots, control by MAX_CONTROL.
         self.out: asyncio.Queue = asyncio.Queue()
         self.audio_slots = asyncio.Semaphore(OUT_QUEUE)
@@ -169,6 +175,7 @@ class Connection:
         if not isinstance(cid, str) or not CONTEXT_ID.fullmatch(cid):
             raise GatewayError("invalid_field", "'context_id' must be 1 to 64 letters, digits or _.:-")
         ctx = self.contexts.get(cid)
+        gone = self.closed_ids.get(cid) if ctx is None else None
         if kind == "cancel":
             if ctx is not None:
                 self.cancel(ctx)
@@ -185,6 +192,8 @@ class Connection:
                 raise GatewayError("text_too_long", f"text has {len(text)} characters; the limit per message is {self.settings.max_text_chars}", id=cid)
             if any(0xD800 <= ord(c) <= 0xDFFF for c in text):
                 raise GatewayError("invalid_utf8", "text holds unpaired surrogates", id=cid)
+            if gone == FAILED:
+                return  # its error was its last word
             if ctx is None:
                 ctx = self.open(cid, msg.get("voice"))
             elif msg.get("voice") is not None:
@@ -199,7 +208,9 @@ class Connection:
                 ctx.stream.push_text(text[start : start + TEXT_SLICE_CHARS])
             return
         if ctx is None:
-            if cid in self.closed_ids:
+            if gone in (FAILED, REFUSED):
+                return  # its error was its last word
+            if gone == ENDED:
                 raise GatewayError("context_closed", f"context {cid!r} has ended", id=cid)
             raise GatewayError("unknown_context", f"no context {cid!r} on this connection; a 'text' opens one", id=cid)
         if ctx.ended:
@@ -211,24 +222,30 @@ class Connection:
             ctx.stream.end_input()
 
     def open(self, cid: str, voice: object) -> Context:
-        if cid in self.closed_ids:
+        if self.closed_ids.get(cid) == ENDED:
             raise GatewayError("context_closed", f"context {cid!r} has ended; open a new context with another id", id=cid)
+        self.closed_ids.pop(cid, None)  # refused before: this is a retry
+        try:
+            return self._open(cid, voice)
+        except GatewayError as exc:
+            exc.id = cid  # every error about a context names it
+            # No room now (429, 503): a later `text` may try again. A mistake in the message
+            # that opened it (an unknown voice): the context is over.
+            self._remember(cid, REFUSED if exc.status in (429, 503) else FAILED)
+            raise
+
+    def _open(self, cid: str, voice: object) -> Context:
         limit = self.settings.tts_ws_max_contexts
         if len(self.contexts) >= limit:
-            raise GatewayError("too_many_contexts", f"this connection has {limit} open contexts; end or cancel one first", id=cid)
+            raise GatewayError("too_many_contexts", f"this connection has {limit} open contexts; end or cancel one first", 429)
         if voice is not None and not isinstance(voice, str):
             raise GatewayError("invalid_field", "'voice' must be a string", id=cid)
         voice = checked_voice(self.gw.engine, voice) if voice is not None else self.voice
-        try:
-            slot = self.gw.admission.speech_slot(self.caller)
-        except GatewayError as exc:
-            exc.id = cid
-            raise
+        slot = self.gw.admission.speech_slot(self.caller)
         try:
             stream = open_speech(self.gw.engine, SynthesisOptions(voice=voice))
-        except GatewayError as exc:
+        except GatewayError:
             slot.release()
-            exc.id = cid
             raise
         ctx = Context(cid, stream)
         ctx.slot = slot
@@ -236,12 +253,16 @@ class Connection:
         ctx.task = asyncio.ensure_future(self.speak(ctx))
         return ctx
 
+    def _remember(self, cid: str, how: str) -> None:
+        self.closed_ids[cid] = how
+        self.closed_ids.move_to_end(cid)
+        while len(self.closed_ids) > MAX_CLOSED_IDS:
+            self.closed_ids.popitem(last=False)
+
     def forget(self, ctx: Context) -> None:
         if self.contexts.get(ctx.id) is ctx:
             del self.contexts[ctx.id]
-            self.closed_ids[ctx.id] = None
-            while len(self.closed_ids) > MAX_CLOSED_IDS:
-                self.closed_ids.popitem(last=False)
+            self._remember(ctx.id, FAILED if ctx.failed else ENDED)
         if ctx.slot is not None:
             ctx.slot.release()
         ctx.stream.cancel()
@@ -256,6 +277,7 @@ class Connection:
 
     def fail(self, ctx: Context, code: str, message: str) -> None:
         ctx.cancelled = True
+        ctx.failed = True
         self.forget(ctx)
         if ctx.task is not None:
             ctx.task.cancel()
@@ -295,9 +317,11 @@ class Connection:
             return
         except GatewayError as exc:  # the engine failed (gateway/speech_request.py)
             log.warning("tts ws: engine failed mid-context: %s", exc.message)
+            ctx.failed = True
             self.error(exc.code, exc.message, ctx.id)
         except Exception as exc:  # a bug costs this context, not the connection
             log.exception("tts ws: context failed")
+            ctx.failed = True
             self.error("internal", f"internal error: {type(exc).__name__}", ctx.id)
         finally:
             self.forget(ctx)

@@ -233,6 +233,24 @@ async def test_hostile_messages_get_a_clear_error_and_the_connection_goes_on(pip
     assert c.of("a", "audio") == []
 
 
+async def test_an_error_about_a_context_names_it_and_is_its_last_word(tone_server):
+    """A refused or failed context gets one error with its context_id; what the client sends for it
+    after (the rest of its text, flush, end, as a plugin does before it reads the error) is ignored."""
+    async with aiohttp.ClientSession() as http:
+        c = await connect(http, tone_server.url)
+        await c.send(type="text", context_id="a", text="Hello, ", voice="nobody")
+        await c.send(type="text", context_id="a", text="more text.")
+        await c.send(type="flush", context_id="a")
+        await c.send(type="end", context_id="a")
+        await c.send(type="text", context_id="ok", text="Fine.")
+        await c.send(type="end", context_id="ok")
+        await c.wait(lambda m: m["type"] == "done" and m["context_id"] == "ok", 10)
+        await c.send(type="cancel", context_id="a")
+        await c.wait(lambda m: m["type"] == "cancelled" and m["context_id"] == "a", 10)
+    assert [(e["code"], e.get("context_id")) for e in c.errors()] == [("unknown_voice", "a")], c.errors()
+    assert c.of("a", "audio") == []
+
+
 async def test_a_frame_far_over_the_limit_closes_the_connection_and_the_server_serves_on(piper_server):
     async with aiohttp.ClientSession() as http:
         c = await connect(http, piper_server.url)

@@ -116,3 +116,14 @@ async def test_a_refused_key_is_a_clear_error_not_a_retry_loop(server_factory):
         assert time.perf_counter() - started < 2.0, "a 401 was retried"
     finally:
         await engine.aclose()
+
+
+async def test_the_gateways_error_is_the_one_raised(tone_server):
+    """An unknown voice: the APIError carries the gateway's own code, not a follow-up's."""
+    engine = VoxgateTTS(url=tone_server.url, voice="nobody", sample_rate=RATE)
+    try:
+        with pytest.raises(APIError) as info:
+            await engine.synthesize("Hello.", conn_options=APIConnectOptions(max_retry=0)).collect()
+        assert "unknown_voice" in str(info.value) and "unknown_context" not in str(info.value), info.value
+    finally:
+        await engine.aclose()
