@@ -125,6 +125,25 @@ async def _as_async(tokens: AsyncIterable[str] | Iterable[str]) -> AsyncIterator
             yield token
 
 
+async def list_sessions(base_url: str, *, api_key: str | None = None,
+                        http: aiohttp.ClientSession | None = None) -> list[dict]:
+    """The open sessions this API key made (`GET /v1/sessions`; without keys, those made without
+    one: every session of a server that has none), each as `VoxgateSession.state()` shows one."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    own = http is None
+    client = aiohttp.ClientSession() if http is None else http
+    try:
+        async with client.get(base_url.rstrip("/") + "/v1/sessions", headers=headers) as resp:
+            data = await resp.json(content_type=None) if resp.content_type == "application/json" else None
+            if resp.status >= 400:
+                err = data.get("error", {}) if isinstance(data, dict) else {}
+                raise VoxgateError(err.get("code", "http_error"), err.get("message", resp.reason or ""), resp.status)
+            return list((data or {}).get("sessions", []))
+    finally:
+        if own:
+            await client.close()
+
+
 class VoxgateSession:
     """Creates (or attaches to) a session and holds its backend WebSocket."""
 
@@ -150,6 +169,9 @@ class VoxgateSession:
         self.info: dict = {}  # the POST /v1/sessions answer when this client made the session
         self.ready: dict = {}  # the session.ready event; 'role' says whether we may write
         self.history: list[dict] = []
+        # The reason of the server's session.closed, once it sent one: the session has ended. While
+        # None after the connection closed, the session may live on (reconnect with session_id).
+        self.ended: str | None = None
         self._http: aiohttp.ClientSession | None = None
         self._ws: aiohttp.ClientWebSocketResponse[bool] | None = None
         self._reader: asyncio.Task | None = None
@@ -253,13 +275,16 @@ class VoxgateSession:
             if msg.type != aiohttp.WSMsgType.TEXT:
                 continue
             event = json.loads(msg.data)
+            if event.get("type") == "session.closed":
+                self.ended = str(event.get("reason"))
             self.history.append(event)
             self._queue.put_nowait(event)
             for queue in self._subscribers:
                 queue.put_nowait(event)
             self._settle(event)
         self._frame_ready.set()  # wake a caller_frames() reader: nothing more will come
-        closed = {"type": "session.closed", "reason": "connection closed"}
+        # Said here, not by the server: `connection_lost` tells the two apart (the server's came first, if it sent one).
+        closed = {"type": "session.closed", "reason": "connection closed", "connection_lost": self.ended is None}
         for queue in [self._queue, *self._subscribers]:
             queue.put_nowait(closed)
         for future in self._outcomes.values():

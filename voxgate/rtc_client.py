@@ -1,7 +1,14 @@
-"""A WebRTC client for Voxgate, on aiortc: connects, sends protocol messages,
-records the speech it receives and can play audio into its microphone track.
+"""A WebRTC caller for Voxgate from Python, on aiortc: it joins a session (or
+makes one with its offer), sends protocol messages on the data channel, records
+the speech it receives, and speaks into its microphone track: a WAV at any
+rate, PCM you hand it, or a live microphone (any aiortc audio track). The
+tests, the benchmarks and `voxgate probe` use it; docs/backends.md shows it
+talking to a voice agent in ten lines:
 
-Used by the tests, the benchmarks and `voxgate probe`.
+    async with RtcClient(url, mic=True, session_id=sid, token=token) as caller:
+        await caller.mic.play_wav("question.wav")        # any rate, mono or stereo
+        done = await caller.wait_for("utterance.done", timeout=60)
+        caller.audio.write_wav("reply.wav")               # what the bot said, as heard
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import fractions
 import json
 import re
 import time
+import wave
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -22,6 +30,9 @@ from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from .gateway import rtc_internals
 from .gateway.ice import restrict_host_addresses
+from .gateway.resample import StreamResampler
+
+MIC_RATE = 48000  # what the microphone track sends (Opus's rate)
 
 
 class OfferRefused(RuntimeError):
@@ -34,8 +45,36 @@ class OfferRefused(RuntimeError):
         self.code = (body.get("error") or {}).get("code") if isinstance(body, dict) else None
 
 
+def read_wav(path: str) -> tuple[np.ndarray, int]:
+    """A PCM WAV file (8, 16, 24 or 32 bits, any channels) as mono int16, and its rate."""
+    with wave.open(path, "rb") as w:
+        width, channels, rate = w.getsampwidth(), w.getnchannels(), w.getframerate()
+        raw = w.readframes(w.getnframes())
+    if width == 1:  # unsigned 8-bit
+        pcm = (np.frombuffer(raw, np.uint8).astype(np.int16) - 128) << 8
+    elif width == 2:
+        pcm = np.frombuffer(raw, "<i2")
+    elif width == 3:  # 24-bit: the top two bytes of each sample
+        pcm = np.frombuffer(raw, np.uint8).reshape(-1, 3)[:, 1:].copy().view("<i2").reshape(-1)
+    elif width == 4:
+        pcm = (np.frombuffer(raw, "<i4") >> 16).astype(np.int16)
+    else:
+        raise ValueError(f"{path}: {8 * width}-bit samples; a WAV of 8, 16, 24 or 32-bit PCM is needed")
+    return as_mono_int16(pcm.reshape(-1, channels)), rate
+
+
+def as_mono_int16(pcm: np.ndarray) -> np.ndarray:
+    """Samples as int16 mono: (n,) or (n, channels); floats are taken as -1.0..1.0."""
+    x = np.asarray(pcm)
+    if x.ndim == 2:
+        x = x.mean(axis=1) if x.shape[1] > 1 else x[:, 0]
+    if x.dtype.kind == "f":
+        x = np.clip(np.nan_to_num(x) * 32767.0, -32768, 32767)
+    return np.asarray(np.rint(x) if x.dtype.kind == "f" else x, dtype=np.int16).reshape(-1)
+
+
 class MicTrack(MediaStreamTrack):
-    """A microphone that plays queued 48 kHz mono PCM in real time, silence otherwise."""
+    """A microphone that plays queued audio in real time, silence otherwise (48 kHz mono on the wire)."""
 
     kind = "audio"
 
@@ -44,11 +83,29 @@ class MicTrack(MediaStreamTrack):
         self._pending = np.zeros(0, dtype=np.int16)
         self._pts = 0
         self._start: float | None = None
+        self._drained = asyncio.Event()
+        self._drained.set()
         self.playing_since: float | None = None
 
-    def play(self, pcm48k: np.ndarray) -> None:
-        self._pending = np.concatenate([self._pending, np.asarray(pcm48k, dtype=np.int16)])
+    def play(self, pcm: np.ndarray, sample_rate: int = MIC_RATE) -> float:
+        """Queue audio: int16 or float (-1..1) samples, mono or (n, channels), at any rate. Returns its seconds."""
+        mono = as_mono_int16(pcm)
+        if sample_rate != MIC_RATE:
+            mono = StreamResampler(int(sample_rate), MIC_RATE).process(mono, last=True)
+        self._pending = np.concatenate([self._pending, mono])
         self.playing_since = time.perf_counter()
+        if len(self._pending):
+            self._drained.clear()
+        return len(mono) / MIC_RATE
+
+    def play_wav(self, path: str) -> float:
+        """Queue a PCM WAV file (any rate, any channels); returns its seconds."""
+        pcm, rate = read_wav(path)
+        return self.play(pcm, rate)
+
+    async def played(self) -> None:
+        """Wait until everything queued has gone out."""
+        await self._drained.wait()
 
     @property
     def busy(self) -> bool:
@@ -64,6 +121,8 @@ class MicTrack(MediaStreamTrack):
         if wait > 0:
             await asyncio.sleep(wait)
         chunk, self._pending = self._pending[:n], self._pending[n:]
+        if not len(self._pending):
+            self._drained.set()
         if len(chunk) < n:
             chunk = np.concatenate([chunk, np.zeros(n - len(chunk), dtype=np.int16)])
         frame = av.AudioFrame.from_ndarray(chunk.reshape(1, -1), format="s16", layout="mono")
@@ -128,6 +187,14 @@ class ReceivedAudio:
         parts = [p for t, p in self.frames if t >= since]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int16)
 
+    def write_wav(self, path: str, since: float = 0.0) -> None:
+        """What arrived (from `since`, a perf_counter time) as a 16-bit mono WAV at `sample_rate`."""
+        with wave.open(path, "wb") as w:
+            w.setnchannels(1)
+            w.setsampwidth(2)
+            w.setframerate(self.sample_rate)
+            w.writeframes(self.pcm(since).astype("<i2").tobytes())
+
     def first_sound_after(self, since: float, threshold: float = 300.0) -> float | None:
         for t, p in self.frames:
             if t >= since and len(p) and np.sqrt(np.mean(p.astype(np.float64) ** 2)) > threshold:
@@ -150,11 +217,19 @@ def offer_with_dtx(sdp: str) -> str:
 
 
 class RtcClient:
+    """One caller: `connect()` (or `async with`), then `send`, `wait_for`, `mic.play...`, `audio`.
+
+    `mic`: True for a `MicTrack` this client plays audio into (`self.mic`), or any aiortc audio
+    track, such as a live microphone's: `MediaPlayer("default", format="pulse").audio` (Linux,
+    PulseAudio) from aiortc.contrib.media. `session_id` and `token`: join a session made through
+    the session API; without them the offer makes a session. `ice_hosts`: the local addresses to
+    offer (loopback by default; None for every address, to reach a gateway on another machine)."""
+
     def __init__(
         self,
         base_url: str,
         *,
-        mic: bool = False,
+        mic: bool | MediaStreamTrack = False,
         codecs: list[str] | None = None,
         ice_hosts: Sequence[str] | None = ("127.0.0.1",),
         voice: str | None = None,
@@ -169,7 +244,8 @@ class RtcClient:
         if ice_hosts:
             restrict_host_addresses(list(ice_hosts))
         self.pc = RTCPeerConnection(configuration=RTCConfiguration(iceServers=[]))
-        self.mic = MicTrack() if mic else None
+        self.mic = MicTrack() if mic is True else None
+        self._live_mic = mic if isinstance(mic, MediaStreamTrack) else None
         self.codecs = codecs
         self.voice = voice
         self.events: asyncio.Queue = asyncio.Queue()
@@ -185,8 +261,9 @@ class RtcClient:
 
     async def connect(self, timeout: float = 20.0) -> dict:
         pc = self.pc
-        if self.mic is not None:
-            transceiver = pc.addTransceiver(self.mic, direction="sendrecv")
+        mic = self.mic if self.mic is not None else self._live_mic
+        if mic is not None:
+            transceiver = pc.addTransceiver(mic, direction="sendrecv")
         else:
             transceiver = pc.addTransceiver("audio", direction="recvonly")
         if self.codecs:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import sys
 
@@ -19,6 +20,7 @@ from aiohttp import web
 from voxgate.engine import tone
 from voxgate.rtc_client import RtcClient
 
+from tests.conftest import in_process_gateway
 from tests.llm_standin import serve_chat_completions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -108,3 +110,190 @@ async def test_bridge_prints_the_page_address_that_hears_it(tone_server):
             proc.kill()
             await proc.wait()
         await runner.cleanup()
+
+
+# --listen for several calls at once. Callers speak the tone engine's symbols (tone.encode): the
+# VAD hears them as speech, and a stand-in recognizer (--stt-url) reads them back exactly, so each
+# call's words are known without a speech recognizer; the replies are the tone engine's too.
+ASKS = {"a": "What time is it?", "b": "Tell me a story.", "c": "Where is the station?"}
+REPLIES = {ASKS["a"]: "It is nine.", ASKS["b"]: "Once upon a time, a gateway spoke to many callers at once.",
+           ASKS["c"]: "Next to the park."}
+PARTIAL = "Let me see, "
+SORRY = "Sorry."
+
+
+async def start_tone_stt() -> tuple[web.AppRunner, str]:
+    """An OpenAI-compatible /v1/audio/transcriptions that decodes the tone engine's symbols."""
+    import io
+    import wave
+
+    import numpy as np
+
+    async def transcriptions(request: web.Request) -> web.Response:
+        upload = (await request.post())["file"]
+        assert isinstance(upload, web.FileField)
+        with wave.open(io.BytesIO(upload.file.read())) as w:
+            pcm, rate = np.frombuffer(w.readframes(w.getnframes()), "<i2"), w.getframerate()
+        return web.json_response({"text": tone.decode(pcm, rate)})
+
+    app = web.Application()
+    app.router.add_post("/v1/audio/transcriptions", transcriptions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"  # type: ignore[union-attr]
+
+
+async def start_failing_llm(requests: list) -> tuple[web.AppRunner, str]:
+    """Replies by the last user turn; the first request for ASKS["a"] breaks off mid-reply."""
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        requests.append(body)
+        ask = body["messages"][-1]["content"]
+        fail = ask == ASKS["a"] and sum(r["messages"][-1]["content"] == ask for r in requests) == 1
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for token in ([PARTIAL] if fail else [w + " " for w in REPLIES[ask].split(" ")]):
+            chunk = {"choices": [{"index": 0, "delta": {"content": token}}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await asyncio.sleep(0.01)
+        if fail:
+            await asyncio.sleep(0.1)
+            assert request.transport is not None
+            request.transport.close()  # the stream breaks off mid-reply (an unfinished chunked body)
+            return resp
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    return await serve_chat_completions(completions)
+
+
+async def speak(caller: RtcClient, text: str) -> None:
+    caller.mic.play(tone.encode(text, 16000), 16000)  # any rate: the client resamples
+
+
+async def backend_of(gw, session_id: str, other_than: str | None = None, timeout: float = 10.0) -> str:
+    """The session's writer once it has one (not `other_than`): the bridge has attached."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        session = gw.sessions.get(session_id)
+        writer = session.writer if session is not None else None
+        if writer is not None and writer != other_than:
+            return writer
+        assert loop.time() < deadline, f"no backend attached to {session_id} within {timeout} s"
+        await asyncio.sleep(0.02)
+
+
+async def test_bridge_serves_three_calls_through_a_hang_up_an_llm_failure_and_a_dropped_connection(caplog):
+    caplog.set_level(logging.INFO)
+    requests: list = []
+    llm, llm_url = await start_failing_llm(requests)
+    stt, stt_url = await start_tone_stt()
+    proc = None
+    try:
+        async with in_process_gateway(stt_url=stt_url) as (app, url):
+            gw = app["gateway"]
+            callers = {name: RtcClient(url, mic=True) for name in ASKS}
+            for caller in callers.values():
+                await caller.connect()
+                caller.send({"type": "session.update", "vad": {"hangover_ms": 200}})
+                await caller.wait_for("session.updated")
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, os.path.join(ROOT, "examples", "openai_bridge.py"), "--listen", "--poll-s", "0.1",
+                "--gateway", url, "--llm-url", llm_url, "--model", "stand-in", "--apology", SORRY,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            writers = {name: await backend_of(gw, c.session_id) for name, c in callers.items()}
+            hung_up = asyncio.Event()
+
+            async def call_a() -> list[dict]:
+                a = callers["a"]
+                await speak(a, ASKS["a"])
+                broken = await a.wait_for("utterance.done", timeout=15)
+                sorry = await a.wait_for("utterance.done", timeout=15)
+                # The bridge's WebSocket drops (a proxy restart, say): it reconnects and the call goes on.
+                link = gw.sessions[a.session_id].listeners[writers["a"]].__self__
+                await link.socket.close()
+                await backend_of(gw, a.session_id, other_than=writers["a"])
+                await hung_up.wait()  # and it still serves after another caller hung up
+                await speak(a, ASKS["a"])
+                again = await a.wait_for("utterance.done", timeout=15)
+                return [broken, sorry, again]
+
+            async def call_b() -> dict:
+                b = callers["b"]
+                await speak(b, ASKS["b"])
+                started = await b.wait_for("audio.started", timeout=15)
+                await b.wait_frames_after(started, 10)
+                await b.close()  # the caller hangs up mid-reply
+                hung_up.set()
+                return started
+
+            async def call_c() -> dict:
+                await speak(callers["c"], ASKS["c"])
+                return await callers["c"].wait_for("utterance.done", timeout=15)
+
+            (broken, sorry, again), _, done_c = await asyncio.wait_for(asyncio.gather(call_a(), call_b(), call_c()), 40)
+            for name in ("a", "c"):
+                await callers[name].close()
+            # Every call ended: one line each.
+            stderr_lines: list[str] = []
+            while sum("call ended" in line for line in stderr_lines) < 3:
+                line = await asyncio.wait_for(proc.stderr.readline(), 10)
+                assert line, stderr_lines
+                stderr_lines.append(line.decode())
+            proc.terminate()
+            out, err = await asyncio.wait_for(proc.communicate(), 10)
+            bridge_log = "".join(stderr_lines) + err.decode()
+    finally:
+        if proc is not None and proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await llm.cleanup()
+        await stt.cleanup()
+    assert proc.returncode == 0, bridge_log
+    assert broken["text"].strip() == PARTIAL.strip() and sorry["text"] == SORRY
+    assert again["text"].strip() == REPLIES[ASKS["a"]] and done_c["text"].strip() == REPLIES[ASKS["c"]]
+    # One line per call's end, the failure logged once, the reconnection said; no traceback anywhere.
+    assert "Traceback" not in bridge_log, bridge_log
+    assert bridge_log.count("the LLM failed mid-reply") == 1 and "backend connection back" in bridge_log, bridge_log
+    assert [line for line in bridge_log.splitlines() if callers["b"].session_id in line and "call ended" in line]
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR], caplog.text
+    # The history after the failure: the apology, then the question asked again.
+    last = [r for r in requests if r["messages"][-1]["content"] == ASKS["a"]][-1]["messages"]
+    assert [m["role"] for m in last[1:]] == ["user", "assistant", "user"] and last[2]["content"] == SORRY
+    reports = [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
+    assert len(reports) == 3 and all(r["status"] == "done" for r in reports), reports  # b's reply never finished
+
+
+async def test_a_caller_hanging_up_mid_reply_is_a_normal_end_of_the_call():
+    """--listen --session-id: the caller hangs up while the reply plays; the bridge logs the call's
+    end in one line and exits 0 once its session has ended (it crashed with session_closed)."""
+    requests: list = []
+    llm, llm_url = await start_failing_llm(requests)
+    stt, stt_url = await start_tone_stt()
+    try:
+        async with in_process_gateway(stt_url=stt_url) as (app, url):
+            caller = RtcClient(url, mic=True)
+            await caller.connect()
+            caller.send({"type": "session.update", "vad": {"hangover_ms": 200}})
+            await caller.wait_for("session.updated")
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, os.path.join(ROOT, "examples", "openai_bridge.py"), "--listen",
+                "--gateway", url, "--session-id", caller.session_id, "--poll-s", "0.1", "--llm-url", llm_url, "--model", "stand-in",
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            try:
+                await backend_of(app["gateway"], caller.session_id)
+                await speak(caller, ASKS["b"])
+                started = await caller.wait_for("audio.started", timeout=15)
+                await caller.wait_frames_after(started, 10)
+            finally:
+                await caller.close()  # hangs up mid-reply
+            out, err = await asyncio.wait_for(proc.communicate(), 15)
+    finally:
+        await llm.cleanup()
+        await stt.cleanup()
+    log = err.decode()
+    assert proc.returncode == 0 and "Traceback" not in log, log
+    assert [line for line in log.splitlines() if "call ended" in line] != [], log
