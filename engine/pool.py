@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 APP_NAME = "voxgate-engine"
 DEPLOYMENT_NAME = "EnginePool"
-SCALE_HINT = "the engine pool needs Ray Serve: pip install 'voxgate[scale]'"
+SCALE_HINT = 'the engine pool needs Ray Serve: pip install ".[scale]" (in the voxgate clone)'
 # Ray Serve's switch for replicas that listen themselves (read when Ray's processes start).
 DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
 # Serve's gRPC ingress takes messages up to 2 GiB by default; a request body is

@@ -35,7 +35,7 @@ try:
     import torch
 except ImportError as exc:  # the registry imports this module only when asked for "torch"
     raise EngineError(
-        "the torch engine needs PyTorch: pip install 'voxgate[gpu]' (or pip install torch)"
+        'the torch engine needs PyTorch: pip install ".[gpu]" in the voxgate clone (or pip install torch)'
     ) from exc
 
 from .torch_vits import Aligned, _bucket

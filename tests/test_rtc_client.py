@@ -59,3 +59,34 @@ async def test_frames_after_an_event_are_those_sent_after_it_however_late_decode
         heard = tone.decode(np.concatenate(after), client.audio.sample_rate)
         # The frame that raced the event may hold the end of the last "A".
         assert heard.count("z") >= 7 and heard.count("A") <= 1, heard
+
+
+async def test_a_wav_at_any_rate_reaches_the_session_as_it_was(tone_server, tmp_path):
+    """MicTrack.play_wav: a 22,050 Hz stereo file, resampled to the track's 48 kHz; the backend
+    reads the caller's audio back (16 kHz, after Opus) and it decodes to the same text."""
+    import wave
+
+    from voxgate.client import VoxgateSession
+
+    text = "Hello from a WAV, 22 kHz."
+    mono = tone.encode(text, 22050)
+    path = str(tmp_path / "caller.wav")
+    with wave.open(path, "wb") as w:
+        w.setnchannels(2)
+        w.setsampwidth(2)
+        w.setframerate(22050)
+        w.writeframes(np.stack([mono, mono], axis=1).astype("<i2").tobytes())
+    async with VoxgateSession(tone_server.url, caller_audio=True) as backend:
+        async with RtcClient(tone_server.url, mic=True, session_id=backend.session_id,
+                             token=backend.client_token) as caller:
+            seconds = caller.mic.play_wav(path)
+            assert abs(seconds - len(mono) / 22050) < 0.01
+            await asyncio.wait_for(caller.mic.played(), 10)
+            heard = []
+            wanted = int(seconds * 50) + 40  # its frames and some after, for the jitter buffer and Opus
+            async for frame in backend.caller_frames():
+                heard.append(frame.samples())
+                if len(heard) >= wanted and (tone.decode(np.concatenate(heard), 16000) == text
+                                             or len(heard) > 2 * wanted):
+                    break
+    assert tone.decode(np.concatenate(heard), 16000) == text

@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="with --stream: words per second, 0.5 to 1000 (default 30)")
     say.set_defaults(func=lambda a: asyncio.run(_say_async(a)))
 
-    engine = sub.add_parser("engine", help="the engine pool on Ray Serve (needs pip install 'voxgate[scale]')")
+    engine = sub.add_parser("engine", help='the engine pool on Ray Serve (needs pip install ".[scale]" in the clone)')
     engine_sub = engine.add_subparsers(dest="engine_command", required=True)
     pool = engine_sub.add_parser("serve", help="start a local engine pool; gateways use it with --engine-url")
     add_arguments(pool, PoolSettings)

@@ -24,7 +24,7 @@ def test_engine_serve_without_ray_names_the_extra():
     code = "import sys; sys.modules['ray'] = None; from voxgate.cli import main; sys.exit(main(['engine', 'serve', '--engine', 'tone']))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert "pip install 'voxgate[scale]'" in proc.stderr
+    assert 'pip install ".[scale]"' in proc.stderr
 
 
 def test_engine_url_settings():

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="torch is an optional extra (pip install 'voxgate[gpu]')")
+torch = pytest.importorskip("torch", reason='torch is an optional extra (pip install ".[gpu]" in the clone)')
 
 from voxgate.engine.base import EngineError, SynthesisOptions  # noqa: E402
 from voxgate.engine.piper_engine import embedded_voice_path  # noqa: E402

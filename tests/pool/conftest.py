@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import ServerProcess, free_port
 
-ray = pytest.importorskip("ray", reason="the engine pool tests need Ray Serve: pip install 'voxgate[scale]'")
+ray = pytest.importorskip("ray", reason='the engine pool tests need Ray Serve: pip install ".[scale]" in the clone')
 serve = pytest.importorskip("ray.serve")
 
 from voxgate.engine.pool import APP_NAME, PoolConfig, start_local  # noqa: E402

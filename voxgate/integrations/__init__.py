@@ -1,7 +1,7 @@
 """Voxgate's voice inside the voice-agent frameworks people already use.
 
-- `voxgate.integrations.pipecat`: a pipecat `TTSService` (`pip install "voxgate[pipecat]"`).
-- `voxgate.integrations.livekit`: a LiveKit Agents `tts.TTS` (`pip install "voxgate[livekit]"`).
+- `voxgate.integrations.pipecat`: a pipecat `TTSService` (`pip install ".[pipecat]"` in the clone).
+- `voxgate.integrations.livekit`: a LiveKit Agents `tts.TTS` (`pip install ".[livekit]"` in the clone).
 
 Both stream through the gateway's bi-streaming TTS WebSocket, `GET /v1/tts/ws`
 (docs/tts-websocket.md), with each word's start and end. Importing this package

@@ -1,4 +1,4 @@
-"""Voxgate's voice as a LiveKit Agents TTS: `pip install "voxgate[livekit]"`.
+"""Voxgate's voice as a LiveKit Agents TTS: `pip install ".[livekit]"` in the clone.
 
     from voxgate.integrations.livekit import VoxgateTTS
     session = AgentSession(tts=VoxgateTTS(url="http://127.0.0.1:8080"), ...)
@@ -24,7 +24,7 @@ try:
     from livekit.agents._exceptions import APIConnectionError, APIError, APIStatusError, APITimeoutError
     from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS, APIConnectOptions, TimedString
 except ImportError as exc:  # pragma: no cover - the message is the point
-    raise ImportError('voxgate.integrations.livekit needs LiveKit Agents: pip install "voxgate[livekit]"') from exc
+    raise ImportError('voxgate.integrations.livekit needs LiveKit Agents: pip install ".[livekit]" in the voxgate clone') from exc
 
 from ._tts_ws import ConnectionLost, TTSWebSocket, TTSWebSocketError
 

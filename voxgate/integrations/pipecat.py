@@ -1,4 +1,4 @@
-"""Voxgate's voice as a pipecat TTS service: `pip install "voxgate[pipecat]"`.
+"""Voxgate's voice as a pipecat TTS service: `pip install ".[pipecat]"` in the clone.
 
     from voxgate.integrations.pipecat import VoxgateTTSService
     tts = VoxgateTTSService(url="http://127.0.0.1:8080")
@@ -30,7 +30,7 @@ try:
     from websockets.exceptions import InvalidStatus
     from websockets.protocol import State
 except ImportError as exc:  # pragma: no cover - the message is the point
-    raise ImportError('voxgate.integrations.pipecat needs pipecat: pip install "voxgate[pipecat]"') from exc
+    raise ImportError('voxgate.integrations.pipecat needs pipecat: pip install ".[pipecat]" in the voxgate clone') from exc
 
 from ._tts_ws import READY_TIMEOUT_S, TTSWebSocketError, ws_url
 
