@@ -57,6 +57,8 @@ log = logging.getLogger("openai_bridge")
 APOLOGY = "Sorry, I lost my train of thought. Could you say that again?"
 # Reconnecting a dropped backend WebSocket: the first wait, doubling up to the last, for at most this long.
 RECONNECT_FIRST_S, RECONNECT_MAX_S, RECONNECT_GIVE_UP_S = 0.25, 5.0, 120.0
+# The turns of a call the LLM is sent, besides the system prompt: the oldest go first.
+MAX_HISTORY = 40
 # The LLM's stream: an answer must start, and each piece follow the last, within this long.
 LLM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=30.0)
 
@@ -93,6 +95,7 @@ async def answer(session: VoxgateSession, http: aiohttp.ClientSession, args: arg
     """One reply, streamed from the LLM. If the LLM fails, what it had said is finished
     (say_stream ends the utterance), the failure is logged and the caller hears --apology.
     A VoxgateError (the session or its connection ended, the server refused) is raised."""
+    del history[1:-MAX_HISTORY]  # a long call's history stays bounded (history[0] is the system prompt)
     try:
         outcome = await session.say_stream(chat_tokens(http, args.llm_url, args.model, history, args.llm_key))
     except VoxgateError:
@@ -143,7 +146,8 @@ class Call:
             else:
                 why = "the WebSocket closed"
             if ended is not None:
-                log.info("session %s: call ended (%s)", self.session_id, ended)
+                if ended:  # "": left to another backend, said already
+                    log.info("session %s: call ended (%s)", self.session_id, ended)
                 return
             # The session may live on (a gateway restart, a network blip): connect again and go on.
             now = loop.time()
@@ -159,13 +163,15 @@ class Call:
             self._delay = min(RECONNECT_MAX_S, 2 * self._delay)
 
     async def _connected(self) -> str | None:
-        """Converse over one backend WebSocket: the reason the session ended, or None when
-        the connection went with the session still open."""
+        """Converse over one backend WebSocket: the reason the session ended ("" when another
+        backend writes to it), or None when the connection went with the session still open."""
         args = self.args
         async with VoxgateSession(args.gateway, api_key=args.api_key, session_id=self.session_id,
                                   end_on_exit=False) as session:
             if session.ready.get("role") != "writer":
-                return f"another backend writes to it ({session.ready.get('writer')})"
+                log.info("session %s: another backend (%s) writes to it; leaving it", self.session_id,
+                         session.ready.get("writer"))
+                return ""
             if self._lost_at is not None:
                 log.info("session %s: backend connection back after %.1f s; the call goes on", self.session_id,
                          asyncio.get_running_loop().time() - self._lost_at)

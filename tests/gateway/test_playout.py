@@ -89,3 +89,17 @@ def test_ready_fires_only_for_an_idle_start():
     playout.next_frame()  # a is playing now
     playout.push(a, frames(3))
     assert calls == [1]
+
+
+def test_an_utterance_dropped_before_it_started_leaves_the_others_playing():
+    done = []
+    playout = Playout(SILENCE, on_done=lambda u: done.append(u.id))
+    first, dropped, last = UtterancePlay("a"), UtterancePlay("b"), UtterancePlay("c")
+    for utt, tag in ((first, "a"), (dropped, "b"), (last, "c")):
+        playout.add(utt)
+        playout.push(utt, frames(2, tag))
+        playout.finish(utt)
+    assert playout.next_frame() == b"a0"
+    playout.drop(dropped)
+    assert [playout.next_frame() for _ in range(4)] == [b"a1", b"c0", b"c1", SILENCE]
+    assert done == ["a", "c"] and dropped.sent_frames == 0
