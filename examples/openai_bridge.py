@@ -136,6 +136,9 @@ class Call:
             try:
                 ended = await self._connected()
             except VoxgateError as exc:
+                if exc.status in (401, 403):  # the key: trying again would not help
+                    log.error("session %s: the gateway refused this backend (%s); check --api-key", self.session_id, exc)
+                    return
                 if exc.status == 404:
                     ended = "it no longer exists"
                 else:
