@@ -67,8 +67,9 @@ class TwilioOutput:
         kind = event.get("type")
         if kind == "utterance.done":
             self._pending_marks.append(f"{event['id']}:{event['audio_ms']}:end")
-        elif kind == "utterance.interrupted" and self._clear_task is None:
-            # One interrupt reports every dropped utterance; one clear covers them all.
+        elif kind == "utterance.interrupted" and self._clear_task is None and event.get("reason") != "writer_gone":
+            # One interrupt reports every dropped utterance; one clear covers them all. An utterance
+            # dropped with its writer was never sent: what plays at the phone plays on.
             self._clear_task = asyncio.ensure_future(self._clear())
 
     # Phone side

@@ -123,6 +123,17 @@ async def test_an_interruption_sends_one_clear_and_pending_marks_echo_as_cleared
     assert output.marks_cleared == len(wire.marks()) and output.marks_played == 0 and output.played is None
 
 
+async def test_an_utterance_dropped_with_its_writer_clears_nothing_at_the_phone():
+    output, _, wire, _ = start([b"\x02" * 160] * 12)
+    try:
+        # A queued utterance whose backend went away before any of it played (session_queue.writer_gone).
+        output.on_event({"type": "utterance.interrupted", "id": "later", "reason": "writer_gone", "played_ms": 0})
+        await wire.wait(lambda m: m["event"] == "mark" and m["mark"]["name"].endswith(":end"))
+    finally:
+        await output.stop()
+    assert wire.of("clear") == [] and output.clears == 0
+
+
 async def test_a_closed_connection_ends_the_output_quietly():
     session = StandInSession()
 
