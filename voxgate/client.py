@@ -29,6 +29,10 @@ import numpy as np
 
 from .gateway.caller_audio import FRAME_HEADER
 
+# A long call's events kept in `history`, and those left for `wait_for` unread: past either, the oldest go.
+MAX_HISTORY = 10000
+MAX_UNREAD = 1000
+
 # A clause is complete at these marks once something follows them (or at once
 # for a closing mark at the end of a token: ".", "!", "?" followed by nothing
 # more in this token are flushed too, the server's segmenter handles "$29.").
@@ -168,7 +172,7 @@ class VoxgateSession:
         self.end_on_exit = end_on_exit
         self.info: dict = {}  # the POST /v1/sessions answer when this client made the session
         self.ready: dict = {}  # the session.ready event; 'role' says whether we may write
-        self.history: list[dict] = []
+        self.history: list[dict] = []  # every event, oldest first (the last MAX_HISTORY at most)
         # The reason of the server's session.closed, once it sent one: the session has ended. While
         # None after the connection closed, the session may live on (reconnect with session_id).
         self.ended: str | None = None
@@ -278,6 +282,10 @@ class VoxgateSession:
             if event.get("type") == "session.closed":
                 self.ended = str(event.get("reason"))
             self.history.append(event)
+            if len(self.history) > MAX_HISTORY:
+                del self.history[: MAX_HISTORY // 2]
+            if self._queue.qsize() >= MAX_UNREAD:
+                self._queue.get_nowait()  # nobody waits for events this old
             self._queue.put_nowait(event)
             for queue in self._subscribers:
                 queue.put_nowait(event)

@@ -129,3 +129,28 @@ async def test_every_call_the_server_refuses_raises_its_error_at_once(tone_serve
                 with pytest.raises(VoxgateError) as refused:
                     await asyncio.wait_for(call, 5)
                 assert refused.value.code == "read_only"
+
+
+async def test_a_long_calls_events_are_kept_within_bounds():
+    """A backend on one call for hours: `history` and the events left for wait_for stay capped."""
+    import json
+
+    import aiohttp
+
+    from voxgate import client
+
+    class Message:
+        type = aiohttp.WSMsgType.TEXT
+
+        def __init__(self, i: int) -> None:
+            self.data = json.dumps({"type": "audio.words", "id": "u", "n": i})
+
+    class Socket:
+        def __aiter__(self):
+            return (Message(i) async for i in _tokens(range(3 * client.MAX_HISTORY), 0))
+
+    session = VoxgateSession("http://127.0.0.1:1")
+    session._ws = Socket()  # type: ignore[assignment]
+    await session._read()
+    assert len(session.history) <= client.MAX_HISTORY and session.history[-1]["n"] == 3 * client.MAX_HISTORY - 1
+    assert session._queue.qsize() <= client.MAX_UNREAD + 1  # and the closing event
