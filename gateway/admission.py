@@ -201,18 +201,36 @@ class Admission:
         return cost if isinstance(cost, (int, float)) and cost > 0 else None
 
     def expected(self) -> tuple[float, float]:
-        """(demand now, expected demand): speaking sessions and requests count 1; the
-        others the larger of --talk-share and their own recent share."""
+        """(demand now, expected demand): speaking sessions and requests count 1 (a request
+        in a compressed format its weight); joined sessions the larger of --talk-share and
+        their own recent share; a session not joined yet (unjoined_weight) less, and soon nothing."""
         share = self.settings.talk_share
         now = float(self.gw.tts_active)
         expected = now
+        clock = self.clock()
         for sid, session in self.gw.sessions.items():
             if session.speaking:
                 now += 1.0
                 expected += 1.0
-            else:
+            elif self.gw.joined(sid):
                 expected += max(share, self._recent.get(sid, 0.0))
+            else:
+                expected += self.unjoined_weight(session, clock)
         return now, expected
+
+    def unjoined_weight(self, session, now: float) -> float:
+        """What a session that no peer or call has joined yet counts: --unjoined-share of
+        --talk-share for its first --unjoined-hold-s, then nothing. An offer that never
+        finishes ICE, or a session made ahead that nobody joins, does not speak; counted
+        in full, thirty of them filled the budget (issue 53, finding 3)."""
+        s = self.settings
+        if now - session.created_at >= s.unjoined_hold_s:
+            return 0.0
+        return s.talk_share * s.unjoined_share
+
+    def _unjoined_of(self, key: str) -> int:
+        """Sessions the API key made ahead that nothing has joined yet."""
+        return sum(1 for sid in self.gw.registry.by_key.get(key, ()) if not self.gw.joined(sid))
 
     def _figures(self) -> LoadFigures:
         now, expected = self.expected()
@@ -251,13 +269,23 @@ class Admission:
                 detail["gateway"] = other
         return GatewayError(code, message, status, headers=headers, detail=detail)
 
-    def admit_session(self, anonymous_from: str | None = None, key: str | None = None, key_sessions: int = 0) -> None:
+    def admit_session(self, anonymous_from: str | None = None, key: str | None = None, key_sessions: int = 0,
+                      made_ahead: bool = False) -> None:
         """Raises GatewayError unless a new session may be made now. `anonymous_from`: the
         client address of a session made without a key or token; `key`, `key_sessions`:
-        the API key making it and how many sessions it holds."""
+        the API key making it and how many sessions it holds; `made_ahead`: made for a
+        peer or call to join later (POST /v1/sessions)."""
         gw, s = self.gw, self.settings
         if key is not None and key_sessions >= s.max_sessions_per_key:
             raise self._refuse("key_limit", "key_limit", f"this API key holds its maximum of {s.max_sessions_per_key} sessions", 429)
+        if key is not None and made_ahead:
+            # The budget bounds what one key may book ahead, not only --max-sessions-per-key:
+            # its unjoined sessions, each at --talk-share, within --made-ahead-share of the budget.
+            budget = self._figures().budget
+            unjoined = self._unjoined_of(key)
+            if math.isfinite(budget) and (unjoined + 1) * s.talk_share > s.made_ahead_share * budget:
+                raise self._refuse("key_limit", "key_limit", f"this API key holds {unjoined} sessions made ahead that "
+                                   f"nothing has joined, its share of the server's budget; join or end one first", 429)
         if not gw.accepting:
             raise self._refuse("draining", "draining", "the server is shutting down; retry on another instance")
         if len(gw.sessions) + gw.tts_active >= s.max_sessions:
@@ -274,7 +302,19 @@ class Admission:
                     sum(1 for a in gw.anonymous.values() if a == anonymous_from) >= per_address:
                 raise self._refuse("address_limit", "address_limit", f"this client address holds its maximum of "
                                    f"{per_address} sessions made without a token", 429)
-        why = self._overloaded(s.talk_share)
+        # With keys configured, --key-reserve of the budget is kept for them: offers without
+        # a key or token cannot fill it.
+        reserve = s.key_reserve if anonymous_from is not None and s.api_key else 0.0
+        why = self._overloaded(s.talk_share, reserve)
+        if why is not None:
+            raise self._refuse(why, "at_capacity", self._busy_message(why), headers=RETRY_LATER)
+
+    def admit_join(self, session) -> None:
+        """Raises GatewayError unless a peer or call may join `session` now: one that waited
+        past --unjoined-hold-s counts nothing any more, so it is admitted again."""
+        if self.clock() - session.created_at < self.settings.unjoined_hold_s:
+            return  # its room is still counted
+        why = self._overloaded(self.settings.talk_share)
         if why is not None:
             raise self._refuse(why, "at_capacity", self._busy_message(why), headers=RETRY_LATER)
 

@@ -269,7 +269,16 @@ class Gateway:
             raise GatewayError("unknown_session", "no such session; it may have ended", 404)
         if session.has_output or self.has_peer(token_sid):
             raise GatewayError("already_connected", "a listener is already attached to this session", 409)
+        self.admission.admit_join(session)
         return session
+
+    def joined(self, session_id: str) -> bool:
+        """Whether a peer has connected to the session, or a call is attached: until then it does not
+        speak, and admission counts it for less, and only for a while (gateway/admission.py)."""
+        if session_id in self.registry.calls:
+            return True
+        peer = self.peers.get(session_id)
+        return peer is not None and peer.pc.connectionState == "connected"
 
     def session_for_offer(self, session_id: object, token: object, voice: object, address: str) -> tuple[Session, bool]:
         """The session a WebRTC offer attaches to, and whether it was made for it: with
@@ -368,7 +377,8 @@ class Gateway:
         """
         voice = checked_voice(self.engine, voice)
         registry = self.registry
-        self.admission.admit_session(anonymous_from, key, len(registry.by_key.get(key, ())) if key is not None else 0)
+        self.admission.admit_session(anonymous_from, key, len(registry.by_key.get(key, ())) if key is not None else 0,
+                                     made_ahead=made_ahead)
         session = Session(self.engine, options=self.session_options(voice), metrics=self.metrics.for_session(self.settings.engine),
                           stt=self.stt)
         self.sessions[session.id] = session
