@@ -33,10 +33,11 @@ from ..gateway.errors import GatewayError, checked_voice
 from ..gateway.speech_request import SpeechStream, open_speech
 from .audio_formats import FORMAT_THREADS, FORMATS, FORMATTERS, EncodedFormatter, Formatter
 from .errors import error_response, read_json_object
-from .http_guard import client_address
+from .http_guard import RateLimitedLog, client_address
 from .sessions_api import check_api_key
 
 log = logging.getLogger(__name__)
+_client_log = RateLimitedLog()
 
 
 
@@ -157,28 +158,47 @@ async def handle_tts(request: web.Request) -> web.StreamResponse:
     return await serve_speech(request, _tts_request, 'send {"text": "...", "format": "wav"}')
 
 
+class WriteStalled(ConnectionResetError):
+    """The client took none of the body for --speech-write-stall-s: it was disconnected."""
+
+
 class _Body:
     """The response body: the formatter's bytes as they are, or each piece as a
-    server-sent event carrying it in base64 (OpenAI's `speech.audio.delta`)."""
+    server-sent event carrying it in base64 (OpenAI's `speech.audio.delta`).
 
-    def __init__(self, response: web.StreamResponse, sse: bool) -> None:
+    Every write has a deadline, --speech-write-stall-s, as the TTS WebSocket's sends
+    do: a client that reads nothing would otherwise hold its speech slot for as long
+    as it liked (four of them held every slot; issue 53, finding 6)."""
+
+    def __init__(self, request: web.Request, response: web.StreamResponse, sse: bool, stall_s: float) -> None:
+        self.request = request
         self.response = response
         self.sse = sse
+        self.stall_s = stall_s
 
     async def write(self, data: bytes) -> None:
         if not data:
             return
         if self.sse:
             data = _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
-        await self.response.write(data)
+        await self._within_deadline(self.response.write(data))
+
+    async def _within_deadline(self, write) -> None:
+        try:
+            await asyncio.wait_for(write, self.stall_s)
+        except asyncio.TimeoutError:
+            if self.request.transport is not None:
+                self.request.transport.abort()
+            raise WriteStalled(f"the client read nothing for {self.stall_s:g} s") from None
 
     async def end(self, audio_s: float) -> None:
         if self.sse:
             # No tokenizer runs here, so the usage OpenAI's event carries is zero;
             # audio_ms says what was sent.
             usage = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
-            await self.response.write(_event({"type": "speech.audio.done", "usage": usage, "audio_ms": round(audio_s * 1000)}))
-        await self.response.write_eof()
+            await self._within_deadline(self.response.write(
+                _event({"type": "speech.audio.done", "usage": usage, "audio_ms": round(audio_s * 1000)})))
+        await self._within_deadline(self.response.write_eof())
 
 
 def _event(payload: dict) -> bytes:
@@ -219,7 +239,7 @@ async def _synthesize(request: web.Request, gw, job: SpeechRequest, timeline: _T
         )
         response.enable_chunked_encoding()
         await response.prepare(request)
-        body = _Body(response, job.sse)
+        body = _Body(request, response, job.sse, gw.settings.speech_write_stall_s)
         head = await loop.run_in_executor(FORMAT_THREADS, formatter.start)
         max_samples = int(gw.settings.tts_max_audio_s * rate)
         if first is not None:
@@ -248,12 +268,16 @@ async def _synthesize(request: web.Request, gw, job: SpeechRequest, timeline: _T
         await body.end(sent_samples / rate)
         timeline.log(job.fmt, len(job.text))
         return response
-    except ConnectionResetError:
-        # The client went away mid-body: nothing to answer, and nothing for
-        # aiohttp to log as a server error. The finally cancels synthesis.
+    except ConnectionResetError as exc:
+        # The client went away mid-body, or read nothing for --speech-write-stall-s: nothing
+        # to answer, and nothing for aiohttp to log as a server error. The finally cancels
+        # synthesis, and the caller's `with` frees the slot.
         if response is None:
             raise
-        log.info("tts: the client went away before the end of the audio")
+        if isinstance(exc, WriteStalled):
+            _client_log(log.info, f"tts: {exc}; disconnected it")
+        else:
+            log.info("tts: the client went away before the end of the audio")
         return response
     finally:
         stream.cancel()
