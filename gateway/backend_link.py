@@ -11,7 +11,8 @@ import asyncio
 import itertools
 import json
 import logging
-from typing import TYPE_CHECKING, Protocol
+import time
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from .errors import GatewayError
 from .frames import FRAME_MS
@@ -41,13 +42,34 @@ class Socket(Protocol):
     async def close(self, *, code: int = ..., message: bytes = ...) -> bool: ...
 
 
-class BackendLink:
-    """One backend attached to one session until `detach`."""
+def check_room(gw: Gateway, session: Session, key: str | None) -> None:
+    """Raises GatewayError (429 watcher_limit) unless one more backend may attach to `session`:
+    --max-watchers-per-session on it, --max-watchers-per-key on all of `key`'s sessions. Each
+    backend costs the loop a send per event and, with the caller's audio, per 20 ms frame: 250
+    on one session made a quarter of every session's frames late (issue 53, finding 5)."""
+    s, backends = gw.settings, gw.registry.backends
+    if len(backends.get(session.id, ())) >= s.max_watchers_per_session:
+        raise GatewayError("watcher_limit", f"this session has its maximum of {s.max_watchers_per_session} backend "
+                           "WebSockets; close one first", 429)
+    if key is not None:
+        held = sum(len(backends.get(sid, ())) for sid in gw.registry.by_owner(key))
+        if held >= s.max_watchers_per_key:
+            raise GatewayError("watcher_limit", f"this API key has its maximum of {s.max_watchers_per_key} backend "
+                               "WebSockets open; close one first", 429)
 
-    def __init__(self, gw: Gateway, session: Session, socket: Socket, role: str, audio: bool) -> None:
+
+class BackendLink:
+    """One backend attached to one session until `detach`. `abort`: cuts the connection at once,
+    for a backend that takes none of the caller's audio for --write-stall-s (its socket's
+    own close would wait on the very writes it does not take)."""
+
+    def __init__(self, gw: Gateway, session: Session, socket: Socket, role: str, audio: bool,
+                 abort: Callable[[], None] | None = None) -> None:
         self.gw = gw
         self.session = session
         self.socket = socket
+        self._abort = abort
+        self._behind_since: float | None = None  # when its caller's audio buffer filled, while it stays full
         self.name = f"ws:{next(_connection_ids)}"
         # Asked-for writer, but the session has one already: it watches instead.
         if role == "writer" and session.writer is None:
@@ -73,11 +95,26 @@ class BackendLink:
 
     def _on_audio(self, message: bytes) -> None:
         # A backend that reads too slowly loses frames, never memory: a gap in its sequence numbers.
+        # One that stays behind for --write-stall-s is disconnected: it costs every frame's work for nothing.
         if self._frames_queued >= self._max_frames:
             self._frames_dropped.inc()
+            now = time.monotonic()
+            if self._behind_since is None:
+                self._behind_since = now
+            elif now - self._behind_since > self.gw.settings.write_stall_s:
+                self._drop(f"took none of the caller's audio for {self.gw.settings.write_stall_s:g} s")
             return
+        self._behind_since = None
         self._frames_queued += 1
         self._outbox.put_nowait(message)
+
+    def _drop(self, why: str) -> None:
+        log.warning("session %s: backend %s %s; disconnecting it", self.session.id, self.name, why,
+                    extra={"session_id": self.session.id})
+        self.session.remove_audio_tap(self.name)
+        self._outbox.put_nowait(None)
+        if self._abort is not None:
+            self._abort()
 
     def _on_event(self, event: dict) -> None:
         if self._outbox.qsize() - self._frames_queued >= MAX_PENDING_EVENTS:

@@ -15,7 +15,7 @@ from ..config import Settings
 from ..engine.client import EngineClient, EngineConfig
 from . import priority, rtc_internals
 from .admission import Admission
-from .backend_link import BackendLink, Socket
+from .backend_link import BackendLink, Socket, check_room
 from .call_link import CallLink
 from .encoder import OpusSettings
 from .errors import GatewayError, checked_voice
@@ -318,9 +318,16 @@ class Gateway:
             raise GatewayError("unknown_session", "no such session; it may have ended", 404)
         return session_id
 
-    def attach_backend(self, session: Session, socket: Socket, role: str, audio: bool) -> BackendLink:
-        """A backend's WebSocket on the session (gateway/backend_link.py), until its `detach`."""
-        return BackendLink(self, session, socket, role, audio)
+    def backend_room(self, session: Session, key: str | None) -> None:
+        """Raises GatewayError (429 watcher_limit) unless one more backend may attach (gateway/backend_link.py)."""
+        check_room(self, session, key)
+
+    def attach_backend(self, session: Session, socket: Socket, role: str, audio: bool, key: str | None = None,
+                       abort: Callable[[], None] | None = None) -> BackendLink:
+        """A backend's WebSocket on the session (gateway/backend_link.py), until its `detach`; refused
+        (GatewayError) past the limits on backends, checked here again with nothing awaited before it attaches."""
+        check_room(self, session, key)
+        return BackendLink(self, session, socket, role, audio, abort)
 
     def attach_call(self, session: Session, call: object, stream_sid: str, send: Callable[[dict], Awaitable[None]],
                     on_session_close: Callable[[], Awaitable[None]]) -> CallLink:

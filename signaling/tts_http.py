@@ -159,14 +159,14 @@ async def handle_tts(request: web.Request) -> web.StreamResponse:
 
 
 class WriteStalled(ConnectionResetError):
-    """The client took none of the body for --speech-write-stall-s: it was disconnected."""
+    """The client took none of the body for --write-stall-s: it was disconnected."""
 
 
 class _Body:
     """The response body: the formatter's bytes as they are, or each piece as a
     server-sent event carrying it in base64 (OpenAI's `speech.audio.delta`).
 
-    Every write has a deadline, --speech-write-stall-s, as the TTS WebSocket's sends
+    Every write has a deadline, --write-stall-s, as the TTS WebSocket's sends
     do: a client that reads nothing would otherwise hold its speech slot for as long
     as it liked (four of them held every slot; issue 53, finding 6)."""
 
@@ -239,7 +239,7 @@ async def _synthesize(request: web.Request, gw, job: SpeechRequest, timeline: _T
         )
         response.enable_chunked_encoding()
         await response.prepare(request)
-        body = _Body(request, response, job.sse, gw.settings.speech_write_stall_s)
+        body = _Body(request, response, job.sse, gw.settings.write_stall_s)
         head = await loop.run_in_executor(FORMAT_THREADS, formatter.start)
         max_samples = int(gw.settings.tts_max_audio_s * rate)
         if first is not None:
@@ -269,7 +269,7 @@ async def _synthesize(request: web.Request, gw, job: SpeechRequest, timeline: _T
         timeline.log(job.fmt, len(job.text))
         return response
     except ConnectionResetError as exc:
-        # The client went away mid-body, or read nothing for --speech-write-stall-s: nothing
+        # The client went away mid-body, or read nothing for --write-stall-s: nothing
         # to answer, and nothing for aiohttp to log as a server error. The finally cancels
         # synthesis, and the caller's `with` frees the slot.
         if response is None:

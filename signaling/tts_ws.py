@@ -13,7 +13,7 @@ cap per context; the formatters and their threads are signaling/audio_formats.py
 here: contexts per connection (--tts-ws-max-contexts), text per context
 (--max-utterance-chars), bytes and messages a second per connection
 (--max-message-bytes, --max-messages-per-s), what waits for the socket (a
-short queue; a reader that takes nothing for --speech-write-stall-s loses the
+short queue; a reader that takes nothing for --write-stall-s loses the
 connection, a slow one paces synthesis), and how long a context may hold its slot
 doing nothing (--tts-ws-context-idle-s: no new text and no audio made; a `flush` or
 blank text is not new text, so flushes alone cannot keep a slot).
@@ -149,7 +149,7 @@ class Connection:
                     self.audio_slots.release()
                     if ctx.cancelled:
                         continue
-                stall = self.settings.speech_write_stall_s
+                stall = self.settings.write_stall_s
                 try:
                     await asyncio.wait_for(self.ws.send_str(json.dumps(message, separators=(",", ":"))), stall)
                 except asyncio.TimeoutError:

@@ -178,8 +178,8 @@ class Settings:
     max_watchers_per_session: int = setting(8, LIMITS, "backend WebSockets on one session at once", low=1, high=10000)
     max_watchers_per_key: int = setting(64, LIMITS, "backend WebSockets on one API key's sessions at once",
                                         low=1, high=100000)
-    speech_write_stall_s: float = setting(10.0, LIMITS, "a speech client that reads nothing this long is dropped",
-                                          low=0.5, high=600.0)
+    write_stall_s: float = setting(10.0, LIMITS, "a client that takes nothing sent to it this long is dropped",
+                                   low=0.5, high=600.0)
     tts_ws_context_idle_s: float = setting(20.0, LIMITS, "a /v1/tts/ws context with no new text this long ends",
                                            low=1.0, high=3600.0)
     # Admission by measured headroom (gateway/admission.py; how to choose them: docs/scaling.md).

@@ -309,7 +309,7 @@ async def test_keys_contexts_text_and_admission_limits():
 
 
 async def test_a_reader_that_stops_reading_is_disconnected_and_memory_stays_bounded():
-    async with in_process_gateway(tts_max_audio_s=3000, speech_write_stall_s=1.0) as (app, url), aiohttp.ClientSession() as http:
+    async with in_process_gateway(tts_max_audio_s=3000, write_stall_s=1.0) as (app, url), aiohttp.ClientSession() as http:
         ws = await http.ws_connect(ws_url(url))
         # Some 13 minutes of audio (33 MB of base64 PCM), never read: the client's
         # reader stops taking from its socket after 64 KiB, the kernel's buffers fill,

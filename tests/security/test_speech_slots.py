@@ -3,7 +3,7 @@
 Before, four POST /v1/audio/speech requests whose bodies were never read held all four global slots
 for as long as the client liked (the write had no deadline), and four /v1/tts/ws contexts of one word
 and a `flush` every few seconds did the same; another key got 503 every time. Now every HTTP speech
-write has a deadline (--speech-write-stall-s) and a context with no new text and no audio for
+write has a deadline (--write-stall-s) and a context with no new text and no audio for
 --tts-ws-context-idle-s ends with `context_idle`. bench/bench_speech_slots.py runs them at full size.
 """
 
@@ -65,7 +65,7 @@ async def until_served(url: str, key: str, within_s: float) -> float:
 
 
 async def test_never_reading_speech_clients_lose_their_slots_within_the_deadline():
-    async with in_process_gateway(api_key=KEYS, speech_write_stall_s=1.0) as (app, url):
+    async with in_process_gateway(api_key=KEYS, write_stall_s=1.0) as (app, url):
         async with NeverReads(url, "a1"), NeverReads(url, "a1"), NeverReads(url, "a2"), NeverReads(url, "a2"):
             assert app["gateway"].tts_active == 4
             assert await speech_status(url, "victim") == 503
