@@ -318,41 +318,43 @@ class Admission:
         if why is not None:
             raise self._refuse(why, "at_capacity", self._busy_message(why), headers=RETRY_LATER)
 
-    def start_request(self, caller: str) -> None:
+    def start_request(self, caller: str, slots: int = 1) -> None:
         """Raises GatewayError unless a speech request (POST /v1/tts and its kin) from
         `caller` (its API key, or its client address without keys) may start now;
-        else counts it until `end_request(caller)`. Each takes one of --max-sessions' slots."""
+        else counts it until `end_request(caller, slots)`. It takes `slots` of the
+        --tts-max-concurrent slots, of --max-sessions' and of the budget: a compressed
+        format's encode costs more than a WAV's (signaling/audio_formats.py)."""
         gw, s = self.gw, self.settings
         retry = {"Retry-After": "1"}
         if not gw.accepting:
             raise self._refuse("draining", "draining", "the server is shutting down; retry on another instance")
-        if gw.tts_active >= s.tts_max_concurrent or len(gw.sessions) + gw.tts_active >= s.max_sessions:
+        if gw.tts_active + slots > s.tts_max_concurrent or len(gw.sessions) + gw.tts_active + slots > s.max_sessions:
             raise self._refuse("tts_concurrency", "at_capacity", "the server is synthesizing its maximum of requests; "
                                "retry in a moment", headers=retry)
         if self._requests.get(caller, 0) >= s.tts_max_concurrent_per_key:
             raise self._refuse("tts_concurrency", "too_many_requests", f"this caller has {s.tts_max_concurrent_per_key} "
                                "requests synthesizing; wait for one to finish", 429, headers=retry)
-        why = self._overloaded(1.0)
+        why = self._overloaded(float(slots))
         if why is not None:
             raise self._refuse(why, "at_capacity", self._busy_message(why), headers=retry)
         self._requests[caller] = self._requests.get(caller, 0) + 1
-        gw.tts_active += 1
+        gw.tts_active += slots
 
-    def end_request(self, caller: str) -> None:
-        self.gw.tts_active -= 1
+    def end_request(self, caller: str, slots: int = 1) -> None:
+        self.gw.tts_active -= slots
         left = self._requests.get(caller, 1) - 1
         if left > 0:
             self._requests[caller] = left
         else:
             self._requests.pop(caller, None)
 
-    def speech_slot(self, caller: str) -> "SpeechSlot":
-        """A speech request's slot (start_request), held until the slot is released:
+    def speech_slot(self, caller: str, slots: int = 1) -> "SpeechSlot":
+        """A speech request's `slots` (start_request), held until the slot is released:
         `with gw.admission.speech_slot(caller):` around a request, or `release()` when
         the request ends elsewhere (a /v1/tts/ws context). Releasing twice is harmless,
         so no route can end a request twice, and `with` cannot forget to end it."""
-        self.start_request(caller)
-        return SpeechSlot(self, caller)
+        self.start_request(caller, slots)
+        return SpeechSlot(self, caller, slots)
 
     def ready(self) -> tuple[bool, str | None]:
         """Whether load balancers should send new sessions here: --ready-margin of the budget before admission refuses."""
@@ -390,14 +392,15 @@ class Admission:
 class SpeechSlot:
     """One admitted speech request (Admission.speech_slot)."""
 
-    def __init__(self, admission: Admission, caller: str) -> None:
+    def __init__(self, admission: Admission, caller: str, slots: int = 1) -> None:
         self._admission: Admission | None = admission
         self._caller = caller
+        self._slots = slots
 
     def release(self) -> None:
         if self._admission is not None:
             admission, self._admission = self._admission, None
-            admission.end_request(self._caller)
+            admission.end_request(self._caller, self._slots)
 
     def __enter__(self) -> "SpeechSlot":
         return self

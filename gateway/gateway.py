@@ -79,7 +79,7 @@ class Gateway:
         # they have their own budget, so anonymous offers cannot take the slots
         # that keyed backends need.
         self.anonymous: dict[str, str] = {}  # session id -> client address
-        self.tts_active = 0  # speech requests (POST /v1/tts and its kin) synthesizing; they take session slots too
+        self.tts_active = 0  # speech slots taken by requests (POST /v1/tts and its kin): session slots too; a compressed format takes more
         self.trusted_proxies = parse_networks(settings.trusted_proxy)
         self.accepting = True
         self.fast_paths: dict[str, bool] = {}  # rtc_internals.check_fast_paths(), at start

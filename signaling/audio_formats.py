@@ -21,6 +21,14 @@ from ..gateway.resample import StreamResampler
 # are awaited in order, so each formatter is only ever used by one thread at a time.
 # The event loop's priority (--media-priority): these threads hold the GIL it waits for.
 FORMAT_THREADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tts-http", initializer=priority.enter_media_thread)
+# The compressed formats cost far more CPU per second of audio than WAV or PCM (bench/bench_aac_encodes.py:
+# 300 s of tone audio took seconds as aac or mp3, a hundredth of that as wav), and a request is encoded as
+# fast as it is synthesized. Their encodes share one thread of their own, so together they take at most
+# one core from the event loop that paces every session's frames, and each such request takes
+# COMPRESSED_SLOTS of the speech slots and of the budget (gateway/admission.py), not one (issue 53, finding 7).
+ENCODE_THREADS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tts-encode", initializer=priority.enter_media_thread)
+COMPRESSED = frozenset(("mp3", "aac", "opus"))
+COMPRESSED_SLOTS = 2
 FORMATS = ("wav", "pcm", "mulaw", "opus")
 UNKNOWN_SIZE = 0xFFFFFFFF
 
@@ -239,3 +247,13 @@ class Pcm16Pieces:
     def finish(self) -> list[bytes]:
         data = self.formatter.finish()
         return [data] if data else []
+
+
+def slots_of(fmt: str) -> int:
+    """The speech slots a request in format `fmt` takes: its encode's price."""
+    return COMPRESSED_SLOTS if fmt in COMPRESSED else 1
+
+
+def threads_of(fmt: str) -> ThreadPoolExecutor:
+    """Where a request in format `fmt` is formatted: the compressed ones on their one thread."""
+    return ENCODE_THREADS if fmt in COMPRESSED else FORMAT_THREADS

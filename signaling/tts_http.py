@@ -31,7 +31,7 @@ from ..engine.stream import StreamChunk
 from ..gateway.text_pump import TEXT_SLICE_CHARS
 from ..gateway.errors import GatewayError, checked_voice
 from ..gateway.speech_request import SpeechStream, open_speech
-from .audio_formats import FORMAT_THREADS, FORMATS, FORMATTERS, EncodedFormatter, Formatter
+from .audio_formats import FORMATS, FORMATTERS, EncodedFormatter, Formatter, slots_of, threads_of
 from .errors import error_response, read_json_object
 from .http_guard import RateLimitedLog, client_address
 from .sessions_api import check_api_key
@@ -147,7 +147,7 @@ async def serve_speech(request: web.Request, parse: Callable[..., SpeechRequest]
         body = await read_json_object(request, body_limit(gw.settings), hint)
         job = parse(gw, body)
         # In flight in total and per caller, each taking a session's slot, and the node's load.
-        slot = gw.admission.speech_slot(caller)
+        slot = gw.admission.speech_slot(caller, slots_of(job.fmt))
     except GatewayError as exc:
         return error_response(exc)
     with slot:
@@ -215,6 +215,7 @@ async def _synthesize(request: web.Request, gw, job: SpeechRequest, timeline: _T
     sent_samples = 0
 
     loop = asyncio.get_running_loop()
+    threads = threads_of(job.fmt)
     formatter: Formatter | None = None
     response: web.StreamResponse | None = None
     try:
@@ -227,7 +228,7 @@ async def _synthesize(request: web.Request, gw, job: SpeechRequest, timeline: _T
         except GatewayError as exc:
             return error_response(exc)
         rate = first.sample_rate if first is not None else int(gw.engine.info.get("sample_rate") or 16000)
-        formatter = await loop.run_in_executor(FORMAT_THREADS, job.formatter, rate)
+        formatter = await loop.run_in_executor(threads, job.formatter, rate)
         response = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream" if job.sse else formatter.content_type,
@@ -240,13 +241,13 @@ async def _synthesize(request: web.Request, gw, job: SpeechRequest, timeline: _T
         response.enable_chunked_encoding()
         await response.prepare(request)
         body = _Body(request, response, job.sse, gw.settings.write_stall_s)
-        head = await loop.run_in_executor(FORMAT_THREADS, formatter.start)
+        head = await loop.run_in_executor(threads, formatter.start)
         max_samples = int(gw.settings.tts_max_audio_s * rate)
         if first is not None:
             timeline.chunk(first)
             pcm = first.pcm[:max_samples]
             sent_samples += len(pcm)
-            head += await loop.run_in_executor(FORMAT_THREADS, formatter.feed, pcm)
+            head += await loop.run_in_executor(threads, formatter.feed, pcm)
         await body.write(head)
         timeline.first_bytes_at = time.monotonic()
         try:
@@ -257,14 +258,14 @@ async def _synthesize(request: web.Request, gw, job: SpeechRequest, timeline: _T
                     break
                 pcm = chunk.pcm[: max_samples - sent_samples]
                 sent_samples += len(pcm)
-                await body.write(await loop.run_in_executor(FORMAT_THREADS, formatter.feed, pcm))
+                await body.write(await loop.run_in_executor(threads, formatter.feed, pcm))
         except GatewayError as exc:  # the engine failed (gateway/speech_request.py)
             # Headers are gone: cut the body short so the client sees it incomplete.
             log.warning("tts: engine failed mid-response: %s", exc)
             if request.transport is not None:
                 request.transport.close()
             return response
-        await body.write(await loop.run_in_executor(FORMAT_THREADS, formatter.finish))
+        await body.write(await loop.run_in_executor(threads, formatter.finish))
         await body.end(sent_samples / rate)
         timeline.log(job.fmt, len(job.text))
         return response
