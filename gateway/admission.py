@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Callable
 
 from ..engine.capacity import LISTENER_MEDIA_COST, RESERVE, CoreShare
 from .errors import GatewayError
+from .late_blame import LateBlame, address_tenant, key_tenant
 
 if TYPE_CHECKING:
     from .gateway import Gateway
@@ -121,6 +122,8 @@ class Admission:
         self._frames: deque = deque()  # (when, late, sent) snapshots of the pacer counters
         self._last_tick: float | None = None
         self._cpu0: float | None = None
+        # Whose work made the frames late, when they are (gateway/late_blame.py).
+        self.blame = LateBlame(LAG_WINDOW_S)
         # Called for a gateway that has room, when this one has none (the fleet's directory).
         self.elsewhere: Callable[[], str | None] = lambda: None
         self.figures = self._figures()
@@ -138,8 +141,10 @@ class Admission:
         self.share.ours = [0, pid] if pid else [0]
         self.share.sample(now)
         speaking = [s for s in self.gw.sessions.values() if s.speaking]
+        own_spent = 0.0
         if span:
             own = _own_cpu_s()
+            own_spent = own - self._cpu0 if self._cpu0 is not None else 0.0
             if self._cpu0 is not None and len(speaking) >= MEDIA_SAMPLE_SESSIONS:
                 sample = (own - self._cpu0) / span / len(speaking)
                 low, high = MEDIA_COST_RANGE
@@ -160,6 +165,8 @@ class Admission:
         while self._frames and now - self._frames[0][0] > LAG_WINDOW_S:
             self._frames.popleft()
         self.figures = self._figures()
+        if span:
+            self.blame.tick(span, own_spent, self.figures.late_share > MAX_LATE_SHARE)
         m.synthesis_budget.set(self.figures.budget if math.isfinite(self.figures.budget) else -1)
         m.synthesis_demand.labels("now").set(self.figures.demand_now)
         m.synthesis_demand.labels("expected").set(self.figures.expected)
@@ -248,13 +255,20 @@ class Admission:
         )
 
     # Decisions
-    def _overloaded(self, need: float, margin: float = 0.0) -> str | None:
-        """Why the node cannot take `need` more real-time factor now (None: it can)."""
+    def _late(self, f: LoadFigures, tenant: str | None) -> bool:
+        """Whether late frames refuse `tenant`: all are refused, unless one tenant's own work is to
+        blame for them (gateway/late_blame.py), when only that one is."""
+        if f.late_share <= MAX_LATE_SHARE:
+            return False
+        return self.blame.culprit is None or self.blame.culprit == tenant
+
+    def _overloaded(self, need: float, margin: float = 0.0, tenant: str | None = None) -> str | None:
+        """Why the node cannot take `need` more real-time factor now for `tenant` (None: it can)."""
         f = self._figures()
         self.figures = f
         if f.loop_lag > MAX_LOOP_LAG_S:
             return "loop_lag"
-        if f.late_share > MAX_LATE_SHARE:
+        if self._late(f, tenant):
             return "late_frames"
         if f.expected + need > f.budget * (1.0 - margin):
             return "synthesis"
@@ -305,7 +319,8 @@ class Admission:
         # With keys configured, --key-reserve of the budget is kept for them: offers without
         # a key or token cannot fill it.
         reserve = s.key_reserve if anonymous_from is not None and s.api_key else 0.0
-        why = self._overloaded(s.talk_share, reserve)
+        tenant = key_tenant(key) if key is not None else address_tenant(anonymous_from) if anonymous_from else None
+        why = self._overloaded(s.talk_share, reserve, tenant)
         if why is not None:
             raise self._refuse(why, "at_capacity", self._busy_message(why), headers=RETRY_LATER)
 
@@ -318,7 +333,7 @@ class Admission:
         if why is not None:
             raise self._refuse(why, "at_capacity", self._busy_message(why), headers=RETRY_LATER)
 
-    def start_request(self, caller: str, slots: int = 1) -> None:
+    def start_request(self, caller: str, slots: int = 1, tenant: str | None = None) -> None:
         """Raises GatewayError unless a speech request (POST /v1/tts and its kin) from
         `caller` (its API key, or its client address without keys) may start now;
         else counts it until `end_request(caller, slots)`. It takes `slots` of the
@@ -334,7 +349,7 @@ class Admission:
         if self._requests.get(caller, 0) >= s.tts_max_concurrent_per_key:
             raise self._refuse("tts_concurrency", "too_many_requests", f"this caller has {s.tts_max_concurrent_per_key} "
                                "requests synthesizing; wait for one to finish", 429, headers=retry)
-        why = self._overloaded(float(slots))
+        why = self._overloaded(float(slots), tenant=tenant)
         if why is not None:
             raise self._refuse(why, "at_capacity", self._busy_message(why), headers=retry)
         self._requests[caller] = self._requests.get(caller, 0) + 1
@@ -348,12 +363,12 @@ class Admission:
         else:
             self._requests.pop(caller, None)
 
-    def speech_slot(self, caller: str, slots: int = 1) -> "SpeechSlot":
+    def speech_slot(self, caller: str, slots: int = 1, tenant: str | None = None) -> "SpeechSlot":
         """A speech request's `slots` (start_request), held until the slot is released:
         `with gw.admission.speech_slot(caller):` around a request, or `release()` when
         the request ends elsewhere (a /v1/tts/ws context). Releasing twice is harmless,
         so no route can end a request twice, and `with` cannot forget to end it."""
-        self.start_request(caller, slots)
+        self.start_request(caller, slots, tenant)
         return SpeechSlot(self, caller, slots)
 
     def ready(self) -> tuple[bool, str | None]:
@@ -376,7 +391,7 @@ class Admission:
         f = self._figures()
         self.figures = f
         full = (not gw.accepting or not gw.engine.ready or len(gw.sessions) + gw.tts_active >= self.settings.max_sessions
-                or f.loop_lag > MAX_LOOP_LAG_S or f.late_share > MAX_LATE_SHARE)
+                or f.loop_lag > MAX_LOOP_LAG_S or self._late(f, None))
         return (min(f.budget, f.expected) if full else f.budget), f.expected
 
     def _busy_message(self, why: str) -> str:

@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 
 # Events a slow backend may leave unread before it is disconnected.
 MAX_PENDING_EVENTS = 10000
+# One send's CPU time counts against its session's tenant up to this (gateway/late_blame.py): a
+# send that waited on the socket yielded, and the time others' work took meanwhile is not its own.
+MAX_SEND_CHARGE_S = 0.002
 # What `?audio=` may ask for: 16 kHz mono PCM16 frames (gateway/caller_audio.py).
 AUDIO_FORMATS = ("pcm16",)
 
@@ -70,6 +73,7 @@ class BackendLink:
         self.socket = socket
         self._abort = abort
         self._behind_since: float | None = None  # when its caller's audio buffer filled, while it stays full
+        self._tenant = gw.tenant_of(session.id)
         self.name = f"ws:{next(_connection_ids)}"
         # Asked-for writer, but the session has one already: it watches instead.
         if role == "writer" and session.writer is None:
@@ -94,6 +98,11 @@ class BackendLink:
                  extra={"session_id": session.id})
 
     def _on_audio(self, message: bytes) -> None:
+        started = time.thread_time()
+        self._queue_audio(message)
+        self.gw.admission.blame.charge(self._tenant, time.thread_time() - started, self)
+
+    def _queue_audio(self, message: bytes) -> None:
         # A backend that reads too slowly loses frames, never memory: a gap in its sequence numbers.
         # One that stays behind for --write-stall-s is disconnected: it costs every frame's work for nothing.
         if self._frames_queued >= self._max_frames:
@@ -107,6 +116,11 @@ class BackendLink:
         self._behind_since = None
         self._frames_queued += 1
         self._outbox.put_nowait(message)
+
+    def shed(self, why: str) -> None:
+        """Disconnect it: its caller's audio made the server's frames late (gateway/late_blame.py)."""
+        if self.audio:
+            self._drop(why)
 
     def _drop(self, why: str) -> None:
         log.warning("session %s: backend %s %s; disconnecting it", self.session.id, self.name, why,
@@ -130,10 +144,12 @@ class BackendLink:
             event = await self._outbox.get()
             if isinstance(event, bytes):
                 self._frames_queued -= 1
+                started = time.thread_time()
                 try:
                     await ws.send_bytes(event)
                 except (ConnectionError, RuntimeError):
                     return
+                self.gw.admission.blame.charge(self._tenant, min(MAX_SEND_CHARGE_S, time.thread_time() - started), self)
                 self._frames_sent.inc()
                 continue
             if event is None:
@@ -174,6 +190,7 @@ class BackendLink:
         session = self.session
         session.remove_audio_tap(self.name)
         session.remove_listener(self.name)
+        self.gw.admission.blame.forget(self)
         self.gw.registry.drop_backend(session.id, self.name)
         if session.writer == self.name:
             session.writer = None

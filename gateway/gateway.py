@@ -20,6 +20,7 @@ from .call_link import CallLink
 from .encoder import OpusSettings
 from .errors import GatewayError, checked_voice
 from .feeder import listener_lag_s
+from .late_blame import address_tenant, key_tenant
 from .ice import IcePolicy, parse_ice_server, parse_networks, restrict_host_addresses
 from .metrics import GatewayMetrics
 from .peer import PeerConnection
@@ -271,6 +272,15 @@ class Gateway:
             raise GatewayError("already_connected", "a listener is already attached to this session", 409)
         self.admission.admit_join(session)
         return session
+
+    def tenant_of(self, session_id: str) -> str:
+        """Who a session's work is charged to when frames are late (gateway/late_blame.py): the API key
+        that made it, else the address of an anonymous one, else the session itself."""
+        key = self.registry.owner.get(session_id)
+        if key is not None:
+            return key_tenant(key)
+        address = self.anonymous.get(session_id)
+        return address_tenant(address) if address is not None else "session:" + session_id
 
     def joined(self, session_id: str) -> bool:
         """Whether a peer has connected to the session, or a call is attached: until then it does not
