@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import re
+import resource
 import subprocess
 import time
 
@@ -25,17 +26,24 @@ PACED = "voxgate_pacer_departure_jitter_seconds_count"
 TONE_S_PER_CHAR = 0.04  # the tone engine speaks 40 ms a character
 
 
-def _normal_priority() -> None:
+def _priority(nice: int, realtime: bool) -> None:
     try:
-        os.setpriority(os.PRIO_PROCESS, 0, 0)
-    except PermissionError:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+        if realtime:  # what `ulimit -r 10` gives a service (docs/operations.md): root may raise it
+            resource.setrlimit(resource.RLIMIT_RTPRIO, (10, 10))
+    except (PermissionError, ValueError):
         pass
 
 
 class Gateway:
-    """`voxgate serve --engine tone` with `extra` flags, as its own process; its log in /tmp."""
+    """`voxgate serve --engine tone` with `extra` flags, as its own process at nice `nice` (0: normal), or with
+    `--media-priority realtime` (on a machine other work shares, so that the same run's baseline is not
+    other processes' late frames); its log in /tmp."""
 
-    def __init__(self, python: str, extra: list[str], env: dict | None = None) -> None:
+    def __init__(self, python: str, extra: list[str], env: dict | None = None, nice: int = 0,
+                 realtime: bool = False) -> None:
+        if realtime:
+            extra = [*extra, "--media-priority", "realtime"]
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = f"/tmp/bench-attack-{os.getpid()}-{self.port}.log"
@@ -43,7 +51,7 @@ class Gateway:
         self.proc = subprocess.Popen(
             [python, "-m", "voxgate.cli", "serve", "--port", str(self.port), "--ice-host", "127.0.0.1",
              "--engine", "tone", "--log-level", "WARNING", "--no-web", *extra],
-            stdout=self._log, stderr=subprocess.STDOUT, cwd="/", preexec_fn=_normal_priority,
+            stdout=self._log, stderr=subprocess.STDOUT, cwd="/", preexec_fn=lambda: _priority(nice, realtime),
             env={**os.environ, **(env or {})})
         os.setpriority(os.PRIO_PROCESS, 0, 19)
 

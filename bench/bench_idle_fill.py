@@ -18,7 +18,6 @@ runs the same against a server with older code.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 import time

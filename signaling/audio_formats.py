@@ -29,6 +29,10 @@ FORMAT_THREADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tts-http"
 ENCODE_THREADS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tts-encode", initializer=priority.enter_media_thread)
 COMPRESSED = frozenset(("mp3", "aac", "opus"))
 COMPRESSED_SLOTS = 2
+# And each is paced to at most this share of a core: after a piece that took t seconds of CPU, its
+# request waits 3t before the next, so an encode (and through the stream's backpressure, the synthesis
+# feeding it) cannot take the cores the event loop's frames need. 300 s of aac then takes some 20 s.
+COMPRESSED_CORE_SHARE = 0.25
 FORMATS = ("wav", "pcm", "mulaw", "opus")
 UNKNOWN_SIZE = 0xFFFFFFFF
 
@@ -252,6 +256,11 @@ class Pcm16Pieces:
 def slots_of(fmt: str) -> int:
     """The speech slots a request in format `fmt` takes: its encode's price."""
     return COMPRESSED_SLOTS if fmt in COMPRESSED else 1
+
+
+def pause_after(fmt: str, cpu_s: float) -> float:
+    """How long a request in format `fmt` waits after a piece that took `cpu_s` of CPU (COMPRESSED_CORE_SHARE)."""
+    return cpu_s * (1.0 / COMPRESSED_CORE_SHARE - 1.0) if fmt in COMPRESSED else 0.0
 
 
 def threads_of(fmt: str) -> ThreadPoolExecutor:

@@ -33,7 +33,7 @@ from ..gateway.text_pump import TEXT_SLICE_CHARS
 from ..gateway.errors import GatewayError, checked_voice
 from ..gateway.late_blame import LateBlame, address_tenant, key_tenant
 from ..gateway.speech_request import SpeechStream, open_speech
-from .audio_formats import FORMATS, FORMATTERS, EncodedFormatter, Formatter, slots_of, threads_of
+from .audio_formats import FORMATS, FORMATTERS, EncodedFormatter, Formatter, pause_after, slots_of, threads_of
 from .errors import error_response, read_json_object
 from .http_guard import RateLimitedLog, client_address
 from .sessions_api import check_api_key
@@ -154,7 +154,7 @@ async def serve_speech(request: web.Request, parse: Callable[..., SpeechRequest]
         slot = gw.admission.speech_slot(caller, slots_of(job.fmt), tenant)
     except GatewayError as exc:
         return error_response(exc)
-    work = _Work(request, gw.admission.blame, tenant)
+    work = _Work(request, gw.admission.blame, tenant, job.fmt)
     try:
         with slot:
             return await _synthesize(request, gw, job, timeline, work)
@@ -166,14 +166,18 @@ class _Work:
     """One request's formatting, run on a formatter thread and charged to its caller: when frames
     are late and its encodes are to blame, it can be shed (gateway/late_blame.py)."""
 
-    def __init__(self, request: web.Request, blame: LateBlame, tenant: str) -> None:
+    def __init__(self, request: web.Request, blame: LateBlame, tenant: str, fmt: str) -> None:
         self.request = request
         self.blame = blame
         self.tenant = tenant
+        self.fmt = fmt
 
     async def run(self, threads: ThreadPoolExecutor, fn: Callable[..., T], *args: object) -> T:
         result, spent = await asyncio.get_running_loop().run_in_executor(threads, _timed, fn, *args)
         self.blame.charge(self.tenant, spent, self)  # on the loop's thread: the blame's tables are its alone
+        pause = pause_after(self.fmt, spent)
+        if pause > 0:
+            await asyncio.sleep(pause)  # a compressed encode's pace (signaling/audio_formats.py)
         return result
 
     def shed(self, why: str) -> None:
