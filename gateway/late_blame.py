@@ -15,8 +15,8 @@ the late-frame share is taken over that window. The rule: while frames are late,
 charges over the window come to at least BLAME_SHARE of this process's CPU time over it, and at
 least BLAME_MIN_CORES of a core, is to blame (the one with most, if several are). Then only that
 tenant's new sessions and requests are refused `late_frames`; the others are admitted as the budget
-allows; and each second the source that cost it most (a backend link, a speech request) is shed:
-disconnected, so its work stops. With nobody to blame (the node is simply full) every tenant is
+allows; and each second its costliest sources (backend links, speech requests), half of what its sources
+cost, are shed: disconnected, so their work stops. With nobody to blame (the node is simply full) every tenant is
 refused as before.
 """
 
@@ -85,14 +85,21 @@ class LateBlame:
         return None
 
     def _shed(self, tenant: str) -> None:
-        theirs = [(s, source) for source, (t, s) in self._sources.items() if t == tenant]
+        """Stop the tenant's costliest sources, as many as make up half of what its sources cost: one
+        heavy encode, or half of many small watchers (250 of them are gone within seconds, not minutes)."""
+        theirs = sorted(((s, i, source) for i, (source, (t, s)) in enumerate(self._sources.items()) if t == tenant),
+                        reverse=True)
         if not theirs:
             return
-        _, source = max(theirs, key=lambda pair: pair[0])
-        self._sources.pop(source, None)
-        log.warning("frames are late and %s's work costs %.2f cores of this process: shedding its costliest part",
+        total, shed = sum(s for s, _, _ in theirs), 0.0
+        log.warning("frames are late and %s's work costs %.2f cores of this process: shedding its costliest parts",
                     _short(tenant), self.load(tenant))
-        source.shed("its work made the server's frames late")
+        for seconds, _, source in theirs:
+            if shed >= total / 2:
+                break
+            shed += seconds
+            self._sources.pop(source, None)
+            source.shed("its work made the server's frames late")
 
 
 def key_tenant(key: str) -> str:
