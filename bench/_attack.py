@@ -64,7 +64,10 @@ class Gateway:
     async def stop(self) -> None:
         await stop_server_async(self.proc)
         self._log.close()
-        os.unlink(self.log_path)
+        if os.environ.get("BENCH_KEEP_LOG"):
+            print("gateway log kept:", self.log_path)
+        else:
+            os.unlink(self.log_path)
 
 
 async def counters(http: aiohttp.ClientSession, url: str) -> tuple[float, float]:

@@ -30,8 +30,10 @@ log = logging.getLogger(__name__)
 
 # A tenant whose work is at least this share of the process's CPU over the window is to blame ...
 BLAME_SHARE = 1.0 / 3.0
-# ... and at least this many cores of it (below that no one tenant's work explains late frames).
-BLAME_MIN_CORES = 0.1
+# ... and at least this many cores of it (below that no one tenant's work explains late frames). 250
+# watchers on one session were charged 0.08 cores of the 0.2 the process spent (bench/bench_watchers.py
+# --lift-limits; the loop's task switches between their sends are not charged), two watchers 0.002.
+BLAME_MIN_CORES = 0.05
 
 
 class Source(Protocol):
@@ -72,7 +74,12 @@ class LateBlame:
         self._own = self._own * keep + own_cpu_s
         self._tenants = {t: s * keep for t, s in self._tenants.items() if s * keep > 1e-6}
         self._sources = {k: (t, s * keep) for k, (t, s) in self._sources.items()}
-        self.culprit = self._to_blame() if late else None
+        culprit = self._to_blame() if late else None
+        if late and culprit != self.culprit:
+            top = max(self._tenants.items(), key=lambda kv: kv[1], default=("nobody", 0.0))
+            log.info("frames are late: %s to blame (most: %s, %.2f of %.2f cores of this process's work)",
+                     _short(culprit) if culprit else "nobody", _short(top[0]), top[1] / self.window_s, self._own / self.window_s)
+        self.culprit = culprit
         if self.culprit is not None:
             self._shed(self.culprit)
 
