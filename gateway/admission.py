@@ -17,10 +17,17 @@ client address, per API key, /v1/tts at once) come first. Then the node's load, 
   measured). With an engine pool (--engine-url), the pool's replicas report what they
   carry and can carry (engine/remote.py), and the budget is what they have left for
   this gateway, within what its own cores can encode. `--synthesis-budget` fixes it.
-- the demand: each session speaking now counts 1; each other session the larger of
+- the demand: each session speaking now counts 1; each other joined session the larger of
   --talk-share (the share of the time a conversation is expected to speak) and its own
-  share over the last few minutes; each speech request in flight counts 1.
-- the event loop's lag and the share of late frames over the last LAG_WINDOW_S.
+  share over the last few minutes; a session no peer or call has joined yet --unjoined-share
+  of --talk-share, for its first --unjoined-hold-s only (then 0, and it is admitted again
+  when it is joined); each speech request in flight its slots (1, a compressed format 2).
+- the event loop's lag and the share of late frames over the last LAG_WINDOW_S; where one
+  tenant's own work made the frames late, only that tenant is refused for them
+  (gateway/late_blame.py).
+
+Sessions made without a key or token leave --key-reserve of the budget to keys, and one
+key's unjoined sessions made ahead may take at most --made-ahead-share of it (issue 53).
 
 A new session is admitted while the demand with it (its --talk-share) stays within the
 budget, and the loop keeps time; otherwise 503 `at_capacity` with Retry-After (and, in a
