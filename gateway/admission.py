@@ -17,10 +17,17 @@ client address, per API key, /v1/tts at once) come first. Then the node's load, 
   measured). With an engine pool (--engine-url), the pool's replicas report what they
   carry and can carry (engine/remote.py), and the budget is what they have left for
   this gateway, within what its own cores can encode. `--synthesis-budget` fixes it.
-- the demand: each session speaking now counts 1; each other session the larger of
+- the demand: each session speaking now counts 1; each other joined session the larger of
   --talk-share (the share of the time a conversation is expected to speak) and its own
-  share over the last few minutes; each speech request in flight counts 1.
-- the event loop's lag and the share of late frames over the last LAG_WINDOW_S.
+  share over the last few minutes; a session no peer or call has joined yet --unjoined-share
+  of --talk-share, for its first --unjoined-hold-s only (then 0, and it is admitted again
+  when it is joined); each speech request in flight its slots (1, a compressed format 2).
+- the event loop's lag and the share of late frames over the last LAG_WINDOW_S; where one
+  tenant's own work made the frames late, only that tenant is refused for them
+  (gateway/late_blame.py).
+
+Sessions made without a key or token leave --key-reserve of the budget to keys, and one
+key's unjoined sessions made ahead may take at most --made-ahead-share of it (issue 53).
 
 A new session is admitted while the demand with it (its --talk-share) stays within the
 budget, and the loop keeps time; otherwise 503 `at_capacity` with Retry-After (and, in a
@@ -41,6 +48,7 @@ from typing import TYPE_CHECKING, Callable
 
 from ..engine.capacity import LISTENER_MEDIA_COST, RESERVE, CoreShare
 from .errors import GatewayError
+from .late_blame import LateBlame, address_tenant, key_tenant
 
 if TYPE_CHECKING:
     from .gateway import Gateway
@@ -121,6 +129,8 @@ class Admission:
         self._frames: deque = deque()  # (when, late, sent) snapshots of the pacer counters
         self._last_tick: float | None = None
         self._cpu0: float | None = None
+        # Whose work made the frames late, when they are (gateway/late_blame.py).
+        self.blame = LateBlame(LAG_WINDOW_S)
         # Called for a gateway that has room, when this one has none (the fleet's directory).
         self.elsewhere: Callable[[], str | None] = lambda: None
         self.figures = self._figures()
@@ -138,8 +148,10 @@ class Admission:
         self.share.ours = [0, pid] if pid else [0]
         self.share.sample(now)
         speaking = [s for s in self.gw.sessions.values() if s.speaking]
+        own_spent = 0.0
         if span:
             own = _own_cpu_s()
+            own_spent = own - self._cpu0 if self._cpu0 is not None else 0.0
             if self._cpu0 is not None and len(speaking) >= MEDIA_SAMPLE_SESSIONS:
                 sample = (own - self._cpu0) / span / len(speaking)
                 low, high = MEDIA_COST_RANGE
@@ -160,6 +172,8 @@ class Admission:
         while self._frames and now - self._frames[0][0] > LAG_WINDOW_S:
             self._frames.popleft()
         self.figures = self._figures()
+        if span:
+            self.blame.tick(span, own_spent, self.figures.late_share > MAX_LATE_SHARE)
         m.synthesis_budget.set(self.figures.budget if math.isfinite(self.figures.budget) else -1)
         m.synthesis_demand.labels("now").set(self.figures.demand_now)
         m.synthesis_demand.labels("expected").set(self.figures.expected)
@@ -201,18 +215,36 @@ class Admission:
         return cost if isinstance(cost, (int, float)) and cost > 0 else None
 
     def expected(self) -> tuple[float, float]:
-        """(demand now, expected demand): speaking sessions and requests count 1; the
-        others the larger of --talk-share and their own recent share."""
+        """(demand now, expected demand): speaking sessions and requests count 1 (a request
+        in a compressed format its weight); joined sessions the larger of --talk-share and
+        their own recent share; a session not joined yet (unjoined_weight) less, and soon nothing."""
         share = self.settings.talk_share
         now = float(self.gw.tts_active)
         expected = now
+        clock = self.clock()
         for sid, session in self.gw.sessions.items():
             if session.speaking:
                 now += 1.0
                 expected += 1.0
-            else:
+            elif self.gw.joined(sid):
                 expected += max(share, self._recent.get(sid, 0.0))
+            else:
+                expected += self.unjoined_weight(session, clock)
         return now, expected
+
+    def unjoined_weight(self, session, now: float) -> float:
+        """What a session that no peer or call has joined yet counts: --unjoined-share of
+        --talk-share for its first --unjoined-hold-s, then nothing. An offer that never
+        finishes ICE, or a session made ahead that nobody joins, does not speak; counted
+        in full, thirty of them filled the budget (issue 53, finding 3)."""
+        s = self.settings
+        if now - session.created_at >= s.unjoined_hold_s:
+            return 0.0
+        return s.talk_share * s.unjoined_share
+
+    def _unjoined_of(self, key: str) -> int:
+        """Sessions the API key made ahead that nothing has joined yet."""
+        return sum(1 for sid in self.gw.registry.by_key.get(key, ()) if not self.gw.joined(sid))
 
     def _figures(self) -> LoadFigures:
         now, expected = self.expected()
@@ -230,13 +262,20 @@ class Admission:
         )
 
     # Decisions
-    def _overloaded(self, need: float, margin: float = 0.0) -> str | None:
-        """Why the node cannot take `need` more real-time factor now (None: it can)."""
+    def _late(self, f: LoadFigures, tenant: str | None) -> bool:
+        """Whether late frames refuse `tenant`: all are refused, unless one tenant's own work is to
+        blame for them (gateway/late_blame.py), when only that one is."""
+        if f.late_share <= MAX_LATE_SHARE:
+            return False
+        return self.blame.culprit is None or self.blame.culprit == tenant
+
+    def _overloaded(self, need: float, margin: float = 0.0, tenant: str | None = None) -> str | None:
+        """Why the node cannot take `need` more real-time factor now for `tenant` (None: it can)."""
         f = self._figures()
         self.figures = f
         if f.loop_lag > MAX_LOOP_LAG_S:
             return "loop_lag"
-        if f.late_share > MAX_LATE_SHARE:
+        if self._late(f, tenant):
             return "late_frames"
         if f.expected + need > f.budget * (1.0 - margin):
             return "synthesis"
@@ -251,13 +290,23 @@ class Admission:
                 detail["gateway"] = other
         return GatewayError(code, message, status, headers=headers, detail=detail)
 
-    def admit_session(self, anonymous_from: str | None = None, key: str | None = None, key_sessions: int = 0) -> None:
+    def admit_session(self, anonymous_from: str | None = None, key: str | None = None, key_sessions: int = 0,
+                      made_ahead: bool = False) -> None:
         """Raises GatewayError unless a new session may be made now. `anonymous_from`: the
         client address of a session made without a key or token; `key`, `key_sessions`:
-        the API key making it and how many sessions it holds."""
+        the API key making it and how many sessions it holds; `made_ahead`: made for a
+        peer or call to join later (POST /v1/sessions)."""
         gw, s = self.gw, self.settings
         if key is not None and key_sessions >= s.max_sessions_per_key:
             raise self._refuse("key_limit", "key_limit", f"this API key holds its maximum of {s.max_sessions_per_key} sessions", 429)
+        if key is not None and made_ahead:
+            # The budget bounds what one key may book ahead, not only --max-sessions-per-key:
+            # its unjoined sessions, each at --talk-share, within --made-ahead-share of the budget.
+            budget = self._figures().budget
+            unjoined = self._unjoined_of(key)
+            if math.isfinite(budget) and (unjoined + 1) * s.talk_share > s.made_ahead_share * budget:
+                raise self._refuse("key_limit", "key_limit", f"this API key holds {unjoined} sessions made ahead that "
+                                   f"nothing has joined, its share of the server's budget; join or end one first", 429)
         if not gw.accepting:
             raise self._refuse("draining", "draining", "the server is shutting down; retry on another instance")
         if len(gw.sessions) + gw.tts_active >= s.max_sessions:
@@ -274,45 +323,60 @@ class Admission:
                     sum(1 for a in gw.anonymous.values() if a == anonymous_from) >= per_address:
                 raise self._refuse("address_limit", "address_limit", f"this client address holds its maximum of "
                                    f"{per_address} sessions made without a token", 429)
-        why = self._overloaded(s.talk_share)
+        # With keys configured, --key-reserve of the budget is kept for them: offers without
+        # a key or token cannot fill it.
+        reserve = s.key_reserve if anonymous_from is not None and s.api_key else 0.0
+        tenant = key_tenant(key) if key is not None else address_tenant(anonymous_from) if anonymous_from else None
+        why = self._overloaded(s.talk_share, reserve, tenant)
         if why is not None:
             raise self._refuse(why, "at_capacity", self._busy_message(why), headers=RETRY_LATER)
 
-    def start_request(self, caller: str) -> None:
+    def admit_join(self, session) -> None:
+        """Raises GatewayError unless a peer or call may join `session` now: one that waited
+        past --unjoined-hold-s counts nothing any more, so it is admitted again."""
+        if self.clock() - session.created_at < self.settings.unjoined_hold_s:
+            return  # its room is still counted
+        why = self._overloaded(self.settings.talk_share)
+        if why is not None:
+            raise self._refuse(why, "at_capacity", self._busy_message(why), headers=RETRY_LATER)
+
+    def start_request(self, caller: str, slots: int = 1, tenant: str | None = None) -> None:
         """Raises GatewayError unless a speech request (POST /v1/tts and its kin) from
         `caller` (its API key, or its client address without keys) may start now;
-        else counts it until `end_request(caller)`. Each takes one of --max-sessions' slots."""
+        else counts it until `end_request(caller, slots)`. It takes `slots` of the
+        --tts-max-concurrent slots, of --max-sessions' and of the budget: a compressed
+        format's encode costs more than a WAV's (signaling/audio_formats.py)."""
         gw, s = self.gw, self.settings
         retry = {"Retry-After": "1"}
         if not gw.accepting:
             raise self._refuse("draining", "draining", "the server is shutting down; retry on another instance")
-        if gw.tts_active >= s.tts_max_concurrent or len(gw.sessions) + gw.tts_active >= s.max_sessions:
+        if gw.tts_active + slots > s.tts_max_concurrent or len(gw.sessions) + gw.tts_active + slots > s.max_sessions:
             raise self._refuse("tts_concurrency", "at_capacity", "the server is synthesizing its maximum of requests; "
                                "retry in a moment", headers=retry)
         if self._requests.get(caller, 0) >= s.tts_max_concurrent_per_key:
             raise self._refuse("tts_concurrency", "too_many_requests", f"this caller has {s.tts_max_concurrent_per_key} "
                                "requests synthesizing; wait for one to finish", 429, headers=retry)
-        why = self._overloaded(1.0)
+        why = self._overloaded(float(slots), tenant=tenant)
         if why is not None:
             raise self._refuse(why, "at_capacity", self._busy_message(why), headers=retry)
         self._requests[caller] = self._requests.get(caller, 0) + 1
-        gw.tts_active += 1
+        gw.tts_active += slots
 
-    def end_request(self, caller: str) -> None:
-        self.gw.tts_active -= 1
+    def end_request(self, caller: str, slots: int = 1) -> None:
+        self.gw.tts_active -= slots
         left = self._requests.get(caller, 1) - 1
         if left > 0:
             self._requests[caller] = left
         else:
             self._requests.pop(caller, None)
 
-    def speech_slot(self, caller: str) -> "SpeechSlot":
-        """A speech request's slot (start_request), held until the slot is released:
+    def speech_slot(self, caller: str, slots: int = 1, tenant: str | None = None) -> "SpeechSlot":
+        """A speech request's `slots` (start_request), held until the slot is released:
         `with gw.admission.speech_slot(caller):` around a request, or `release()` when
         the request ends elsewhere (a /v1/tts/ws context). Releasing twice is harmless,
         so no route can end a request twice, and `with` cannot forget to end it."""
-        self.start_request(caller)
-        return SpeechSlot(self, caller)
+        self.start_request(caller, slots, tenant)
+        return SpeechSlot(self, caller, slots)
 
     def ready(self) -> tuple[bool, str | None]:
         """Whether load balancers should send new sessions here: --ready-margin of the budget before admission refuses."""
@@ -334,7 +398,7 @@ class Admission:
         f = self._figures()
         self.figures = f
         full = (not gw.accepting or not gw.engine.ready or len(gw.sessions) + gw.tts_active >= self.settings.max_sessions
-                or f.loop_lag > MAX_LOOP_LAG_S or f.late_share > MAX_LATE_SHARE)
+                or f.loop_lag > MAX_LOOP_LAG_S or self._late(f, None))
         return (min(f.budget, f.expected) if full else f.budget), f.expected
 
     def _busy_message(self, why: str) -> str:
@@ -350,14 +414,15 @@ class Admission:
 class SpeechSlot:
     """One admitted speech request (Admission.speech_slot)."""
 
-    def __init__(self, admission: Admission, caller: str) -> None:
+    def __init__(self, admission: Admission, caller: str, slots: int = 1) -> None:
         self._admission: Admission | None = admission
         self._caller = caller
+        self._slots = slots
 
     def release(self) -> None:
         if self._admission is not None:
             admission, self._admission = self._admission, None
-            admission.end_request(self._caller)
+            admission.end_request(self._caller, self._slots)
 
     def __enter__(self) -> "SpeechSlot":
         return self

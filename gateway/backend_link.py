@@ -11,7 +11,8 @@ import asyncio
 import itertools
 import json
 import logging
-from typing import TYPE_CHECKING, Protocol
+import time
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from .errors import GatewayError
 from .frames import FRAME_MS
@@ -25,6 +26,9 @@ log = logging.getLogger(__name__)
 
 # Events a slow backend may leave unread before it is disconnected.
 MAX_PENDING_EVENTS = 10000
+# One send's CPU time counts against its session's tenant up to this (gateway/late_blame.py): a
+# send that waited on the socket yielded, and the time others' work took meanwhile is not its own.
+MAX_SEND_CHARGE_S = 0.002
 # What `?audio=` may ask for: 16 kHz mono PCM16 frames (gateway/caller_audio.py).
 AUDIO_FORMATS = ("pcm16",)
 
@@ -41,13 +45,35 @@ class Socket(Protocol):
     async def close(self, *, code: int = ..., message: bytes = ...) -> bool: ...
 
 
-class BackendLink:
-    """One backend attached to one session until `detach`."""
+def check_room(gw: Gateway, session: Session, key: str | None) -> None:
+    """Raises GatewayError (429 watcher_limit) unless one more backend may attach to `session`:
+    --max-watchers-per-session on it, --max-watchers-per-key on all of `key`'s sessions. Each
+    backend costs the loop a send per event and, with the caller's audio, per 20 ms frame: 250
+    on one session made a quarter of every session's frames late (issue 53, finding 5)."""
+    s, backends = gw.settings, gw.registry.backends
+    if len(backends.get(session.id, ())) >= s.max_watchers_per_session:
+        raise GatewayError("watcher_limit", f"this session has its maximum of {s.max_watchers_per_session} backend "
+                           "WebSockets; close one first", 429)
+    if key is not None:
+        held = sum(len(backends.get(sid, ())) for sid in gw.registry.by_owner(key))
+        if held >= s.max_watchers_per_key:
+            raise GatewayError("watcher_limit", f"this API key has its maximum of {s.max_watchers_per_key} backend "
+                               "WebSockets open; close one first", 429)
 
-    def __init__(self, gw: Gateway, session: Session, socket: Socket, role: str, audio: bool) -> None:
+
+class BackendLink:
+    """One backend attached to one session until `detach`. `abort`: cuts the connection at once,
+    for a backend that takes none of the caller's audio for --write-stall-s (its socket's
+    own close would wait on the very writes it does not take)."""
+
+    def __init__(self, gw: Gateway, session: Session, socket: Socket, role: str, audio: bool,
+                 abort: Callable[[], None] | None = None) -> None:
         self.gw = gw
         self.session = session
         self.socket = socket
+        self._abort = abort
+        self._behind_since: float | None = None  # when its caller's audio buffer filled, while it stays full
+        self._tenant = gw.tenant_of(session.id)
         self.name = f"ws:{next(_connection_ids)}"
         # Asked-for writer, but the session has one already: it watches instead.
         if role == "writer" and session.writer is None:
@@ -72,12 +98,37 @@ class BackendLink:
                  extra={"session_id": session.id})
 
     def _on_audio(self, message: bytes) -> None:
+        started = time.thread_time()
+        self._queue_audio(message)
+        self.gw.admission.blame.charge(self._tenant, time.thread_time() - started, self)
+
+    def _queue_audio(self, message: bytes) -> None:
         # A backend that reads too slowly loses frames, never memory: a gap in its sequence numbers.
+        # One that stays behind for --write-stall-s is disconnected: it costs every frame's work for nothing.
         if self._frames_queued >= self._max_frames:
             self._frames_dropped.inc()
+            now = time.monotonic()
+            if self._behind_since is None:
+                self._behind_since = now
+            elif now - self._behind_since > self.gw.settings.write_stall_s:
+                self._drop(f"took none of the caller's audio for {self.gw.settings.write_stall_s:g} s")
             return
+        self._behind_since = None
         self._frames_queued += 1
         self._outbox.put_nowait(message)
+
+    def shed(self, why: str) -> None:
+        """Disconnect it: its caller's audio made the server's frames late (gateway/late_blame.py)."""
+        if self.audio:
+            self._drop(why)
+
+    def _drop(self, why: str) -> None:
+        log.warning("session %s: backend %s %s; disconnecting it", self.session.id, self.name, why,
+                    extra={"session_id": self.session.id})
+        self.session.remove_audio_tap(self.name)
+        self._outbox.put_nowait(None)
+        if self._abort is not None:
+            self._abort()
 
     def _on_event(self, event: dict) -> None:
         if self._outbox.qsize() - self._frames_queued >= MAX_PENDING_EVENTS:
@@ -93,10 +144,12 @@ class BackendLink:
             event = await self._outbox.get()
             if isinstance(event, bytes):
                 self._frames_queued -= 1
+                started = time.thread_time()
                 try:
                     await ws.send_bytes(event)
                 except (ConnectionError, RuntimeError):
                     return
+                self.gw.admission.blame.charge(self._tenant, min(MAX_SEND_CHARGE_S, time.thread_time() - started), self)
                 self._frames_sent.inc()
                 continue
             if event is None:
@@ -137,6 +190,7 @@ class BackendLink:
         session = self.session
         session.remove_audio_tap(self.name)
         session.remove_listener(self.name)
+        self.gw.admission.blame.forget(self)
         self.gw.registry.drop_backend(session.id, self.name)
         if session.writer == self.name:
             session.writer = None

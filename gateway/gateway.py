@@ -15,11 +15,12 @@ from ..config import Settings
 from ..engine.client import EngineClient, EngineConfig
 from . import priority, rtc_internals
 from .admission import Admission
-from .backend_link import BackendLink, Socket
+from .backend_link import BackendLink, Socket, check_room
 from .call_link import CallLink
 from .encoder import OpusSettings
 from .errors import GatewayError, checked_voice
 from .feeder import listener_lag_s
+from .late_blame import address_tenant, key_tenant
 from .ice import IcePolicy, parse_ice_server, parse_networks, restrict_host_addresses
 from .metrics import GatewayMetrics
 from .peer import PeerConnection
@@ -79,7 +80,7 @@ class Gateway:
         # they have their own budget, so anonymous offers cannot take the slots
         # that keyed backends need.
         self.anonymous: dict[str, str] = {}  # session id -> client address
-        self.tts_active = 0  # speech requests (POST /v1/tts and its kin) synthesizing; they take session slots too
+        self.tts_active = 0  # speech slots taken by requests (POST /v1/tts and its kin): session slots too; a compressed format takes more
         self.trusted_proxies = parse_networks(settings.trusted_proxy)
         self.accepting = True
         self.fast_paths: dict[str, bool] = {}  # rtc_internals.check_fast_paths(), at start
@@ -269,7 +270,25 @@ class Gateway:
             raise GatewayError("unknown_session", "no such session; it may have ended", 404)
         if session.has_output or self.has_peer(token_sid):
             raise GatewayError("already_connected", "a listener is already attached to this session", 409)
+        self.admission.admit_join(session)
         return session
+
+    def tenant_of(self, session_id: str) -> str:
+        """Who a session's work is charged to when frames are late (gateway/late_blame.py): the API key
+        that made it, else the address of an anonymous one, else the session itself."""
+        key = self.registry.owner.get(session_id)
+        if key is not None:
+            return key_tenant(key)
+        address = self.anonymous.get(session_id)
+        return address_tenant(address) if address is not None else "session:" + session_id
+
+    def joined(self, session_id: str) -> bool:
+        """Whether a peer has connected to the session, or a call is attached: until then it does not
+        speak, and admission counts it for less, and only for a while (gateway/admission.py)."""
+        if session_id in self.registry.calls:
+            return True
+        peer = self.peers.get(session_id)
+        return peer is not None and peer.pc.connectionState == "connected"
 
     def session_for_offer(self, session_id: object, token: object, voice: object, address: str) -> tuple[Session, bool]:
         """The session a WebRTC offer attaches to, and whether it was made for it: with
@@ -309,9 +328,16 @@ class Gateway:
             raise GatewayError("unknown_session", "no such session; it may have ended", 404)
         return session_id
 
-    def attach_backend(self, session: Session, socket: Socket, role: str, audio: bool) -> BackendLink:
-        """A backend's WebSocket on the session (gateway/backend_link.py), until its `detach`."""
-        return BackendLink(self, session, socket, role, audio)
+    def backend_room(self, session: Session, key: str | None) -> None:
+        """Raises GatewayError (429 watcher_limit) unless one more backend may attach (gateway/backend_link.py)."""
+        check_room(self, session, key)
+
+    def attach_backend(self, session: Session, socket: Socket, role: str, audio: bool, key: str | None = None,
+                       abort: Callable[[], None] | None = None) -> BackendLink:
+        """A backend's WebSocket on the session (gateway/backend_link.py), until its `detach`; refused
+        (GatewayError) past the limits on backends, checked here again with nothing awaited before it attaches."""
+        check_room(self, session, key)
+        return BackendLink(self, session, socket, role, audio, abort)
 
     def attach_call(self, session: Session, call: object, stream_sid: str, send: Callable[[dict], Awaitable[None]],
                     on_session_close: Callable[[], Awaitable[None]]) -> CallLink:
@@ -368,7 +394,8 @@ class Gateway:
         """
         voice = checked_voice(self.engine, voice)
         registry = self.registry
-        self.admission.admit_session(anonymous_from, key, len(registry.by_key.get(key, ())) if key is not None else 0)
+        self.admission.admit_session(anonymous_from, key, len(registry.by_key.get(key, ())) if key is not None else 0,
+                                     made_ahead=made_ahead)
         session = Session(self.engine, options=self.session_options(voice), metrics=self.metrics.for_session(self.settings.engine),
                           stt=self.stt)
         self.sessions[session.id] = session

@@ -91,6 +91,10 @@ class SessionRegistry:
     def owned_by(self, session_id: str, key: str | None) -> bool:
         return session_id in self.owner and self.owner[session_id] == key
 
+    def by_owner(self, key: str) -> list[str]:
+        """The ids of the sessions `key` made, ahead or not."""
+        return [sid for sid, owner in self.owner.items() if owner == key]
+
     def add_backend(self, session_id: str, name: str, role: str) -> None:
         """A backend's WebSocket (`name`, "writer" or "watcher") attached to the session."""
         self.backends.setdefault(session_id, {})[name] = role

@@ -21,6 +21,18 @@ from ..gateway.resample import StreamResampler
 # are awaited in order, so each formatter is only ever used by one thread at a time.
 # The event loop's priority (--media-priority): these threads hold the GIL it waits for.
 FORMAT_THREADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tts-http", initializer=priority.enter_media_thread)
+# The compressed formats cost far more CPU per second of audio than WAV or PCM (bench/bench_aac_encodes.py:
+# 300 s of tone audio took seconds as aac or mp3, a hundredth of that as wav), and a request is encoded as
+# fast as it is synthesized. Their encodes share one thread of their own, so together they take at most
+# one core from the event loop that paces every session's frames, and each such request takes
+# COMPRESSED_SLOTS of the speech slots and of the budget (gateway/admission.py), not one (issue 53, finding 7).
+ENCODE_THREADS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tts-encode", initializer=priority.enter_media_thread)
+COMPRESSED = frozenset(("mp3", "aac", "opus"))
+COMPRESSED_SLOTS = 2
+# And each is paced to at most this share of a core: after a piece that took t seconds of CPU, its
+# request waits 3t before the next, so an encode (and through the stream's backpressure, the synthesis
+# feeding it) cannot take the cores the event loop's frames need. 300 s of aac then takes some 20 s.
+COMPRESSED_CORE_SHARE = 0.25
 FORMATS = ("wav", "pcm", "mulaw", "opus")
 UNKNOWN_SIZE = 0xFFFFFFFF
 
@@ -239,3 +251,18 @@ class Pcm16Pieces:
     def finish(self) -> list[bytes]:
         data = self.formatter.finish()
         return [data] if data else []
+
+
+def slots_of(fmt: str) -> int:
+    """The speech slots a request in format `fmt` takes: its encode's price."""
+    return COMPRESSED_SLOTS if fmt in COMPRESSED else 1
+
+
+def pause_after(fmt: str, cpu_s: float) -> float:
+    """How long a request in format `fmt` waits after a piece that took `cpu_s` of CPU (COMPRESSED_CORE_SHARE)."""
+    return cpu_s * (1.0 / COMPRESSED_CORE_SHARE - 1.0) if fmt in COMPRESSED else 0.0
+
+
+def threads_of(fmt: str) -> ThreadPoolExecutor:
+    """Where a request in format `fmt` is formatted: the compressed ones on their one thread."""
+    return ENCODE_THREADS if fmt in COMPRESSED else FORMAT_THREADS

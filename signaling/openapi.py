@@ -317,7 +317,7 @@ PATHS: dict[str, dict] = {
         "get": _op(
             "the backend WebSocket: the data channel's JSON messages, both ways, and with audio=pcm16 the caller's "
             "audio as binary frames (see docs/protocol.md)",
-            {**_websocket, **_errors(400, 401, 404, 502, 503)},
+            {**_websocket, **_errors(400, 401, 404, 429, 502, 503)},
             params=[_session_id, {"name": "role", "in": "query", "required": False, "schema": {"enum": ["writer", "watcher"]}},
                     {"name": "audio", "in": "query", "required": False, "schema": {"enum": ["pcm16"]}}],
             security=KEYED,

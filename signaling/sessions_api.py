@@ -167,12 +167,22 @@ async def handle_ws(request: web.Request) -> web.StreamResponse:
     if audio is not None and audio not in AUDIO_FORMATS:
         return error_response(GatewayError("invalid_field", f"'audio' must be one of: {', '.join(AUDIO_FORMATS)} (the caller's audio as binary messages)"))
     gw = request.app["gateway"]
+    try:
+        gw.backend_room(session, key)  # answered as HTTP 429 before the upgrade
+    except GatewayError as exc:
+        return error_response(exc)
     limit = gw.settings.max_message_bytes
     # decode_text=False: a text frame with invalid UTF-8 reaches the session
     # as bytes and earns an error event instead of closing the connection.
     ws = web.WebSocketResponse(heartbeat=20.0, max_msg_size=max(4 * limit, 1 << 20), decode_text=False)
     await ws.prepare(request)
-    link = gw.attach_backend(session, ws, role, audio is not None)
+    transport = request.transport
+    try:
+        link = gw.attach_backend(session, ws, role, audio is not None, key,
+                                 abort=transport.abort if transport is not None else None)
+    except GatewayError as exc:  # others attached while this one upgraded
+        await ws.close(code=1013, message=exc.code.encode())
+        return ws
     try:
         async for msg in ws:
             if msg.type == WSMsgType.TEXT:

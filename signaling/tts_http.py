@@ -22,7 +22,8 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, TypeVar
 
 from aiohttp import web
 
@@ -30,13 +31,16 @@ from ..engine.base import SynthesisOptions
 from ..engine.stream import StreamChunk
 from ..gateway.text_pump import TEXT_SLICE_CHARS
 from ..gateway.errors import GatewayError, checked_voice
+from ..gateway.late_blame import LateBlame, address_tenant, key_tenant
 from ..gateway.speech_request import SpeechStream, open_speech
-from .audio_formats import FORMAT_THREADS, FORMATS, FORMATTERS, EncodedFormatter, Formatter
+from .audio_formats import FORMATS, FORMATTERS, EncodedFormatter, Formatter, pause_after, slots_of, threads_of
 from .errors import error_response, read_json_object
-from .http_guard import client_address
+from .http_guard import RateLimitedLog, client_address
 from .sessions_api import check_api_key
 
 log = logging.getLogger(__name__)
+_client_log = RateLimitedLog()
+T = TypeVar("T")
 
 
 
@@ -142,50 +146,105 @@ async def serve_speech(request: web.Request, parse: Callable[..., SpeechRequest]
     gw = request.app["gateway"]
 
     caller = key if key is not None else client_address(request, gw.trusted_proxies)
+    tenant = key_tenant(key) if key is not None else address_tenant(caller)
     try:
         body = await read_json_object(request, body_limit(gw.settings), hint)
         job = parse(gw, body)
         # In flight in total and per caller, each taking a session's slot, and the node's load.
-        slot = gw.admission.speech_slot(caller)
+        slot = gw.admission.speech_slot(caller, slots_of(job.fmt), tenant)
     except GatewayError as exc:
         return error_response(exc)
-    with slot:
-        return await _synthesize(request, gw, job, timeline)
+    work = _Work(request, gw.admission.blame, tenant, job.fmt)
+    try:
+        with slot:
+            return await _synthesize(request, gw, job, timeline, work)
+    finally:
+        gw.admission.blame.forget(work)
+
+
+class _Work:
+    """One request's formatting, run on a formatter thread and charged to its caller: when frames
+    are late and its encodes are to blame, it can be shed (gateway/late_blame.py)."""
+
+    def __init__(self, request: web.Request, blame: LateBlame, tenant: str, fmt: str) -> None:
+        self.request = request
+        self.blame = blame
+        self.tenant = tenant
+        self.fmt = fmt
+
+    async def run(self, threads: ThreadPoolExecutor, fn: Callable[..., T], *args: object) -> T:
+        result, spent = await asyncio.get_running_loop().run_in_executor(threads, _timed, fn, *args)
+        self.blame.charge(self.tenant, spent, self)  # on the loop's thread: the blame's tables are its alone
+        pause = pause_after(self.fmt, spent)
+        if pause > 0:
+            await asyncio.sleep(pause)  # a compressed encode's pace (signaling/audio_formats.py)
+        return result
+
+    def shed(self, why: str) -> None:
+        _client_log(log.warning, f"tts: a request was cut: {why}")
+        if self.request.transport is not None:
+            self.request.transport.abort()
 
 
 async def handle_tts(request: web.Request) -> web.StreamResponse:
     return await serve_speech(request, _tts_request, 'send {"text": "...", "format": "wav"}')
 
 
+class WriteStalled(ConnectionResetError):
+    """The client took none of the body for --write-stall-s: it was disconnected."""
+
+
 class _Body:
     """The response body: the formatter's bytes as they are, or each piece as a
-    server-sent event carrying it in base64 (OpenAI's `speech.audio.delta`)."""
+    server-sent event carrying it in base64 (OpenAI's `speech.audio.delta`).
 
-    def __init__(self, response: web.StreamResponse, sse: bool) -> None:
+    Every write has a deadline, --write-stall-s, as the TTS WebSocket's sends
+    do: a client that reads nothing would otherwise hold its speech slot for as long
+    as it liked (four of them held every slot; issue 53, finding 6)."""
+
+    def __init__(self, request: web.Request, response: web.StreamResponse, sse: bool, stall_s: float) -> None:
+        self.request = request
         self.response = response
         self.sse = sse
+        self.stall_s = stall_s
 
     async def write(self, data: bytes) -> None:
         if not data:
             return
         if self.sse:
             data = _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
-        await self.response.write(data)
+        await self._within_deadline(self.response.write(data))
+
+    async def _within_deadline(self, write) -> None:
+        try:
+            await asyncio.wait_for(write, self.stall_s)
+        except asyncio.TimeoutError:
+            if self.request.transport is not None:
+                self.request.transport.abort()
+            raise WriteStalled(f"the client read nothing for {self.stall_s:g} s") from None
 
     async def end(self, audio_s: float) -> None:
         if self.sse:
             # No tokenizer runs here, so the usage OpenAI's event carries is zero;
             # audio_ms says what was sent.
             usage = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
-            await self.response.write(_event({"type": "speech.audio.done", "usage": usage, "audio_ms": round(audio_s * 1000)}))
-        await self.response.write_eof()
+            await self._within_deadline(self.response.write(
+                _event({"type": "speech.audio.done", "usage": usage, "audio_ms": round(audio_s * 1000)})))
+        await self._within_deadline(self.response.write_eof())
+
+
+def _timed(fn: Callable[..., T], *args: object) -> tuple[T, float]:
+    """`fn(*args)` and the CPU time it took this thread."""
+    started = time.thread_time()
+    result = fn(*args)
+    return result, time.thread_time() - started
 
 
 def _event(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode("utf-8") + b"\n\n"
 
 
-async def _synthesize(request: web.Request, gw, job: SpeechRequest, timeline: _Timeline) -> web.StreamResponse:
+async def _synthesize(request: web.Request, gw, job: SpeechRequest, timeline: _Timeline, work: _Work) -> web.StreamResponse:
     try:
         stream = open_speech(gw.engine, job.options)
     except GatewayError as exc:
@@ -194,7 +253,7 @@ async def _synthesize(request: web.Request, gw, job: SpeechRequest, timeline: _T
     # spelled-out symbols) costs the server as much CPU as it says.
     sent_samples = 0
 
-    loop = asyncio.get_running_loop()
+    threads = threads_of(job.fmt)
     formatter: Formatter | None = None
     response: web.StreamResponse | None = None
     try:
@@ -207,7 +266,7 @@ async def _synthesize(request: web.Request, gw, job: SpeechRequest, timeline: _T
         except GatewayError as exc:
             return error_response(exc)
         rate = first.sample_rate if first is not None else int(gw.engine.info.get("sample_rate") or 16000)
-        formatter = await loop.run_in_executor(FORMAT_THREADS, job.formatter, rate)
+        formatter = await work.run(threads, job.formatter, rate)
         response = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream" if job.sse else formatter.content_type,
@@ -219,14 +278,14 @@ async def _synthesize(request: web.Request, gw, job: SpeechRequest, timeline: _T
         )
         response.enable_chunked_encoding()
         await response.prepare(request)
-        body = _Body(response, job.sse)
-        head = await loop.run_in_executor(FORMAT_THREADS, formatter.start)
+        body = _Body(request, response, job.sse, gw.settings.write_stall_s)
+        head = await work.run(threads, formatter.start)
         max_samples = int(gw.settings.tts_max_audio_s * rate)
         if first is not None:
             timeline.chunk(first)
             pcm = first.pcm[:max_samples]
             sent_samples += len(pcm)
-            head += await loop.run_in_executor(FORMAT_THREADS, formatter.feed, pcm)
+            head += await work.run(threads, formatter.feed, pcm)
         await body.write(head)
         timeline.first_bytes_at = time.monotonic()
         try:
@@ -237,23 +296,27 @@ async def _synthesize(request: web.Request, gw, job: SpeechRequest, timeline: _T
                     break
                 pcm = chunk.pcm[: max_samples - sent_samples]
                 sent_samples += len(pcm)
-                await body.write(await loop.run_in_executor(FORMAT_THREADS, formatter.feed, pcm))
+                await body.write(await work.run(threads, formatter.feed, pcm))
         except GatewayError as exc:  # the engine failed (gateway/speech_request.py)
             # Headers are gone: cut the body short so the client sees it incomplete.
             log.warning("tts: engine failed mid-response: %s", exc)
             if request.transport is not None:
                 request.transport.close()
             return response
-        await body.write(await loop.run_in_executor(FORMAT_THREADS, formatter.finish))
+        await body.write(await work.run(threads, formatter.finish))
         await body.end(sent_samples / rate)
         timeline.log(job.fmt, len(job.text))
         return response
-    except ConnectionResetError:
-        # The client went away mid-body: nothing to answer, and nothing for
-        # aiohttp to log as a server error. The finally cancels synthesis.
+    except ConnectionResetError as exc:
+        # The client went away mid-body, or read nothing for --write-stall-s: nothing
+        # to answer, and nothing for aiohttp to log as a server error. The finally cancels
+        # synthesis, and the caller's `with` frees the slot.
         if response is None:
             raise
-        log.info("tts: the client went away before the end of the audio")
+        if isinstance(exc, WriteStalled):
+            _client_log(log.info, f"tts: {exc}; disconnected it")
+        else:
+            log.info("tts: the client went away before the end of the audio")
         return response
     finally:
         stream.cancel()

@@ -12,9 +12,11 @@ signaling/tts_http.py: the API key, the text checks and limits, admission
 cap per context; the formatters and their threads are signaling/audio_formats.py's. What is new is bounded
 here: contexts per connection (--tts-ws-max-contexts), text per context
 (--max-utterance-chars), bytes and messages a second per connection
-(--max-message-bytes, --max-messages-per-s), and what waits for the socket (a
-short queue; a reader that takes nothing for SEND_STALL_S loses the
-connection, a slow one paces synthesis).
+(--max-message-bytes, --max-messages-per-s), what waits for the socket (a
+short queue; a reader that takes nothing for --write-stall-s loses the
+connection, a slow one paces synthesis), and how long a context may hold its slot
+doing nothing (--tts-ws-context-idle-s: no new text and no audio made; a `flush` or
+blank text is not new text, so flushes alone cannot keep a slot).
 """
 
 from __future__ import annotations
@@ -50,8 +52,6 @@ CLIENT_TYPES = ("text", "flush", "end", "cancel")
 OUT_QUEUE = 32
 # Control messages (errors, acknowledgements) waiting for the socket; past it the client is disconnected.
 MAX_CONTROL = 256
-# A reader that takes nothing for this long is disconnected (code 1013).
-SEND_STALL_S = 10.0
 # Ids of ended contexts remembered, so late text for one is refused rather than opening it anew.
 MAX_CLOSED_IDS = 256
 # How a remembered context ended. After an error about it (it failed, or was refused as it opened),
@@ -84,6 +84,8 @@ class Context:
         self.ended = False  # `end` received
         self.task: asyncio.Task | None = None
         self.slot: SpeechSlot | None = None  # its admission, released once when it ends
+        # Last new text or audio made (monotonic): a context quiet for --tts-ws-context-idle-s ends.
+        self.active_at = time.monotonic()
 
 
 class Connection:
@@ -153,10 +155,11 @@ class Connection:
                     self.audio_slots.release()
                     if ctx.cancelled:
                         continue
+                stall = self.settings.write_stall_s
                 try:
-                    await asyncio.wait_for(self.ws.send_str(json.dumps(message, separators=(",", ":"))), SEND_STALL_S)
+                    await asyncio.wait_for(self.ws.send_str(json.dumps(message, separators=(",", ":"))), stall)
                 except asyncio.TimeoutError:
-                    self.disconnect(f"read nothing for {SEND_STALL_S:g} s")
+                    self.disconnect(f"read nothing for {stall:g} s")
                     return
                 except (ConnectionError, RuntimeError):
                     return
@@ -201,6 +204,8 @@ class Connection:
             if ctx.ended:
                 raise GatewayError("context_ended", f"context {cid!r} has had its 'end'; open a new context", id=cid)
             ctx.chars += len(text)
+            if text.strip():
+                ctx.active_at = time.monotonic()
             if ctx.chars > self.settings.max_utterance_chars:
                 self.fail(ctx, "text_too_long", f"the context's text is over {self.settings.max_utterance_chars} characters; it was stopped")
                 return
@@ -251,6 +256,7 @@ class Connection:
         ctx.slot = slot
         self.contexts[cid] = ctx
         ctx.task = asyncio.ensure_future(self.speak(ctx))
+        self._watch_idle(ctx)
         return ctx
 
     def _remember(self, cid: str, how: str) -> None:
@@ -258,6 +264,24 @@ class Connection:
         self.closed_ids.move_to_end(cid)
         while len(self.closed_ids) > MAX_CLOSED_IDS:
             self.closed_ids.popitem(last=False)
+
+    def _watch_idle(self, ctx: Context) -> None:
+        """End `ctx` once it has had no new text and made no audio for --tts-ws-context-idle-s:
+        an open context holds a speech slot, and one word with a `flush` every few seconds
+        held all of them at no cost (issue 53, finding 6)."""
+        idle = self.settings.tts_ws_context_idle_s
+
+        def check() -> None:
+            if self.contexts.get(ctx.id) is not ctx:
+                return
+            quiet = time.monotonic() - ctx.active_at
+            if quiet >= idle:
+                self.fail(ctx, "context_idle", f"no new text and no audio for {idle:g} s; the context ended and "
+                          "gave up its slot (open a new one to speak again)")
+            else:
+                asyncio.get_running_loop().call_later(idle - quiet, check)
+
+        asyncio.get_running_loop().call_later(idle, check)
 
     def forget(self, ctx: Context) -> None:
         if self.contexts.get(ctx.id) is ctx:
@@ -308,6 +332,7 @@ class Connection:
                                       "end_ms": round((ctx.engine_s + min(w.end, len(pcm) / chunk.sample_rate)) * 1000.0, 1)})
                 ctx.engine_s += len(pcm) / chunk.sample_rate
                 words = await self.send_audio(ctx, await loop.run_in_executor(FORMAT_THREADS, pieces.feed, pcm), words)
+                ctx.active_at = time.monotonic()
             if pieces is not None:
                 words = await self.send_audio(ctx, await loop.run_in_executor(FORMAT_THREADS, pieces.finish), words)
             if words:

@@ -175,11 +175,27 @@ class Settings:
                                                low=1.0, high=600.0)
     caller_audio_buffer_ms: int = setting(1000, LIMITS, "caller audio a backend may leave unread (?audio=pcm16)",
                                           low=20, high=10000)
+    max_watchers_per_session: int = setting(8, LIMITS, "backend WebSockets on one session at once", low=1, high=10000)
+    max_watchers_per_key: int = setting(64, LIMITS, "backend WebSockets on one API key's sessions at once",
+                                        low=1, high=100000)
+    write_stall_s: float = setting(10.0, LIMITS, "a client that takes nothing sent to it this long is dropped",
+                                   low=0.5, high=600.0)
+    tts_ws_context_idle_s: float = setting(20.0, LIMITS, "a /v1/tts/ws context with no new text this long ends",
+                                           low=1.0, high=3600.0)
     # Admission by measured headroom (gateway/admission.py; how to choose them: docs/scaling.md).
     talk_share: float = setting(0.4, LIMITS, "share of the time a conversation is expected to speak", low=0.05, high=1.0)
     ready_margin: float = setting(0.1, LIMITS, "share of the speech budget /readyz keeps free", low=0.0, high=0.5)
     synthesis_budget: float = setting(0.0, LIMITS, "seconds of audio per second the node may speak", low=0.1,
                                       high=100000.0, zero="measured")
+    # Sessions that do not speak yet (gateway/admission.py; docs/security.md, issue 53).
+    unjoined_share: float = setting(0.5, LIMITS, "share of --talk-share a session not yet connected counts",
+                                    low=0.0, high=1.0)
+    unjoined_hold_s: float = setting(30.0, LIMITS, "how long a session not yet connected counts at all; then 0",
+                                     low=1.0, high=3600.0)
+    key_reserve: float = setting(0.25, LIMITS, "share of the speech budget sessions without a key may not use",
+                                 low=0.0, high=0.9)
+    made_ahead_share: float = setting(0.5, LIMITS, "share of the speech budget one key's unjoined sessions may hold",
+                                      low=0.05, high=1.0)
     # Access
     api_key: list[str] = setting([], ACCESS, "API key for backends (repeatable; ps shows it: use the file)",
                                  metavar="KEY")

@@ -32,7 +32,7 @@ async def _rejected(http: aiohttp.ClientSession, url: str, reason: str) -> float
 
 
 async def test_past_the_budget_every_way_in_is_refused_and_readyz_turns_first():
-    async with in_process_gateway(synthesis_budget=2.0, talk_share=1.0, ready_margin=0.25) as (app, url):
+    async with in_process_gateway(synthesis_budget=2.0, talk_share=1.0, ready_margin=0.25, unjoined_share=1.0) as (app, url):
         async with aiohttp.ClientSession() as http:
             async with http.get(url + "/readyz") as resp:
                 body = await _json(resp)
@@ -89,7 +89,7 @@ async def test_past_the_budget_every_way_in_is_refused_and_readyz_turns_first():
 
 
 async def test_a_session_speaking_now_counts_whole_and_a_quiet_one_at_the_talk_share():
-    async with in_process_gateway(synthesis_budget=2.0, talk_share=0.5) as (app, url):
+    async with in_process_gateway(synthesis_budget=2.0, talk_share=0.5, unjoined_share=1.0) as (app, url):
         gw = app["gateway"]
         async with aiohttp.ClientSession() as http:
             async with http.post(url + "/v1/sessions") as resp:

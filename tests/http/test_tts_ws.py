@@ -15,7 +15,6 @@ import pytest
 
 from voxgate.engine import tone
 from voxgate.gateway import opus
-from voxgate.signaling import tts_ws
 from tests.conftest import in_process_gateway
 from tests.speech import recognize, word_error_rate
 
@@ -327,9 +326,8 @@ async def test_keys_contexts_text_and_admission_limits():
         assert gw.tts_active == 0
 
 
-async def test_a_reader_that_stops_reading_is_disconnected_and_memory_stays_bounded(monkeypatch):
-    monkeypatch.setattr(tts_ws, "SEND_STALL_S", 1.0)
-    async with in_process_gateway(tts_max_audio_s=3000) as (app, url), aiohttp.ClientSession() as http:
+async def test_a_reader_that_stops_reading_is_disconnected_and_memory_stays_bounded():
+    async with in_process_gateway(tts_max_audio_s=3000, write_stall_s=1.0) as (app, url), aiohttp.ClientSession() as http:
         ws = await http.ws_connect(ws_url(url))
         # Some 13 minutes of audio (33 MB of base64 PCM), never read: the client's
         # reader stops taking from its socket after 64 KiB, the kernel's buffers fill,

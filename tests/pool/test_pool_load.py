@@ -18,7 +18,7 @@ async def test_replicas_report_their_load_and_admission_plans_with_the_pools(poo
     load = stats["load"]
     # Measured at the replica's start (the tone engine costs next to nothing, so it can carry many).
     assert load["cost"] > 0 and load["capacity"] > 10 and load["speaking"] == 0, load
-    async with in_process_gateway(engine_url=pool.url, talk_share=1.0) as (app, url):
+    async with in_process_gateway(engine_url=pool.url, talk_share=1.0, unjoined_share=1.0) as (app, url):
         gw = app["gateway"]
         read = gw.engine.pool_load()
         assert read is not None and read.replicas == 1 and read.speaking == 0
