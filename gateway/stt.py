@@ -2,8 +2,8 @@
 
 One home for speech recognition. A recognizer is small (`Recognizer`): it
 turns one turn's audio (16 kHz mono int16) into text, either in a thread
-(`threaded`, e.g. pocketsphinx: gateway/stt_pocketsphinx.py, whose thread waits
-on a worker process, since its decoder holds the GIL) or as a coroutine (an OpenAI-compatible endpoint: gateway/stt_openai.py).
+(`threaded`, e.g. Whisper on CTranslate2: gateway/stt_whisper.py, or pocketsphinx:
+gateway/stt_pocketsphinx.py, whose thread waits on a worker process, since its decoder holds the GIL) or as a coroutine (an OpenAI-compatible endpoint: gateway/stt_openai.py).
 `load_recognizer` picks the one the settings name (--stt, --stt-url).
 
 `SpeechToText` is the process's one service around it: at most
@@ -72,6 +72,11 @@ def load_recognizer(settings: Settings) -> Recognizer | None:
 
         # One process per slot, up to one per core: more would only share the cores (and cost ~60 MB each).
         return Pocketsphinx(workers=min(settings.stt_max_concurrent, os.cpu_count() or 1))
+    if settings.stt == "whisper":
+        from .stt_whisper import Whisper
+
+        # One model replica per slot, one thread each (measured on 2 cores: gateway/stt_whisper.py).
+        return Whisper(workers=min(settings.stt_max_concurrent, os.cpu_count() or 1))
     if settings.stt != "none":
         raise ConfigError(f"--stt {settings.stt!r}: no such recognizer")
     return None
