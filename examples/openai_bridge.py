@@ -78,7 +78,7 @@ async def converse(session: VoxgateSession, http: aiohttp.ClientSession, args: a
     Transcripts that come while a reply plays wait their turn (a barge-in's is the next prompt)."""
     async for event in session.events():
         kind = event.get("type")
-        if kind == "speech.transcript" and event.get("text"):
+        if kind == "speech.transcript" and event.get("final", True) and event.get("text"):  # partials: not yet
             history.append({"role": "user", "content": event["text"]})
             report(await answer(session, http, args, history), heard_from_caller=event["text"])
         elif kind == "error" and str(event.get("code", "")).startswith("stt_"):

@@ -38,7 +38,7 @@ PAD_S = 1.0  # silence after a turn: with the VAD's own hangover, about 1.5 s (t
 TOKENS_PER_S = 6  # the decode's cap: tokens per second of audio, plus CAP_TOKENS
 CAP_TOKENS = 10
 MAX_FRAMES = 3000  # Whisper's window: 30 s of 10 ms mel frames
-REPEAT_TOKENS = 5
+REPEAT_TOKENS = 4
 MODEL_FILES = ("model.bin", "config.json", "tokenizer.json", "vocabulary.txt")
 INSTALL = "pip install 'voxgate[whisper]' (from a clone: pip install \".[whisper]\")"
 
@@ -70,6 +70,8 @@ def cut_repeat(ids: list[int], n: int = REPEAT_TOKENS) -> list[int]:
 class Whisper:
     name = "whisper"
     threaded = True  # recognize() runs in a thread of the service's; CTranslate2 releases the GIL
+    partials = True  # cheap enough to recognize a turn while the caller speaks (gateway/endpoint.py)
+    punctuates = True  # its text ends a finished sentence with . ? or !, a pause with , or ...
 
     def __init__(self, workers: int = 1, threads: int = 1) -> None:
         folder = model_dir()
