@@ -32,6 +32,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 from ..config import Settings
 from ..config_fields import bounds
 from .errors import SttError
@@ -59,6 +61,38 @@ def reads_finished(text: str, punctuated: bool = True) -> bool:
         return False
     words = _WORD.findall(text.lower())
     return bool(words) and words[-1] not in UNFINISHED
+
+
+RATE = 16000
+FALLING_ST = -2.0  # a statement's last 80 ms of pitch this far under the turn's median: it fell, it is done
+PITCH_SPAN_S = 3.0  # the pitch is tracked over the turn's last seconds only
+ENERGY_SHARE = 0.1  # frames this share of the loudest's RMS, or more, count for the pitch
+
+
+def end_pitch_st(pcm: np.ndarray) -> float | None:
+    """The pitch of the turn's last 80 ms of voice against its median, in semitones; None with too
+    little voice. Autocorrelation pitch (70-400 Hz) of 30 ms frames every 10 ms, by FFT."""
+    x = np.asarray(pcm[-int(RATE * PITCH_SPAN_S):], dtype=np.float64)
+    hop, win = RATE // 100, 3 * RATE // 100
+    if len(x) < win * 4:
+        return None
+    frames = np.lib.stride_tricks.sliding_window_view(x, win)[::hop] * np.hanning(win)
+    energy = np.sqrt(np.mean(frames**2, axis=1))
+    ac = np.fft.irfft(np.abs(np.fft.rfft(frames, 2 * win, axis=1)) ** 2, axis=1)[:, :win]
+    lo, hi = RATE // 400, RATE // 70
+    lags = lo + np.argmax(ac[:, lo:hi], axis=1)
+    periodic = ac[np.arange(len(ac)), lags] > 0.3 * ac[:, 0]
+    voiced = np.flatnonzero(periodic & (energy > ENERGY_SHARE * energy.max()))
+    if len(voiced) < 8:
+        return None
+    f0 = RATE / lags[voiced]
+    st = float(12 * np.log2(np.median(f0[-8:]) / np.median(f0)))
+    # A weak tail's pitch is often found an octave off (a sub- or second harmonic): fold it back.
+    while st > 6.0:
+        st -= 12.0
+    while st < -9.0:
+        st += 12.0
+    return st
 
 
 @dataclass
@@ -112,7 +146,13 @@ class Endpointer:
         self._decision: asyncio.Task | None = None
         self._partial: asyncio.Task | None = None
         self._last_partial_ms = 0.0
-        self.decided = {"finished": 0, "unfinished": 0, "resumed": 0}  # how pauses went (tests, benches)
+        self.decided = {"finished": 0, "level": 0, "unfinished": 0, "resumed": 0}  # how pauses went (tests, benches)
+
+    @staticmethod
+    def suits(stt: SpeechToText) -> bool:
+        """Whether turns recognized by `stt` are decided here: the rule reads the punctuation Whisper writes.
+        Other recognizers' turns are the VAD's (speech.started to speech.stopped)."""
+        return bool(getattr(stt.recognizer, "punctuates", False))
 
     def event(self, kind: str, at_ms: int) -> None:
         """A VAD event: speech.started, speech.paused, speech.resumed, speech.stopped."""
@@ -173,11 +213,25 @@ class Endpointer:
                 text = None  # the turn's end recognizes it again, and reports the error if it fails again
         if epoch != self._epoch:
             return
-        if text is not None and reads_finished(text, self.punctuated):
+        wait_s = None  # finished: no more waiting
+        if text is None or not reads_finished(text, self.punctuated):
+            self.decided["unfinished"] += 1
+            wait_s = max(0.0, give_up_at - asyncio.get_running_loop().time())
+        elif self.punctuated and text.rstrip().endswith(".") and audio is not None:
+            # A statement whose pitch did not fall may be a pause on a word that could end it ("I need to
+            # change... the address"): it waits halfway to the longest silence.
+            pitch = await asyncio.to_thread(end_pitch_st, audio[0])
+            if epoch != self._epoch:
+                return
+            if pitch is None or pitch > FALLING_ST:
+                self.decided["level"] += 1
+                s = self.settings
+                wait_s = max(0.0, give_up_at - asyncio.get_running_loop().time() - (s.max_silence_ms - s.min_silence_ms)
+                             / 2000.0)
+        if wait_s is None:
             self.decided["finished"] += 1
         else:
-            self.decided["unfinished"] += 1
-            await asyncio.sleep(max(0.0, give_up_at - asyncio.get_running_loop().time()))
+            await asyncio.sleep(wait_s)
             if epoch != self._epoch:
                 return
         self.state = "idle"

@@ -159,9 +159,10 @@ class Session(SessionOutput, UtteranceQueue):
         # The caller's turns as text (gateway/stt.py), where the server has a recognizer (--stt, --stt-url).
         self.transcriber = (TurnTranscriber(stt, self.emit, lookback_ms=lambda: 2 * self.options.vad.min_speech_ms)
                             if stt is not None else None)
-        # When each of the caller's turns ends, and its partial transcripts (gateway/endpoint.py).
+        # When each of the caller's turns ends, and its partial transcripts (gateway/endpoint.py): with a
+        # recognizer that punctuates (Whisper); others' turns are the VAD's, speech.started to speech.stopped.
         self.endpointer = (Endpointer(self.transcriber, self.options.turn, self.emit)
-                           if self.transcriber is not None else None)
+                           if stt is not None and self.transcriber is not None and Endpointer.suits(stt) else None)
         self.vad.pause_ms = self.options.turn.min_silence_ms if self.endpointer is not None else 0
         # The echo canceller (gateway/echo.py), while barge_in.echo_cancel is on and an output is attached;
         # microphone audio then waits here for it, and it runs as an encode-pool job (off the frame path).
@@ -425,6 +426,8 @@ class Session(SessionOutput, UtteranceQueue):
             if event in ("speech.paused", "speech.resumed"):  # the endpointer's alone, never sent
                 continue
             self.emit({"type": event, "at_ms": at_ms})
+            if self.endpointer is None and self.transcriber is not None:
+                (self.transcriber.started if event == "speech.started" else self.transcriber.stopped)(at_ms)
             if event == "speech.started":
                 self._turn_over = current.id if current is not None else None
             elif event == "speech.stopped":

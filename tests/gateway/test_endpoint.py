@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from voxgate.gateway.endpoint import Endpointer, TurnSettings, reads_finished
+from voxgate.gateway.endpoint import FALLING_ST, Endpointer, TurnSettings, end_pitch_st, reads_finished
 from voxgate.gateway.stt import SpeechToText, TurnTranscriber
 from voxgate.gateway.stt_whisper import Whisper
 from voxgate.gateway.vad import VoiceActivityDetector
@@ -71,6 +71,15 @@ def test_the_text_rule():
     assert not reads_finished("yes i want to", punctuated=False)
 
 
+@pytest.mark.parametrize("voice", ["en-us", "en-gb+f3", "en-us-nyc+m5"])
+def test_a_statements_pitch_falls_at_its_end_and_not_at_a_pause_inside_it(voice):
+    assert end_pitch_st(espeak("I want to cancel my appointment on Friday.", voice, 16000)) < FALLING_ST
+    paused = espeak_paused("I need to change", "the address on my account.", voice, 16000, 600)
+    level = np.convolve(np.abs(paused.astype(np.int32)) > 300, np.ones(16 * 300), "same")
+    pause = int(np.flatnonzero((level == 0) & (np.arange(len(paused)) > 4800))[0])  # 300 ms of quiet
+    assert end_pitch_st(paused[:pause]) > FALLING_ST
+
+
 async def test_a_finished_turn_ends_after_the_short_silence_and_an_unfinished_pause_does_not(stt):
     settings = TurnSettings(min_silence_ms=250, max_silence_ms=2500, partial_ms=0)
     caller = Caller(stt, settings)
@@ -87,10 +96,10 @@ async def test_a_finished_turn_ends_after_the_short_silence_and_an_unfinished_pa
     assert len(finals) == 1, caller.events
     at, event = finals[0]
     assert "like" in event["text"].lower() and "table" in event["text"].lower(), event  # both halves
-    # Ended by the text, well before the longest silence (2.5 s): the short one, and a decode.
+    # Ended by the rule (finished, or a statement whose pitch stayed level: halfway), not the longest silence.
     print(f"\nfinal {(at - ended) * 1000:.0f} ms after the speech ended: {event['text']!r}; {caller.endpointer.decided}")
-    assert at - ended < 0.4 * settings.max_silence_ms / 1000, (at - ended, caller.endpointer.decided)
-    assert caller.endpointer.decided["finished"] == 1
+    assert at - ended < 0.8 * settings.max_silence_ms / 1000, (at - ended, caller.endpointer.decided)
+    assert caller.endpointer.decided["finished"] + caller.endpointer.decided["level"] == 1
 
 
 async def test_a_turn_that_does_not_read_as_finished_waits_for_the_longest_silence(stt):
