@@ -66,6 +66,7 @@ def reads_finished(text: str, punctuated: bool = True) -> bool:
 RATE = 16000
 FALLING_ST = -2.0  # a statement's last 80 ms of pitch this far under the turn's median: it fell, it is done
 PITCH_SPAN_S = 3.0  # the pitch is tracked over the turn's last seconds only
+STIRRED_S = 0.6  # after a voiced frame past the VAD's stop: longer than speech.started takes (2 x 200 ms)
 ENERGY_SHARE = 0.1  # frames this share of the loudest's RMS, or more, count for the pitch
 
 
@@ -133,8 +134,11 @@ class Endpointer:
     """One session's turns: when each ends, and its partial transcripts. Fed the VAD's events
     (`event`) and every caller frame's time (`frame`); ends turns through `transcriber`."""
 
-    def __init__(self, transcriber: TurnTranscriber, settings: TurnSettings, emit: Callable[[dict], None]) -> None:
+    def __init__(self, transcriber: TurnTranscriber, settings: TurnSettings, emit: Callable[[dict], None],
+                 vad_speaking: Callable[[], bool]) -> None:
         self.transcriber = transcriber
+        self.vad_speaking = vad_speaking  # whether the VAD is in a turn (between its started and stopped)
+        self._stirred: asyncio.TimerHandle | None = None
         self.stt: SpeechToText = transcriber.stt
         self.settings = settings
         self.emit = emit
@@ -159,6 +163,11 @@ class Endpointer:
         if not self.transcriber.enabled:
             return
         if kind in ("speech.started", "speech.resumed"):
+            if self._stirred is not None:
+                self._stirred.cancel()
+                self._stirred = None
+            if self.state == "idle" and kind == "speech.resumed" and not self.vad_speaking():
+                return  # a click long after the turn ended: a new turn begins with speech.started
             if self.state == "idle":
                 self.turn += 1
                 self.transcriber.started(at_ms)
@@ -166,6 +175,10 @@ class Endpointer:
             elif self.state == "paused":
                 self.decided["resumed"] += 1
                 self._drop_decision()
+                if kind == "speech.resumed" and not self.vad_speaking():
+                    # A voiced frame after the VAD's stop: speech.started follows within twice its min_speech_ms
+                    # if the caller goes on; if not (a click, a breath), the pause is decided again.
+                    self._stirred = asyncio.get_running_loop().call_later(STIRRED_S, self._still_paused, at_ms)
             self.state = "speaking"
         elif kind in ("speech.paused", "speech.stopped") and self.state == "speaking":
             self._pause(at_ms)
@@ -238,6 +251,11 @@ class Endpointer:
         self._decision = None
         self.transcriber.stopped(at_ms, text)
 
+    def _still_paused(self, at_ms: int) -> None:
+        self._stirred = None
+        if self.state == "speaking" and not self.vad_speaking():
+            self._pause(at_ms)
+
     def _drop_decision(self) -> None:
         self._epoch += 1
         if self._decision is not None:
@@ -246,6 +264,9 @@ class Endpointer:
 
     def close(self) -> None:
         self._drop_decision()
+        if self._stirred is not None:
+            self._stirred.cancel()
+            self._stirred = None
         if self._partial is not None:
             self._partial.cancel()
             self._partial = None

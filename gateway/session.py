@@ -161,7 +161,7 @@ class Session(SessionOutput, UtteranceQueue):
                             if stt is not None else None)
         # When each of the caller's turns ends, and its partial transcripts (gateway/endpoint.py): with a
         # recognizer that punctuates (Whisper); others' turns are the VAD's, speech.started to speech.stopped.
-        self.endpointer = (Endpointer(self.transcriber, self.options.turn, self.emit)
+        self.endpointer = (Endpointer(self.transcriber, self.options.turn, self.emit, lambda: self.vad.speaking)
                            if stt is not None and self.transcriber is not None and Endpointer.suits(stt) else None)
         self.vad.pause_ms = self.options.turn.min_silence_ms if self.endpointer is not None else 0
         # The echo canceller (gateway/echo.py), while barge_in.echo_cancel is on and an output is attached;

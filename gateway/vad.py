@@ -11,8 +11,9 @@ sent): the turn has been long enough to interrupt the bot (gateway/barge_in.py).
 
 With `pause_ms` set (the session's shortest end-of-turn silence,
 gateway/endpoint.py), a turn that falls silent that long says `speech.paused`,
-and its next voiced frame before `speech.stopped` says `speech.resumed`: the
-session's own events too, for deciding when the caller's turn is over.
+and its next voiced frame says `speech.resumed` (before or after
+`speech.stopped`): the session's own events too, for deciding when the
+caller's turn is over.
 """
 
 from __future__ import annotations
@@ -164,12 +165,18 @@ class VoiceActivityDetector:
         while len(self._recent) > window:
             self._voiced -= self._recent.popleft()
         if not self.speaking:
+            # A voiced frame after a pause that outlasted the hangover: the caller may be going on.
+            stirred: tuple[str, ...] = ("speech.resumed",) if voiced and self._paused else ()
+            if stirred:
+                self._paused = False
             if self._voiced * 20 >= s.min_speech_ms:
                 self.speaking = True
                 self._silent_ms = 0
                 self.turn_voiced_ms = self._voiced * 20
                 self._long = not self.interrupt_ms or self.turn_voiced_ms >= self.interrupt_ms
-                return ("speech.started", "speech.long") if self._long and self.interrupt_ms else ("speech.started",)
+                return stirred + (("speech.started", "speech.long") if self._long and self.interrupt_ms
+                                  else ("speech.started",))
+            return stirred
         else:
             self._silent_ms = 0 if voiced else self._silent_ms + 20
             if voiced and self._paused:
@@ -187,8 +194,7 @@ class VoiceActivityDetector:
                     self._long = True
                     return resumed + ("speech.long",)
             if self._silent_ms >= s.hangover_ms:
-                self.speaking = False
-                self._paused = False
+                self.speaking = False  # a pause said stays said: its end is speech.resumed, even now
                 self._recent.clear()
                 self._voiced = 0
                 return ("speech.stopped",)

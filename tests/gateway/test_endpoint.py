@@ -39,7 +39,7 @@ class Caller:
         self.vad = VoiceActivityDetector()
         self.vad.pause_ms = settings.min_silence_ms
         self.transcriber = TurnTranscriber(stt, self.emit, lookback_ms=lambda: 400)
-        self.endpointer = Endpointer(self.transcriber, settings, self.emit)
+        self.endpointer = Endpointer(self.transcriber, settings, self.emit, lambda: self.vad.speaking)
         self.ms = 0.0
         self.speech_ended_at: float | None = None
 
@@ -143,3 +143,18 @@ async def test_partials_come_during_a_long_turn_one_decode_at_a_time(stt):
     # Never two of this session's at once: a partial starts only with nothing of it in flight.
     assert max(in_flight) <= 1, in_flight
     assert caller.events[-1][1]["final"] is True
+
+
+async def test_a_pause_longer_than_the_vads_hangover_on_a_finished_looking_word_is_still_a_pause(stt):
+    # "I need to change." reads as finished, its pitch level: it waits halfway (725 ms); the caller goes on at
+    # 700 ms, past the VAD's hangover (500 ms), so its first voiced frame (speech.resumed), not a speech.started
+    # 200 ms later, is what keeps the turn open.
+    settings = TurnSettings(min_silence_ms=250, max_silence_ms=1200, partial_ms=0)
+    caller = Caller(stt, settings)
+    await caller.say(np.zeros(8000, np.int16))
+    await caller.say(espeak_paused("I need to change", "the address on my account.", "en-us", 16000, 700))
+    while not caller.finals():
+        await caller.say(np.zeros(3200, np.int16))
+    await caller.say(np.zeros(16000, np.int16))
+    finals = [e["text"] for _, e in caller.finals()]
+    assert len(finals) == 1 and "address" in finals[0].lower(), (finals, caller.endpointer.decided)
