@@ -165,9 +165,11 @@ def figures(rows: list[dict], offline: list[str]) -> dict:
     }
 
 
-async def run(url: str, plan: list, conversations: int) -> list[list[dict]]:
-    # Each conversation starts a little after the last, so their turns do not end in step.
-    return await asyncio.gather(*(conversation(url, plan, i * 1.3) for i in range(conversations)))
+async def run(url: str, plan: list, conversations: int) -> list:
+    # Each conversation starts a little after the last, so their turns do not end in step. A conversation the
+    # gateway refused (at_capacity on a loaded machine) is reported, not fatal.
+    return await asyncio.gather(*(conversation(url, plan, i * 1.3) for i in range(conversations)),
+                                return_exceptions=True)
 
 
 def main() -> None:
@@ -191,9 +193,17 @@ def main() -> None:
     try:
         for n in args.conversations:
             section(f"webrtc: {n} conversation(s), {len(plan)} turns each")
-            rows = asyncio.run(run(server.url, plan, n))
-            flat = [r for conv in rows for r in conv]
-            r = figures(flat, offline * n)
+            outcomes = asyncio.run(run(server.url, plan, n))
+            failed = [f"{type(o).__name__}: {o}" for o in outcomes if isinstance(o, BaseException)]
+            done = [o for o in outcomes if not isinstance(o, BaseException)]
+            for why in failed:
+                print(f"  a conversation failed: {why}", flush=True)
+            if not done:
+                results[f"webrtc_{n}"] = {"failed": failed}
+                continue
+            flat = [r for conv in done for r in conv]
+            r = figures(flat, offline * len(done))
+            r["conversations_failed"] = failed
             for row in r["rows"]:
                 print(f"  {row['voice']:18s} v2v {row['voice_to_voice_ms']} ms, transcript {row['transcript_ms']} ms"
                       f"{' EARLY' if row['early'] else ''} {row['text']!r}", flush=True)

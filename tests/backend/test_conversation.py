@@ -21,7 +21,7 @@ from tests.conftest import in_process_gateway
 from tests.listening_corpus import espeak
 from tests.speech import word_error_rate
 
-PHRASE = "Can you tell me how much the new plan costs per month?"
+PHRASE = "What time does the store open tomorrow?"
 
 
 async def test_a_caller_turn_gives_partials_then_one_final_as_the_turn_ends():
@@ -52,7 +52,7 @@ async def test_a_caller_turn_gives_partials_then_one_final_as_the_turn_ends():
     assert kinds[0] == "speech.started" and kinds[-1] == "final" and kinds.count("final") == 1, kinds
     assert "partial" in kinds, kinds
     final = seen[-1][1]
-    assert word_error_rate(PHRASE, final["text"]) <= 0.2, final
+    assert word_error_rate(PHRASE, final["text"]) <= 0.25, final
     # The turn's end came from the rule (300 ms of silence), not the longest silence (2 s): from speech.started
     # (about 200 ms into the speech) it spans the speech and about 100 ms more, where 2 s would give 1.8 s more.
     started_ms = seen[0][1]["at_ms"]
