@@ -123,7 +123,9 @@ async def conversation(url: str, plan: list, offset_s: float) -> list[dict]:
             while time.perf_counter() < deadline:
                 await asyncio.sleep(0.05)
                 if len(finals) > before:
-                    reply_at = client.audio.first_sound_after(spoke_until, VOICED)
+                    # The reply to this turn's final: no sound before the final arrived can be it (an earlier
+                    # reply still playing on a loaded machine is not).
+                    reply_at = client.audio.first_sound_after(max(spoke_until, finals[before][0]), VOICED)
                     if reply_at is not None and time.perf_counter() > reply_at + 2.0:
                         break
             await asyncio.sleep(0.8)  # the reply's end, and a breath
