@@ -83,3 +83,53 @@ def test_no_more_than_max_trim_ms_is_cut_however_quietly_it_begins():
     out = lead.cut(silence(MAX_TRIM_MS + 300))
     assert lead.trimmed_s == pytest.approx(MAX_TRIM_MS / 1000, abs=0.001)
     assert lead.done and len(out) == len(silence(MAX_TRIM_MS + 300)) - lead.trimmed
+
+
+async def test_the_feeder_cuts_the_voices_leading_silence_and_moves_the_words_back_with_it():
+    """The real voice's chunks through the feeder: the frames it queues start at the speech, and the words'
+    times are on those frames (what played_text and audio.words read), not on the engine's audio."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from voxgate.engine.base import SynthesisOptions
+    from voxgate.engine.stream import StreamChunk
+    from voxgate.gateway.encoder import OpusEncoder
+    from voxgate.gateway.feeder import Feeder
+    from voxgate.gateway.playout import Playout, UtterancePlay
+    from voxgate.gateway.session_metrics import SessionMetrics
+
+    from tests.speech import the_voice
+
+    chunks = [StreamChunk(pcm=c.pcm, sample_rate=c.sample_rate, text=c.text, words=c.words)
+              for c in the_voice().synthesize("Your order ships on Thursday.", SynthesisOptions())]
+    engine_first_word_ms = chunks[0].words[0].start * 1000
+    assert engine_first_word_ms > 40  # the voice's own leading silence
+
+    class Stream:
+        first_text_at = None
+
+        def __aiter__(self):
+            return self._chunks()
+
+        async def _chunks(self):
+            for chunk in chunks:
+                yield chunk
+
+    play = UtterancePlay(id="u")
+    playout = Playout(b"")
+    playout.add(play)
+    utterances = [SimpleNamespace(id="u", stream=Stream(), play=play, started_sent=False)]
+    feeder = Feeder(OpusEncoder(), playout, next_utterance=lambda: utterances.pop() if utterances else None,
+                    emit=lambda event: None, metrics=SessionMetrics())
+    for _ in range(500):
+        if play.input_done or feeder.task.done():
+            break
+        await asyncio.sleep(0.01)
+    assert play.input_done, feeder.task.exception() if feeder.task.done() else "still feeding"
+    feeder.stop()
+    # The words moved back with the cut: the first starts within the kept few ms (and the aligner's own slack
+    # before the onset), where the engine had it at 58 ms; every word by the same amount.
+    assert play.words[0][1] < 15, play.words[0]
+    shift = engine_first_word_ms - play.words[0][1]
+    last = chunks[-1].words[-1].end * 1000 + sum(c.duration for c in chunks[:-1]) * 1000  # on the engine's audio
+    assert abs(play.words[-1][2] - (last - shift)) < 0.01, (play.words[-1], last, shift)
