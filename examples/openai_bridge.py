@@ -191,7 +191,7 @@ class Call:
         Transcripts that come while a reply plays wait their turn (a barge-in's is the next prompt)."""
         async for event in session.events():
             kind = event.get("type")
-            if kind == "speech.transcript" and event.get("text"):
+            if kind == "speech.transcript" and event.get("final", True) and event.get("text"):  # partials: not yet
                 self.history.append({"role": "user", "content": event["text"]})
                 try:
                     outcome = await answer(session, self.http, self.args, self.history)

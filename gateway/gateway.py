@@ -29,6 +29,7 @@ from .registry import SessionRegistry, TokenSigner
 from .session import Session, SessionOptions
 from .vad import VadSettings
 from .barge_in import BargeInSettings
+from .endpoint import TurnSettings
 from .stt import SpeechToText
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,8 @@ class Gateway:
             voice=voice,  # None: the engine's default voice, which the operator chose
             vad=VadSettings(enabled=s.vad, aggressiveness=s.vad_aggressiveness, min_speech_ms=s.vad_min_speech_ms),
             barge_in=BargeInSettings(echo_cancel=s.echo_cancel, min_interrupt_ms=s.min_interrupt_ms),
+            turn=TurnSettings(min_silence_ms=s.turn_min_silence_ms, max_silence_ms=s.turn_max_silence_ms,
+                              partial_ms=s.stt_partial_ms),
             opus=OpusSettings(bitrate=s.opus_bitrate, fec=s.opus_fec, dtx=s.opus_dtx, complexity=s.opus_complexity,
                               signal=s.opus_signal, dtx_when_asked=s.opus_dtx_when_asked),
             limits=Limits(max_message_bytes=s.max_message_bytes, max_text_chars=s.max_text_chars, max_messages_per_s=s.max_messages_per_s,

@@ -41,6 +41,7 @@ from .protocol import Limits, RateLimiter, parse
 from .session_metrics import SessionMetrics
 from .session_output import SessionOutput
 from .session_queue import Utterance, UtteranceQueue
+from .endpoint import Endpointer, TurnSettings
 from .stt import SpeechToText, TurnTranscriber
 from .text_pump import TextPump
 from .vad import VadSettings, VoiceActivityDetector
@@ -94,6 +95,7 @@ class SessionOptions:
     rate: float = 1.0
     vad: VadSettings = field(default_factory=VadSettings)
     barge_in: BargeInSettings = field(default_factory=BargeInSettings)
+    turn: TurnSettings = field(default_factory=TurnSettings)
     opus: OpusSettings = field(default_factory=OpusSettings)
     limits: Limits = field(default_factory=Limits)
     max_utterance_chars: int = Settings.max_utterance_chars
@@ -157,6 +159,11 @@ class Session(SessionOutput, UtteranceQueue):
         # The caller's turns as text (gateway/stt.py), where the server has a recognizer (--stt, --stt-url).
         self.transcriber = (TurnTranscriber(stt, self.emit, lookback_ms=lambda: 2 * self.options.vad.min_speech_ms)
                             if stt is not None else None)
+        # When each of the caller's turns ends, and its partial transcripts (gateway/endpoint.py): with a
+        # recognizer that punctuates (Whisper); others' turns are the VAD's, speech.started to speech.stopped.
+        self.endpointer = (Endpointer(self.transcriber, self.options.turn, self.emit, lambda: self.vad.speaking)
+                           if stt is not None and self.transcriber is not None and Endpointer.suits(stt) else None)
+        self.vad.pause_ms = self.options.turn.min_silence_ms if self.endpointer is not None else 0
         # The echo canceller (gateway/echo.py), while barge_in.echo_cancel is on and an output is attached;
         # microphone audio then waits here for it, and it runs as an encode-pool job (off the frame path).
         self.echo: EchoCanceller | None = None
@@ -278,6 +285,13 @@ class Session(SessionOutput, UtteranceQueue):
             self._configure_echo()
         if isinstance(msg.get("stt"), dict):
             self._update_stt(msg["stt"])
+        if isinstance(msg.get("turn"), dict):
+            try:
+                self.options.turn.update(msg["turn"])
+            except (ValueError, TypeError) as exc:
+                raise GatewayError("invalid_field", str(exc)) from None
+            if self.endpointer is not None:
+                self.vad.pause_ms = self.options.turn.min_silence_ms
         self.emit({"type": "session.updated", **self.describe_options()})
 
     def _update_stt(self, data: dict) -> None:
@@ -301,6 +315,7 @@ class Session(SessionOutput, UtteranceQueue):
             "barge_in": self.options.barge_in.describe(),
             "stt": {"enabled": self.transcriber is not None and self.transcriber.enabled,
                     "recognizer": self.transcriber.stt.name if self.transcriber is not None else None},
+            "turn": self.options.turn.describe(),
         }
 
     def ready_event(self) -> dict:
@@ -351,6 +366,8 @@ class Session(SessionOutput, UtteranceQueue):
             return
         if self.transcriber is not None:
             self.transcriber.frame(pcm, capture_ms)
+        if self.endpointer is not None:
+            self.endpointer.frame(capture_ms)
         if self.echo is not None:
             self._listen((pcm, capture_ms, level_db))
             return
@@ -404,8 +421,12 @@ class Session(SessionOutput, UtteranceQueue):
                     self._turn_over = None
                     self.interrupt("barge_in")
                 continue
+            if self.endpointer is not None:
+                self.endpointer.event(event, at_ms)
+            if event in ("speech.paused", "speech.resumed"):  # the endpointer's alone, never sent
+                continue
             self.emit({"type": event, "at_ms": at_ms})
-            if self.transcriber is not None:
+            if self.endpointer is None and self.transcriber is not None:
                 (self.transcriber.started if event == "speech.started" else self.transcriber.stopped)(at_ms)
             if event == "speech.started":
                 self._turn_over = current.id if current is not None else None
@@ -426,6 +447,8 @@ class Session(SessionOutput, UtteranceQueue):
         self._mic_queue.clear()
         self.echo = None
         self.playout.tap = None
+        if self.endpointer is not None:
+            self.endpointer.close()
         if self.transcriber is not None:
             self.transcriber.close()
         self._text.clear()

@@ -2,8 +2,8 @@
 
 One home for speech recognition. A recognizer is small (`Recognizer`): it
 turns one turn's audio (16 kHz mono int16) into text, either in a thread
-(`threaded`, e.g. pocketsphinx: gateway/stt_pocketsphinx.py, whose thread waits
-on a worker process, since its decoder holds the GIL) or as a coroutine (an OpenAI-compatible endpoint: gateway/stt_openai.py).
+(`threaded`, e.g. Whisper on CTranslate2: gateway/stt_whisper.py, or pocketsphinx:
+gateway/stt_pocketsphinx.py, whose thread waits on a worker process, since its decoder holds the GIL) or as a coroutine (an OpenAI-compatible endpoint: gateway/stt_openai.py).
 `load_recognizer` picks the one the settings name (--stt, --stt-url).
 
 `SpeechToText` is the process's one service around it: at most
@@ -72,6 +72,11 @@ def load_recognizer(settings: Settings) -> Recognizer | None:
 
         # One process per slot, up to one per core: more would only share the cores (and cost ~60 MB each).
         return Pocketsphinx(workers=min(settings.stt_max_concurrent, os.cpu_count() or 1))
+    if settings.stt == "whisper":
+        from .stt_whisper import Whisper
+
+        # One model replica per slot, one thread each (measured on 2 cores: gateway/stt_whisper.py).
+        return Whisper(workers=min(settings.stt_max_concurrent, os.cpu_count() or 1))
     if settings.stt != "none":
         raise ConfigError(f"--stt {settings.stt!r}: no such recognizer")
     return None
@@ -196,14 +201,26 @@ class TurnTranscriber:
             return
         self._turn_from = max(at_ms - self.lookback_ms() - MARGIN_MS, self._last_end)
 
-    def stopped(self, at_ms: float) -> None:
+    def stopped(self, at_ms: float, text: str | None = None) -> None:
+        """The turn ends at `at_ms`; `text`: what its audio was already recognized as (gateway/endpoint.py)."""
         if self._turn_from is None:
             return
         start, self._turn_from = self._turn_from, None
         if self.enabled and at_ms > start:
-            self._piece(start, at_ms)
+            self._piece(start, at_ms, text)
 
-    def _piece(self, start: float, end: float) -> None:
+    def turn_audio(self, end_ms: float) -> tuple[np.ndarray, int, int] | None:
+        """The current turn's audio up to `end_ms`, left in place (PCM, start_ms, end_ms); None outside a turn."""
+        if self._turn_from is None or not self.enabled:
+            return None
+        start = self._turn_from
+        frames = [(t, pcm) for t, pcm in self._frames if t + FRAME_MS > start and t < end_ms]
+        if not frames:
+            return None
+        pcm = np.concatenate([np.zeros(RATE * FRAME_MS // 1000, np.int16) if p is None else p for _, p in frames])
+        return pcm, int(frames[0][0]), int(frames[-1][0] + FRAME_MS)
+
+    def _piece(self, start: float, end: float, text: str | None = None) -> None:
         chunks = []
         first = last = None
         while self._frames and self._frames[0][0] < end:
@@ -224,11 +241,13 @@ class TurnTranscriber:
                         start_ms, end_ms)
             return
         before = self._pending[-1] if self._pending else None
-        self._pending.append(asyncio.ensure_future(self._recognize(np.concatenate(chunks), start_ms, end_ms, before)))
+        self._pending.append(asyncio.ensure_future(self._recognize(np.concatenate(chunks), start_ms, end_ms, before,
+                                                                   text)))
 
-    async def _recognize(self, pcm: np.ndarray, start_ms: int, end_ms: int, before: asyncio.Task | None) -> None:
+    async def _recognize(self, pcm: np.ndarray, start_ms: int, end_ms: int, before: asyncio.Task | None,
+                         known: str | None = None) -> None:
         try:
-            text = await self.stt.recognize(pcm)
+            text = known if known is not None else await self.stt.recognize(pcm)
             event = {"type": "speech.transcript", "text": text, "final": True, "start_ms": start_ms, "end_ms": end_ms}
         except SttError as exc:
             event = None

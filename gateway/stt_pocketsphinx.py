@@ -1,7 +1,7 @@
 """`--stt pocketsphinx`: CMU pocketsphinx, embedded and offline (gateway/stt.py's recognizer).
 
 Its US English acoustic model, dictionary and language model ship inside the
-pocketsphinx wheel (`pip install 'voxgate[stt]'`), so nothing is downloaded.
+pocketsphinx wheel (`pip install ".[stt]"` in the clone), so nothing is downloaded.
 It is good enough for demos and tests, not for production accuracy: for that,
 point --stt-url at a Whisper server.
 
@@ -75,7 +75,7 @@ class Pocketsphinx:
         try:
             import pocketsphinx  # noqa: F401
         except ImportError:
-            raise ConfigError("--stt pocketsphinx needs the pocketsphinx package: pip install 'voxgate[stt]'") from None
+            raise ConfigError("--stt pocketsphinx needs the pocketsphinx package: pip install \".[stt]\" in the clone") from None
         self.workers = workers
         self._lock = threading.Lock()
         self._procs = self._start()

@@ -8,6 +8,12 @@ frames within a short window, and stops after `hangover_ms` without any.
 A turn's voiced frames are counted from its start; once they reach
 `interrupt_ms` the detector says `speech.long` (the session's own event, never
 sent): the turn has been long enough to interrupt the bot (gateway/barge_in.py).
+
+With `pause_ms` set (the session's shortest end-of-turn silence,
+gateway/endpoint.py), a turn that falls silent that long says `speech.paused`,
+and its next voiced frame says `speech.resumed` (before or after
+`speech.stopped`): the session's own events too, for deciding when the
+caller's turn is over.
 """
 
 from __future__ import annotations
@@ -74,6 +80,8 @@ class VoiceActivityDetector:
         self.interrupt_ms = 0  # speech a turn needs to say speech.long (0: never says it)
         self.turn_voiced_ms = 0  # voiced speech in the current (or last) turn
         self._long = False
+        self.pause_ms = 0  # silence in a turn that says speech.paused (0: never says it)
+        self._paused = False
 
     def process(self, pcm16k: np.ndarray) -> list[str]:
         """Feed 16 kHz mono int16; returns 'speech.started' / 'speech.stopped' events."""
@@ -157,22 +165,38 @@ class VoiceActivityDetector:
         while len(self._recent) > window:
             self._voiced -= self._recent.popleft()
         if not self.speaking:
+            # A voiced frame after a pause that outlasted the hangover: the caller may be going on.
+            stirred: tuple[str, ...] = ("speech.resumed",) if voiced and self._paused else ()
+            if stirred:
+                self._paused = False
             if self._voiced * 20 >= s.min_speech_ms:
                 self.speaking = True
                 self._silent_ms = 0
                 self.turn_voiced_ms = self._voiced * 20
                 self._long = not self.interrupt_ms or self.turn_voiced_ms >= self.interrupt_ms
-                return ("speech.started", "speech.long") if self._long and self.interrupt_ms else ("speech.started",)
+                return stirred + (("speech.started", "speech.long") if self._long and self.interrupt_ms
+                                  else ("speech.started",))
+            return stirred
         else:
             self._silent_ms = 0 if voiced else self._silent_ms + 20
+            if voiced and self._paused:
+                self._paused = False
+                resumed: tuple[str, ...] = ("speech.resumed",)
+            else:
+                resumed = ()
+            if self.pause_ms and not voiced and not self._paused and self._silent_ms >= self.pause_ms \
+                    and self._silent_ms < s.hangover_ms:
+                self._paused = True
+                return ("speech.paused",)
             if voiced:
                 self.turn_voiced_ms += 20
                 if not self._long and self.turn_voiced_ms >= self.interrupt_ms:
                     self._long = True
-                    return ("speech.long",)
+                    return resumed + ("speech.long",)
             if self._silent_ms >= s.hangover_ms:
-                self.speaking = False
+                self.speaking = False  # a pause said stays said: its end is speech.resumed, even now
                 self._recent.clear()
                 self._voiced = 0
                 return ("speech.stopped",)
+            return resumed
         return ()

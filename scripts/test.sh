@@ -27,7 +27,7 @@ pip_install "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/w
 # pipecat and livekit: the plugins (voxgate.integrations) are tested in their frameworks. Together with
 # scale they resolve to protobuf 6.33 (pipecat-ai 1.14 needs <7) and grpcio-reflection 1.81 (its 1.85 needs
 # protobuf 7); Ray Serve's gRPC ingress, onnx and onnxruntime pass their tests on that (tests/pool, tests/engine).
-pip_install -e ".[test,gpu,scale,pipecat,livekit]"
+pip_install -e ".[test,gpu,scale,pipecat,livekit,whisper]"
 
 # ruff, mypy and the import contracts: seconds, before minutes of tests.
 bash scripts/lint.sh

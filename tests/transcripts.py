@@ -48,3 +48,24 @@ def corpus_wer(references: list[str], hypotheses: list[str]) -> float:
     """Word errors over all turns, per reference word."""
     errors = sum(word_error_rate(r, h) * len(words(r)) for r, h in zip(references, hypotheses))
     return errors / max(1, sum(len(words(r)) for r in references))
+
+
+def espeak_paused(first: str, second: str, voice: str, rate: int, pause_ms: int) -> np.ndarray:
+    """One sentence spoken with a pause inside it ("I'd like to book ... a table for two."): espeak-ng's
+    SSML break, so the intonation runs on through the pause as a person's does; at the corpus's level."""
+    import io
+    import subprocess
+    import wave
+
+    import soxr
+
+    from tests.listening_corpus import SPEECH_RMS, _to_level, _trim
+
+    ssml = f'<speak>{first} <break time="{int(pause_ms)}ms"/> {second}</speak>'
+    out = subprocess.run(["espeak-ng", "-m", "-v", voice, "-s", "175", "--stdout", ssml],
+                         check=True, capture_output=True, timeout=30).stdout
+    with wave.open(io.BytesIO(out)) as w:
+        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16)
+        native = w.getframerate()
+    pcm = _trim(soxr.resample(pcm.astype(np.float32), native, rate), rate)
+    return _to_level(pcm, rate, SPEECH_RMS)

@@ -45,7 +45,7 @@ def _serve(args: argparse.Namespace) -> int:
     except EngineUnavailable as exc:
         print(f"voxgate: the {settings.engine} engine could not start: {exc}", file=sys.stderr)
         return 2
-    except PriorityError as exc:
+    except (PriorityError, ConfigError) as exc:  # ConfigError: what loads at start (--stt's recognizer) is missing
         print(f"voxgate: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

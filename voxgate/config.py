@@ -41,7 +41,7 @@ PRIOR_PRECISIONS = ("int8", "float32")  # engine/graph_quant.py
 SIGNAL_POLICIES = ("auto", "voice", "music")  # gateway/fec.py
 RTP_SENDERS = ("voxgate", "aiortc")  # gateway/rtp_send.py
 MEDIA_PRIORITIES = ("normal", "realtime")  # gateway/priority.py
-STT_ENGINES = ("none", "pocketsphinx")  # gateway/stt.py; --stt-url names the other kind
+STT_ENGINES = ("none", "pocketsphinx", "whisper")  # gateway/stt.py; --stt-url names the other kind
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 MAX_ENCODE_THREADS = 64  # gateway/encode_pool.py
 RATE_RANGE = (0.25, 4.0)  # speaking rates a client (session.update) or `voxgate say --rate` may ask for
@@ -141,6 +141,13 @@ class Settings:
     stt_max_concurrent: int = setting(2, RECOGNITION, "turns recognized at once, in total", low=1, high=1024)
     stt_max_turn_s: float = setting(30.0, RECOGNITION, "a longer turn is recognized in pieces this long",
                                     low=1.0, high=600.0)
+    # The end of a caller's turn as a decision (gateway/endpoint.py), and partial transcripts during it.
+    turn_min_silence_ms: int = setting(250, RECOGNITION, "silence that ends a turn that reads as finished",
+                                       low=100, high=5000)
+    turn_max_silence_ms: int = setting(1200, RECOGNITION, "silence that ends a turn that does not",
+                                       low=100, high=10000)
+    stt_partial_ms: int = setting(700, RECOGNITION, "a partial transcript at most this often (0: none; whisper)",
+                                  low=0, high=10000)
     # Sessions and limits
     max_sessions: int = setting(200, LIMITS, "sessions at once, in total; more get 503", low=1, high=100000)
     max_sessions_per_key: int = setting(50, LIMITS, "sessions at once per API key", low=1, high=100000)
@@ -300,6 +307,9 @@ class Settings:
                 "it open on purpose."
             )
         self._check_fleet()
+        if self.turn_max_silence_ms < self.turn_min_silence_ms:
+            raise ConfigError(f"--turn-max-silence-ms {self.turn_max_silence_ms}: give at least "
+                              f"--turn-min-silence-ms ({self.turn_min_silence_ms})")
         if self.stt_url is not None:
             parsed = urlsplit(self.stt_url)
             if parsed.scheme not in ("http", "https") or not parsed.hostname:

@@ -1,0 +1,223 @@
+"""The conversation loop (issue 54): voice to voice, transcript arrival and WER, over WebRTC.
+
+    python bench/bench_conversation.py --out bench/results/conversation.json
+    python bench/bench_conversation.py --conversations 1 --turns 8    # shorter
+
+A gateway process (`voxgate serve --engine piper --stt whisper`, defaults
+otherwise: the real voice, the turn rule of gateway/endpoint.py) serves
+conversations. Each has a backend on the session WebSocket that answers like an
+LLM that takes no time: the moment a final `speech.transcript` arrives it sends
+`speak` with a short reply. A real aiortc client's microphone (Opus, in real
+time) says the caller's turns: espeak-ng questions in 8 voices, and sentences
+with a 600 ms pause inside them ("I'd like to book ... a table for two.",
+espeak-ng's SSML break, so the intonation runs on). After each reply has played,
+the next turn follows.
+
+Measured at the client, per turn, from the caller's last voiced sample (when
+its frame was due at the microphone):
+- voice to voice: to the reply's first voiced frame received (RMS over 300);
+- transcript: to the final `speech.transcript` at the backend (same process,
+  same clock);
+- answered early: the final transcript came before the caller's last voiced
+  sample (a pause taken for the end);
+- WER of the turn's final transcripts (all of them, joined) against the phrase,
+  and the same recognizer offline on the whole turn as the microphone had it
+  (before Opus): the reference for what the path loses.
+Run at 1 and at 4 conversations at once (each its own client and backend, the
+turns in the same order, offset). Figures go to stdout and to
+artifacts/bench-conversation.json (--out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import soxr  # noqa: E402
+from _common import arg_parser, finish, machine, percentile, print_machine, section  # noqa: E402
+
+from tests.backend.test_transcripts import RecordingMic  # noqa: E402
+from tests.conftest import ServerProcess  # noqa: E402
+from tests.listening_corpus import CALLER_VOICES, espeak  # noqa: E402
+from tests.transcripts import QUESTIONS, corpus_wer, espeak_paused  # noqa: E402
+from voxgate.client import VoxgateSession  # noqa: E402
+from voxgate.rtc_client import RtcClient  # noqa: E402
+
+REPLY = "Sure, I can help with that."
+PAUSE_MS = 600
+# Sentences with a pause inside: the first half does not end the sentence.
+PAUSED = (
+    ("I'd like to book", "a table for two tonight."),
+    ("Can you tell me", "when the store opens tomorrow?"),
+    ("I need to change", "the address on my account."),
+    ("My order was", "never delivered to my house."),
+    ("Is there a pharmacy", "near the train station?"),
+    ("I want to cancel", "my appointment on Friday."),
+    ("Could you send", "the receipt to my email address?"),
+    ("I would like to check", "the status of my order."),
+)
+LEAD_S = 0.4  # silence before a turn
+VOICED = 300.0  # RMS of a voiced 20 ms frame, at either end
+
+
+def turns(n: int) -> list[tuple[str, str, np.ndarray, bool]]:
+    """(phrase, voice, 48 kHz clip, has a pause), alternating plain and paused, over the 8 voices."""
+    out = []
+    for i in range(n):
+        voice = CALLER_VOICES[i % len(CALLER_VOICES)]
+        if i % 2:
+            first, second = PAUSED[(i // 2) % len(PAUSED)]
+            out.append((f"{first} {second}", voice, espeak_paused(first, second, voice, 48000, PAUSE_MS), True))
+        else:
+            phrase = QUESTIONS[(i // 2) % len(QUESTIONS)]
+            out.append((phrase, voice, espeak(phrase, voice, 48000), False))
+    return out
+
+
+def last_voiced_s(clip: np.ndarray, rate: int = 48000) -> float:
+    """Where the clip's last voiced 20 ms frame ends, in seconds."""
+    hop = rate // 50
+    n = len(clip) // hop
+    rms = np.sqrt(np.mean(clip[: n * hop].astype(np.float64).reshape(n, hop) ** 2, axis=1))
+    return float((np.flatnonzero(rms > VOICED)[-1] + 1) * hop) / rate
+
+
+async def conversation(url: str, plan: list, offset_s: float) -> list[dict]:
+    await asyncio.sleep(offset_s)
+    backend = VoxgateSession(url)
+    await backend.open()
+    finals: list[tuple[float, dict]] = []
+    partials: list[float] = []
+
+    async def answer() -> None:
+        async for event in backend.events():
+            if event.get("type") == "speech.transcript":
+                if event.get("final"):
+                    finals.append((time.perf_counter(), event))
+                    await backend.send({"type": "speak", "text": REPLY})
+                else:
+                    partials.append(time.perf_counter())
+
+    answering = asyncio.ensure_future(answer())
+    client = RtcClient(url, mic=True, session_id=backend.session_id, token=backend.client_token)
+    client.mic = RecordingMic()
+    out = []
+    try:
+        await client.connect()
+        for phrase, voice, clip, paused in plan:
+            before = len(finals)
+            first = len(client.mic.sent)
+            client.mic.play(np.concatenate([np.zeros(int(LEAD_S * 48000), np.int16), clip]))
+            while len(client.mic.due) <= first:
+                await asyncio.sleep(0.01)
+            spoke_until = client.mic.due[first] + LEAD_S + last_voiced_s(clip)
+            # The reply: its first voiced frame after the caller's last word, then its end.
+            deadline = time.perf_counter() + 15
+            reply_at = None
+            while time.perf_counter() < deadline:
+                await asyncio.sleep(0.05)
+                if len(finals) > before:
+                    # The reply to this turn's final: no sound before the final arrived can be it (an earlier
+                    # reply still playing on a loaded machine is not).
+                    reply_at = client.audio.first_sound_after(max(spoke_until, finals[before][0]), VOICED)
+                    if reply_at is not None and time.perf_counter() > reply_at + 2.0:
+                        break
+            await asyncio.sleep(0.8)  # the reply's end, and a breath
+            mine = finals[before:]
+            out.append({
+                "phrase": phrase, "voice": voice, "paused": paused,
+                "text": " ".join(e["text"] for _, e in mine),
+                "finals": len(mine),
+                "transcript_ms": round((mine[-1][0] - spoke_until) * 1000, 1) if mine else None,
+                "early": bool(mine) and mine[0][0] < spoke_until,
+                "voice_to_voice_ms": round((reply_at - spoke_until) * 1000, 1) if reply_at else None,
+                "partials": sum(1 for t in partials if client.mic.due[first] <= t <= spoke_until),
+                "clip": clip,
+            })
+    finally:
+        answering.cancel()
+        await client.close()
+        await backend.close()
+    return out
+
+
+def figures(rows: list[dict], offline: list[str]) -> dict:
+    v2v = [r["voice_to_voice_ms"] for r in rows if r["voice_to_voice_ms"] is not None and not r["early"]]
+    tr = [r["transcript_ms"] for r in rows if r["transcript_ms"] is not None and not r["early"]]
+    paused = [r for r in rows if r["paused"]]
+    long_turns = [r for r in rows if len(r["clip"]) / 48000 > 1.5]
+    return {
+        "turns": len(rows),
+        "voice_to_voice_ms": {"p50": round(percentile(v2v, 50), 1), "p95": round(percentile(v2v, 95), 1),
+                              "max": max(v2v) if v2v else None, "n": len(v2v)},
+        "transcript_ms": {"p50": round(percentile(tr, 50), 1), "p95": round(percentile(tr, 95), 1)},
+        "wer_live": round(corpus_wer([r["phrase"] for r in rows], [r["text"] for r in rows]), 3),
+        "wer_offline_whole_turn": round(corpus_wer([r["phrase"] for r in rows], offline), 3),
+        "paused_turns": len(paused), "answered_early": sum(r["early"] for r in paused),
+        "plain_answered_early": sum(r["early"] for r in rows if not r["paused"]),
+        "no_reply": sum(r["voice_to_voice_ms"] is None for r in rows),
+        "turns_over_1_5_s_with_partials": f"{sum(r['partials'] > 0 for r in long_turns)}/{len(long_turns)}",
+        "rows": [{k: v for k, v in r.items() if k != "clip"} for r in rows],
+    }
+
+
+async def run(url: str, plan: list, conversations: int) -> list:
+    # Each conversation starts a little after the last, so their turns do not end in step. A conversation the
+    # gateway refused (at_capacity on a loaded machine) is reported, not fatal.
+    return await asyncio.gather(*(conversation(url, plan, i * 1.3) for i in range(conversations)),
+                                return_exceptions=True)
+
+
+def main() -> None:
+    parser = arg_parser(__doc__)
+    parser.add_argument("--turns", type=int, default=20, help="turns per conversation (half with a pause)")
+    parser.add_argument("--conversations", type=int, nargs="*", default=[1, 4])
+    args = parser.parse_args()
+    plan = turns(6 if args.quick else args.turns)
+    started = time.perf_counter()
+    info = machine()
+    print_machine(info, "machine")
+    results: dict = {"machine": info, "args": vars(args), "label": (
+        "voice to voice over WebRTC: gateway process (--engine piper --stt whisper, defaults: turn 250/1200 ms, "
+        "partials 700 ms), aiortc client in real time, backend answers each final transcript at once")}
+    from voxgate.gateway.stt_whisper import Whisper
+
+    whisper = Whisper()
+    offline = [" ".join(whisper.recognize(soxr.resample(clip, 48000, 16000).astype(np.int16)).split())
+               for _, _, clip, _ in plan]
+    server = ServerProcess("piper", ["--stt", "whisper"])
+    try:
+        for n in args.conversations:
+            section(f"webrtc: {n} conversation(s), {len(plan)} turns each")
+            outcomes = asyncio.run(run(server.url, plan, n))
+            failed = [f"{type(o).__name__}: {o}" for o in outcomes if isinstance(o, BaseException)]
+            done = [o for o in outcomes if not isinstance(o, BaseException)]
+            for why in failed:
+                print(f"  a conversation failed: {why}", flush=True)
+            if not done:
+                results[f"webrtc_{n}"] = {"failed": failed}
+                continue
+            flat = [r for conv in done for r in conv]
+            r = figures(flat, offline * len(done))
+            r["conversations_failed"] = failed
+            for row in r["rows"]:
+                print(f"  {row['voice']:18s} v2v {row['voice_to_voice_ms']} ms, transcript {row['transcript_ms']} ms"
+                      f"{' EARLY' if row['early'] else ''} {row['text']!r}", flush=True)
+            results[f"webrtc_{n}"] = r
+            print(f"{n} conversation(s): voice to voice p50 {r['voice_to_voice_ms']['p50']} ms "
+                  f"p95 {r['voice_to_voice_ms']['p95']} ms; transcript p50 {r['transcript_ms']['p50']} ms; "
+                  f"WER {r['wer_live']} (offline {r['wer_offline_whole_turn']}); paused turns answered early "
+                  f"{r['answered_early']}/{r['paused_turns']}; no reply {r['no_reply']}", flush=True)
+    finally:
+        server.stop()
+    finish("conversation", results, started, args.out)
+
+
+if __name__ == "__main__":
+    main()
