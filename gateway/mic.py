@@ -39,7 +39,8 @@ paths read is in rtc_internals.py.
 
 What a peer may make the microphone do is bounded before anything is decoded
 (issue 53). Only the SSRCs its session admits reach SRTP at all (ssrcs.py,
---max-ssrcs). Then at most --mic-max-packets-per-s packets a second are read
+--max-ssrcs), and the microphone is one of them: the one the offer names first,
+or else the first heard; packets from the others are not read. Then at most --mic-max-packets-per-s packets a second are read
 (a token bucket, a second's worth of burst), and at most real time plus
 `MEDIA_MARGIN` of RTP time, with `MEDIA_BURST_MS` of burst: a packet costs the
 RTP time it moves the stream on, its own length and the jump ahead of it
@@ -75,11 +76,11 @@ RTP_CLOCK = {"opus": 48000, "pcmu": 8000, "pcma": 8000}
 DECODE_DELAY_MS = {"opus": 6.5, "pcmu": Upsampler2x.DELAY_S * 1000.0, "pcma": Upsampler2x.DELAY_S * 1000.0}
 MAX_GAP_FRAMES = 50  # a longer silence than 1 s tells the VAD nothing more
 # RTP time a microphone may move on faster than real time, as a share of it, and in a burst (ms): a
-# network that held packets back delivers them late and at once, and a second and a half of them is
-# still heard. The burst holds the dearest single packet (a 1 s jump, then 120 ms of Opus), so that
-# one is always heard in the end.
+# network (or a client's loop) that held packets back delivers them late and at once, and three
+# seconds of them are still heard. What a flood gets is the rate: the burst is spent once. It holds
+# the dearest single packet (a 1 s jump, then 120 ms of Opus), so that one is always heard in the end.
 MEDIA_MARGIN = 0.25
-MEDIA_BURST_MS = 1500.0
+MEDIA_BURST_MS = 3000.0
 # RFC 6464 levels are -dBov: 127 is silence. Nobody barges in quieter than -55 dBov
 # (speech into a headset or laptop microphone sits around -15 to -40).
 QUIET_DBOV = 55
@@ -230,6 +231,7 @@ class Microphone:
         ssrcs: SsrcLimit | None = None,
         on_drop: Callable[[str], None] = lambda reason: None,
         now: Callable[[], float] = time.monotonic,
+        ssrc: int | None = None,
     ) -> None:
         self.codec = codec
         self.payload_type = payload_type
@@ -248,6 +250,8 @@ class Microphone:
         self.receiver: object = None  # the aiortc receiver attached to
         self.on_drop = on_drop
         self.ssrcs = ssrcs or SsrcLimit(Settings.max_ssrcs)
+        # The microphone's own stream: the offer's first SSRC, else the first one heard.
+        self.ssrc: int | None = ssrc
         self._packet_rate = Allowance(max_packets_per_s, max_packets_per_s, now)  # a second's packets of burst
         self._media_ms = Allowance(1000.0 * (1.0 + MEDIA_MARGIN), MEDIA_BURST_MS, now)
         self._next_ts: int | None = None  # RTP time the next packet should carry
@@ -277,6 +281,8 @@ class Microphone:
         def on_rtp(plain: bytes) -> None:
             # Called from asyncio's datagram callback: nothing a peer sends may raise out of
             # here (the loop would log a traceback per datagram for every session to pay for).
+            if not self._ours(int.from_bytes(plain[8:12], "big")):
+                return
             if not self._packet_rate.take():
                 self._drop("packet_rate")
                 return
@@ -299,6 +305,15 @@ class Microphone:
             return False
         return True
 
+    def _ours(self, ssrc: int) -> bool:
+        """Whether a packet is from the microphone's stream (the first heard is, when the offer named none)."""
+        if self.ssrc is None:
+            self.ssrc = ssrc
+        elif ssrc != self.ssrc:
+            self._drop("ssrc")
+            return False
+        return True
+
     def _drop(self, reason: str) -> None:
         self.dropped += 1
         self.on_drop(reason)
@@ -311,6 +326,8 @@ class Microphone:
 
     async def _on_rtp(self, packet, arrival_time_ms: int = 0) -> None:
         """aiortc's path: a parsed `RtpPacket`."""
+        if not self._ours(packet.ssrc):
+            return
         if not self._packet_rate.take():
             self._drop("packet_rate")
             return

@@ -113,6 +113,7 @@ class PeerConnection:
         self.max_ssrcs = max_ssrcs
         self.mic_max_packets_per_s = mic_max_packets_per_s
         self.ssrcs = SsrcLimit(max_ssrcs)  # the offer's SSRCs added when it is answered
+        self.offered_ssrc: int | None = None
         self.ice = ice
         self.rtp_sender = rtp_sender  # who builds the speech packets: see rtp_send.py
         self.pc = RTCPeerConnection(configuration=ice.rtc_configuration(session.id))
@@ -162,7 +163,9 @@ class PeerConnection:
             raise GatewayError("negotiation_failed", f"could not answer the offer: {exc}") from None
         self.ice_guards = guard_ice(self.pc, self.session.metrics.ice_dropped)
         metrics = self.session.metrics
-        self.ssrcs = SsrcLimit(self.max_ssrcs, offered_ssrcs(sdp), on_drop=lambda: metrics.mic_dropped("ssrc"))
+        offered = offered_ssrcs(sdp)
+        self.offered_ssrc = offered[0] if offered else None
+        self.ssrcs = SsrcLimit(self.max_ssrcs, offered, on_drop=lambda: metrics.mic_dropped("ssrc"))
         local = self.pc.localDescription.sdp
         if has_audio:
             codec, payload_type = negotiated_codec(local) or ("", -1)
@@ -265,7 +268,7 @@ class PeerConnection:
                     on_audio=session.on_inbound_audio, on_gap=session.on_inbound_gap,
                     wanted=lambda: session.listening, whole=lambda: session.wants_every_frame,
                     clock=session.clock, max_packets_per_s=self.mic_max_packets_per_s, ssrcs=self.ssrcs,
-                    on_drop=session.metrics.mic_dropped,
+                    on_drop=session.metrics.mic_dropped, ssrc=self.offered_ssrc,
                 )
                 self.mic.attach(transceiver.receiver)
                 return

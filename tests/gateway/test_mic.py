@@ -334,9 +334,9 @@ def test_hostile_datagrams_never_raise_out_of_the_direct_path(caplog):
     payload = opus_packets(np.zeros(960, dtype=np.int16))[0]
     good = tx.protect(rtp(payload, 1, 960).serialize())
     dtls_record = b"\x17\xfe\xfd" + b"\x00" * 30
-    rtcp = b"\x81\xc9\x00\x07\x00\x00\x00\x05" + b"\x00" * 24  # from SSRC 5, learnt from the bad-level packet
+    rtcp = b"\x81\xc9\x00\x07" + b"\x00" * 28  # from SSRC 0, learnt from the bad-level packet
     # An audio-level element two bytes long (it is one): aiortc's own parse raises struct.error.
-    bad_level = b"\x90\x6f\x00\x09" + (960).to_bytes(4, "big") + b"\x00\x00\x00\x05" + b"\xbe\xde\x00\x01\x11\x00\x00\x00" + payload
+    bad_level = b"\x90\x6f\x00\x09" + (960).to_bytes(4, "big") + b"\x00\x00\x00\x00" + b"\xbe\xde\x00\x01\x11\x00\x00\x00" + payload
     for data in (b"", b"\x80" * 3000, b"\x80" * 40, good[:-1] + bytes([good[-1] ^ 1]), tx.protect(bad_level)):
         receive(data, 1)  # dropped without raising
     assert mic.packets == 0 and connection.to_aiortc == []

@@ -1,0 +1,73 @@
+"""A connected aiortc peer's own SRTP, sent by hand: what the listening-path attacks of issue 53 send.
+
+`RtpFlood(client)` protects RTP packets with the client's session keys and
+sends them on its nominated ICE pair, the way the peer's own microphone
+packets go, except that what is in them is the caller's choice: a new SSRC
+for every packet (`ssrc_flood`), more packets than real time, or packets that
+jump ahead in RTP time (`packets`). The sender's libsrtp stream for each
+one-off SSRC is removed at once, so the attacker's own cost stays flat.
+tests/security and bench/bench_listening_flood.py use it; it reads aiortc's
+private state, as a test may.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+
+PT = 111  # Opus as aiortc offers it
+
+
+def rtp_packet(ssrc: int, seq: int, ts: int, payload: bytes, pt: int = PT) -> bytes:
+    return struct.pack("!BBHII", 0x80, pt, seq & 0xFFFF, ts & 0xFFFFFFFF, ssrc & 0xFFFFFFFF) + payload
+
+
+async def silent_caller(url: str):
+    """A connected RtcClient whose microphone track never sends a packet: the caller's packets are
+    RtpFlood's alone."""
+    from voxgate.rtc_client import RtcClient
+
+    client = RtcClient(url, mic=True)
+    client.mic.stop()  # aiortc's sender ends at its first recv(), before a packet
+    await client.connect()
+    return client
+
+
+class RtpFlood:
+    def __init__(self, client, seed: int = 53) -> None:
+        transceiver = client.pc.getTransceivers()[0]
+        self.dtls = transceiver.sender.transport
+        self.rng = random.Random(seed)
+        # The peer's own, negotiated microphone SSRC: `packets` needs a client whose track never sent
+        # (`silent_caller`), or the two streams' sequence numbers would clash.
+        self.ssrc = transceiver.sender._ssrc
+        self.seq = self.rng.randrange(1 << 16)
+        self.ts = self.rng.randrange(1 << 32)
+        self.sent = 0
+
+    def _send(self, data: bytes) -> None:
+        pair = self.dtls.transport._connection._nominated[1]
+        pair.protocol.transport.sendto(data, pair.remote_addr)
+        self.sent += 1
+
+    def ssrc_flood(self, count: int, payload: bytes) -> list[int]:
+        """`count` packets, each from a new random SSRC, protected with the session's keys; their SSRCs."""
+        tx = self.dtls._tx_srtp
+        ssrcs = []
+        for _ in range(count):
+            ssrc = self.rng.randrange(1, 1 << 32)
+            self.seq += 1
+            self.ts += 960
+            self._send(tx.protect(rtp_packet(ssrc, self.seq, self.ts, payload)))
+            tx.remove_stream(ssrc)  # the attacker's own side stays one stream
+            ssrcs.append(ssrc)
+        return ssrcs
+
+    def packets(self, count: int, payload: bytes, step: int = 960) -> None:
+        """`count` packets from the peer's microphone SSRC, each `step` ticks of RTP time after the last
+        (960: 20 ms of Opus, as a microphone; 48000: each a second ahead)."""
+        tx = self.dtls._tx_srtp
+        for _ in range(count):
+            self.seq += 1
+            self.ts += step
+            self._send(tx.protect(rtp_packet(self.ssrc, self.seq, self.ts, payload)))
