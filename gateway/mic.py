@@ -76,11 +76,11 @@ RTP_CLOCK = {"opus": 48000, "pcmu": 8000, "pcma": 8000}
 DECODE_DELAY_MS = {"opus": 6.5, "pcmu": Upsampler2x.DELAY_S * 1000.0, "pcma": Upsampler2x.DELAY_S * 1000.0}
 MAX_GAP_FRAMES = 50  # a longer silence than 1 s tells the VAD nothing more
 # RTP time a microphone may move on faster than real time, as a share of it, and in a burst (ms): a
-# network (or a client's loop) that held packets back delivers them late and at once, and three
+# network (or a client's loop) that held packets back delivers them late and at once, and five
 # seconds of them are still heard. What a flood gets is the rate: the burst is spent once. It holds
 # the dearest single packet (a 1 s jump, then 120 ms of Opus), so that one is always heard in the end.
 MEDIA_MARGIN = 0.25
-MEDIA_BURST_MS = 3000.0
+MEDIA_BURST_MS = 5000.0
 # RFC 6464 levels are -dBov: 127 is silence. Nobody barges in quieter than -55 dBov
 # (speech into a headset or laptop microphone sits around -15 to -40).
 QUIET_DBOV = 55

@@ -13,12 +13,11 @@ private state, as a test may.
 from __future__ import annotations
 
 import random
+import re
 import struct
 
-PT = 111  # Opus as aiortc offers it
 
-
-def rtp_packet(ssrc: int, seq: int, ts: int, payload: bytes, pt: int = PT) -> bytes:
+def rtp_packet(ssrc: int, seq: int, ts: int, payload: bytes, pt: int) -> bytes:
     return struct.pack("!BBHII", 0x80, pt, seq & 0xFFFF, ts & 0xFFFFFFFF, ssrc & 0xFFFFFFFF) + payload
 
 
@@ -41,6 +40,8 @@ class RtpFlood:
         # The peer's own, negotiated microphone SSRC: `packets` needs a client whose track never sent
         # (`silent_caller`), or the two streams' sequence numbers would clash.
         self.ssrc = transceiver.sender._ssrc
+        # Opus's payload type, as the answer has it.
+        self.pt = int(re.search(r"a=rtpmap:(\d+) opus/48000", client.pc.remoteDescription.sdp, re.I).group(1))
         self.seq = self.rng.randrange(1 << 16)
         self.ts = self.rng.randrange(1 << 32)
         self.sent = 0
@@ -58,7 +59,7 @@ class RtpFlood:
             ssrc = self.rng.randrange(1, 1 << 32)
             self.seq += 1
             self.ts += 960
-            self._send(tx.protect(rtp_packet(ssrc, self.seq, self.ts, payload)))
+            self._send(tx.protect(rtp_packet(ssrc, self.seq, self.ts, payload, self.pt)))
             tx.remove_stream(ssrc)  # the attacker's own side stays one stream
             ssrcs.append(ssrc)
         return ssrcs
@@ -70,4 +71,4 @@ class RtpFlood:
         for _ in range(count):
             self.seq += 1
             self.ts += step
-            self._send(tx.protect(rtp_packet(self.ssrc, self.seq, self.ts, payload)))
+            self._send(tx.protect(rtp_packet(self.ssrc, self.seq, self.ts, payload, self.pt)))
