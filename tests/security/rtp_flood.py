@@ -45,9 +45,13 @@ class RtpFlood:
         self.seq = self.rng.randrange(1 << 16)
         self.ts = self.rng.randrange(1 << 32)
         self.sent = 0
+        self.lost = 0  # packets not sent: the connection was gone
 
     def _send(self, data: bytes) -> None:
-        pair = self.dtls.transport._connection._nominated[1]
+        pair = self.dtls.transport._connection._nominated.get(1)
+        if pair is None or pair.protocol.transport is None:
+            self.lost += 1  # the gateway closed the session (the code before the fixes did, under a flood)
+            return
         pair.protocol.transport.sendto(data, pair.remote_addr)
         self.sent += 1
 
