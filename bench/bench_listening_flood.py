@@ -62,7 +62,7 @@ async def attacker(url: str, rate: float, jump_rate: float, seconds: float) -> N
     from voxgate.gateway import opus
     from tests.security.rtp_flood import RtpFlood, silent_caller
 
-    client = await silent_caller(url)
+    client = await silent_caller(url, tries=30)
     flood = RtpFlood(client)
     rng = np.random.default_rng(53)
     noise = (rng.normal(0, 8000, 960)).clip(-32767, 32767).astype(np.int16)

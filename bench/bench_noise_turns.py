@@ -49,7 +49,7 @@ async def attacker(url: str, speed: float, burst_s: float, seconds: float) -> No
     from voxgate.gateway import opus
     from tests.security.rtp_flood import RtpFlood, silent_caller
 
-    client = await silent_caller(url)
+    client = await silent_caller(url, tries=30)
     flood = RtpFlood(client)
     encoder = opus.Encoder(48000, 32000, 5, False, 0, False)
     rng = np.random.default_rng(53)
@@ -120,6 +120,7 @@ async def measure(args, python: str = sys.executable) -> dict:
     import aiohttp
 
     from voxgate.rtc_client import RtcClient
+    from tests.security.rtp_flood import connected
     from tests.transcripts import QUESTIONS, STT_VOICES, turn_audio
 
     questions = [turn_audio(q, STT_VOICES[i % len(STT_VOICES)], 48000) for i, q in enumerate(QUESTIONS[:6])]
@@ -139,10 +140,8 @@ async def measure(args, python: str = sys.executable) -> dict:
     tasks: list = []
     try:
         await asyncio.get_running_loop().run_in_executor(None, wait_ready, url)
-        for _ in range(args.callers):
-            client = RtcClient(url, mic=True)
-            await client.connect()
-            clients.append(client)
+        for _ in range(args.callers):  # a busy shared machine's admission may refuse for a while: tried again
+            clients.append(await connected(lambda: RtcClient(url, mic=True), 30))
         attack = await asyncio.create_subprocess_exec(
             sys.executable, os.path.abspath(__file__), "--attacker", url, "--speed", str(args.speed),
             "--burst", str(args.burst), "--window", str(args.window),

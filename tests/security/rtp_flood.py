@@ -21,15 +21,35 @@ def rtp_packet(ssrc: int, seq: int, ts: int, payload: bytes, pt: int) -> bytes:
     return struct.pack("!BBHII", 0x80, pt, seq & 0xFFFF, ts & 0xFFFFFFFF, ssrc & 0xFFFFFFFF) + payload
 
 
-async def silent_caller(url: str):
+async def silent_caller(url: str, tries: int = 1):
     """A connected RtcClient whose microphone track never sends a packet: the caller's packets are
-    RtpFlood's alone."""
+    RtpFlood's alone. `tries`: offers refused (503: a busy shared machine) are made again, a second apart."""
     from voxgate.rtc_client import RtcClient
 
-    client = RtcClient(url, mic=True)
+    return await connected(lambda: _silent(RtcClient(url, mic=True)), tries)
+
+
+def _silent(client):
     client.mic.stop()  # aiortc's sender ends at its first recv(), before a packet
-    await client.connect()
     return client
+
+
+async def connected(make, tries: int):
+    """`make()`'s RtcClient, connected; an offer refused with 503 is made again, a second apart, up to `tries` times."""
+    import asyncio
+
+    from voxgate.rtc_client import OfferRefused
+
+    for attempt in range(tries):
+        client = make()
+        try:
+            await client.connect()
+            return client
+        except OfferRefused as exc:
+            await client.close()
+            if exc.status != 503 or attempt == tries - 1:
+                raise
+            await asyncio.sleep(1.0)
 
 
 class RtpFlood:
