@@ -41,7 +41,7 @@ What a peer may make the microphone do is bounded before anything is decoded
 (issue 53). Only the SSRCs its session admits reach SRTP at all (ssrcs.py,
 --max-ssrcs), and the microphone is one of them: the one the offer names first,
 or else the first heard; packets from the others are not read. Then at most --mic-max-packets-per-s packets a second are read
-(a token bucket, a second's worth of burst), and at most real time plus
+(a token bucket, MEDIA_BURST_MS's worth of burst), and at most real time plus
 `MEDIA_MARGIN` of RTP time, with `MEDIA_BURST_MS` of burst: a packet costs the
 RTP time it moves the stream on, its own length and the jump ahead of it
 (which becomes frames of silence, up to MAX_GAP_FRAMES). A packet past either
@@ -252,7 +252,8 @@ class Microphone:
         self.ssrcs = ssrcs or SsrcLimit(Settings.max_ssrcs)
         # The microphone's own stream: the offer's first SSRC, else the first one heard.
         self.ssrc: int | None = ssrc
-        self._packet_rate = Allowance(max_packets_per_s, max_packets_per_s, now)  # a second's packets of burst
+        # The same burst as RTP time's: a client that fell behind catches up with packets and RTP time alike.
+        self._packet_rate = Allowance(max_packets_per_s, max_packets_per_s * MEDIA_BURST_MS / 1000.0, now)
         self._media_ms = Allowance(1000.0 * (1.0 + MEDIA_MARGIN), MEDIA_BURST_MS, now)
         self._next_ts: int | None = None  # RTP time the next packet should carry
         if codec == "opus":
