@@ -199,7 +199,7 @@ class Endpointer:
 
     async def _send_partial(self, turn: int, pcm, start_ms: int, end_ms: int) -> None:
         try:
-            text = await self.stt.recognize(pcm)
+            text = await self.stt.recognize(pcm, self.transcriber)  # the session's one slot (stt.Slots)
         except SttError:
             return
         finally:
@@ -221,7 +221,7 @@ class Endpointer:
         text = None
         if audio is not None:
             try:
-                text = await self.stt.recognize(audio[0])
+                text = await self.stt.recognize(audio[0], self.transcriber)
             except SttError:
                 text = None  # the turn's end recognizes it again, and reports the error if it fails again
         if epoch != self._epoch:

@@ -199,7 +199,8 @@ class Gateway:
         `created`: the session was made for this offer, and ends with it if the offer fails
         or the peer does not connect within --connect-timeout-s; a session made ahead stays
         for another offer. Refused with GatewayError."""
-        peer = PeerConnection(session, self.ice, rtp_sender=self.settings.rtp_sender)
+        peer = PeerConnection(session, self.ice, rtp_sender=self.settings.rtp_sender, max_ssrcs=self.settings.max_ssrcs,
+                              mic_max_packets_per_s=self.settings.mic_max_packets_per_s)
         self.peers[session.id] = peer
         try:
             answer = await peer.answer(sdp)

@@ -70,6 +70,12 @@ class GatewayMetrics:
         self.ice_dropped = Counter("voxgate_ice_dropped_total",
                                    "STUN datagrams and checks the sessions' ICE guards dropped (gateway/ice.py): "
                                    "candidate_limit, stun_rate, check_budget, error", ["reason"], registry=r)
+        self.mic_dropped = Counter("voxgate_mic_dropped_total",
+                                   "WebRTC peers' RTP and RTCP dropped unread by a bound: ssrc (not one of the "
+                                   "session's --max-ssrcs), packet_rate (--mic-max-packets-per-s), media_rate "
+                                   "(RTP time faster than real time plus a margin)", ["reason"], registry=r)
+        for reason in ("ssrc", "packet_rate", "media_rate"):
+            self.mic_dropped.labels(reason)
         self.fast_path = Gauge("voxgate_fast_path_active",
                                "1 where a media fast path below aiortc's public API applies (gateway/rtc_internals.py, "
                                "checked at start against the installed aiortc, aioice and pylibsrtp; rtp_sender and "
@@ -193,6 +199,9 @@ class _SessionMetrics(SessionMetrics):
 
     def ice_dropped(self, reason: str) -> None:
         self.m.ice_dropped.labels(reason).inc()
+
+    def mic_dropped(self, reason: str) -> None:
+        self.m.mic_dropped.labels(reason).inc()
 
     def error(self, code: str) -> None:
         self.m.errors.labels(code).inc()

@@ -36,6 +36,17 @@ cost per packet. Everything else (DTLS, the data channel, RTCP) still goes to
 aiortc's queue. Where this aiortc or aioice lacks what that reads, packets
 take aiortc's path as before, and the log says so. Every private name these
 paths read is in rtc_internals.py.
+
+What a peer may make the microphone do is bounded before anything is decoded
+(issue 53). Only the SSRCs its session admits reach SRTP at all (ssrcs.py,
+--max-ssrcs), and the microphone is one of them: the one the offer names first,
+or else the first heard; packets from the others are not read. Then at most --mic-max-packets-per-s packets a second are read
+(a token bucket, MEDIA_BURST_MS's worth of burst), and at most real time plus
+`MEDIA_MARGIN` of RTP time, with `MEDIA_BURST_MS` of burst: a packet costs the
+RTP time it moves the stream on, its own length and the jump ahead of it
+(which becomes frames of silence, up to MAX_GAP_FRAMES). A packet past either
+is dropped unread and counted (`voxgate_mic_dropped_total`): a peer sending
+faster than it speaks gets real time, and costs about what a real microphone does.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ from __future__ import annotations
 import logging
 import math
 import struct
+import time
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -52,7 +64,9 @@ from .clock import CaptureClock, SessionClock
 from .encoder import alaw_decode, ulaw_decode
 from .frames import FRAME_MS
 from .resample import Upsampler2x
+from .ssrcs import SsrcLimit
 from .vad import VAD_RATE
+from ..config import Settings
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +75,12 @@ RTP_CLOCK = {"opus": 48000, "pcmu": 8000, "pcma": 8000}
 # browser's encoder (312 samples at 48 kHz, libopus's VoIP and audio applications), or the upsampler's.
 DECODE_DELAY_MS = {"opus": 6.5, "pcmu": Upsampler2x.DELAY_S * 1000.0, "pcma": Upsampler2x.DELAY_S * 1000.0}
 MAX_GAP_FRAMES = 50  # a longer silence than 1 s tells the VAD nothing more
+# RTP time a microphone may move on faster than real time, as a share of it, and in a burst (ms): a
+# network (or a client's loop) that held packets back delivers them late and at once, and five
+# seconds of them are still heard. What a flood gets is the rate: the burst is spent once. It holds
+# the dearest single packet (a 1 s jump, then 120 ms of Opus), so that one is always heard in the end.
+MEDIA_MARGIN = 0.25
+MEDIA_BURST_MS = 5000.0
 # RFC 6464 levels are -dBov: 127 is silence. Nobody barges in quieter than -55 dBov
 # (speech into a headset or laptop microphone sits around -15 to -40).
 QUIET_DBOV = 55
@@ -164,6 +184,27 @@ def _level(block: bytes, pos: int, length: int) -> tuple[bool, int]:
     return (value & 0x80 == 0x80, value & 0x7F)
 
 
+class Allowance:
+    """A token bucket: `rate` a second, holding at most `burst`, read on `now` (seconds)."""
+
+    def __init__(self, rate: float, burst: float, now: Callable[[], float] = time.monotonic) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.left = burst
+        self.now = now
+        self._at = now()
+
+    def take(self, amount: float = 1.0) -> bool:
+        """Spend `amount` if that much is left; False, spending nothing, if not."""
+        now = self.now()
+        self.left = min(self.burst, self.left + (now - self._at) * self.rate)
+        self._at = now
+        if amount > self.left:
+            return False
+        self.left -= amount
+        return True
+
+
 class Microphone:
     """Decodes one peer's microphone packets for `on_audio(pcm, capture_ms)` (16 kHz mono int16,
     and when its first sample was captured, on `clock`: see clock.py).
@@ -172,6 +213,8 @@ class Microphone:
     level None) or were quiet by their own level, so the VAD counts them as
     silence; `wanted()` says whether anyone listens at all, and `whole()`
     whether every packet must be decoded, quiet ones too (a backend takes the audio).
+    `on_drop(reason)` hears of each packet dropped by a bound: `packet_rate`, `media_rate`
+    (and `ssrc`, from `ssrcs`, the session's: see ssrcs.py).
     """
 
     def __init__(
@@ -184,6 +227,11 @@ class Microphone:
         *,
         whole: Callable[[], bool] = lambda: False,
         clock: SessionClock | None = None,
+        max_packets_per_s: float = Settings.mic_max_packets_per_s,
+        ssrcs: SsrcLimit | None = None,
+        on_drop: Callable[[str], None] = lambda reason: None,
+        now: Callable[[], float] = time.monotonic,
+        ssrc: int | None = None,
     ) -> None:
         self.codec = codec
         self.payload_type = payload_type
@@ -198,6 +246,15 @@ class Microphone:
         self.gated = 0  # quiet by the packet's own level: silence, not decoded
         self.direct = False  # datagrams taken from aioice, not packets from aiortc
         self.failures = 0
+        self.dropped = 0  # packets past a bound, not read
+        self.receiver: object = None  # the aiortc receiver attached to
+        self.on_drop = on_drop
+        self.ssrcs = ssrcs or SsrcLimit(Settings.max_ssrcs)
+        # The microphone's own stream: the offer's first SSRC, else the first one heard.
+        self.ssrc: int | None = ssrc
+        # The same burst as RTP time's: a client that fell behind catches up with packets and RTP time alike.
+        self._packet_rate = Allowance(max_packets_per_s, max_packets_per_s * MEDIA_BURST_MS / 1000.0, now)
+        self._media_ms = Allowance(1000.0 * (1.0 + MEDIA_MARGIN), MEDIA_BURST_MS, now)
         self._next_ts: int | None = None  # RTP time the next packet should carry
         if codec == "opus":
             self._decoder: opus.Decoder | None = opus.Decoder(VAD_RATE)
@@ -211,6 +268,7 @@ class Microphone:
     def attach(self, receiver) -> None:
         """Take the receiver's RTP packets from now on: as datagrams where this aiortc allows,
         and from aiortc's packet handler for whatever still reaches it."""
+        self.receiver = receiver
         rtc_internals.replace_rtp_handler(receiver, self._on_rtp)
         self.direct = self._take_datagrams(rtc_internals.receiver_dtls(receiver))
 
@@ -224,6 +282,11 @@ class Microphone:
         def on_rtp(plain: bytes) -> None:
             # Called from asyncio's datagram callback: nothing a peer sends may raise out of
             # here (the loop would log a traceback per datagram for every session to pay for).
+            if not self._ours(int.from_bytes(plain[8:12], "big")):
+                return
+            if not self._packet_rate.take():
+                self._drop("packet_rate")
+                return
             fields = parse_rtp(plain)
             if fields is None:
                 return
@@ -238,10 +301,23 @@ class Microphone:
                 if self.failures == 1:
                     log.exception("microphone packet handling failed (logged once per session)")
 
-        if not rtc_internals.take_srtp_datagrams(dtls, on_rtp):
+        if not rtc_internals.take_srtp_datagrams(dtls, on_rtp, self.ssrcs):
             log.warning("this aiortc's transports lack what the direct microphone path reads; using aiortc's")
             return False
         return True
+
+    def _ours(self, ssrc: int) -> bool:
+        """Whether a packet is from the microphone's stream (the first heard is, when the offer named none)."""
+        if self.ssrc is None:
+            self.ssrc = ssrc
+        elif ssrc != self.ssrc:
+            self._drop("ssrc")
+            return False
+        return True
+
+    def _drop(self, reason: str) -> None:
+        self.dropped += 1
+        self.on_drop(reason)
 
     def _ticks(self, payload: bytes) -> int:
         """The packet's length on the RTP clock, without decoding it."""
@@ -251,6 +327,11 @@ class Microphone:
 
     async def _on_rtp(self, packet, arrival_time_ms: int = 0) -> None:
         """aiortc's path: a parsed `RtpPacket`."""
+        if not self._ours(packet.ssrc):
+            return
+        if not self._packet_rate.take():
+            self._drop("packet_rate")
+            return
         self._on_packet(packet.payload_type, packet.timestamp, packet.payload, packet.extensions.audio_level)
 
     def _on_packet(self, payload_type: int, ts: int, payload: bytes, level: tuple[bool, int] | None) -> None:
@@ -261,17 +342,23 @@ class Microphone:
         if not self.wanted():
             self._next_ts = None
             return
+        gap = 0
         if self._next_ts is not None:
             ahead = (ts - self._next_ts) & 0xFFFFFFFF
             if ahead >= 0x80000000:
                 return  # a duplicate, or older than what was already heard: too late for the VAD
-            if ahead >= self.frame_ticks:
-                self.on_gap(min(ahead // self.frame_ticks, MAX_GAP_FRAMES))
+            gap = min(ahead // self.frame_ticks, MAX_GAP_FRAMES)
+        try:
+            ticks = self._ticks(payload)  # read from the packet's header, not decoded
+        except (opus.OpusError, ValueError):
+            return
+        # What this packet moves the stream on: the silence it jumps over, then its own length.
+        if not self._media_ms.take(gap * FRAME_MS + ticks * 1000.0 / self.capture.rate):
+            self._drop("media_rate")
+            return
+        if gap:
+            self.on_gap(gap)
         if level is not None and not level[0] and level[1] >= QUIET_DBOV and not self.whole():
-            try:
-                ticks = self._ticks(payload)
-            except (opus.OpusError, ValueError):
-                return
             self.gated += 1
             self._next_ts = (ts + ticks) & 0xFFFFFFFF
             self.on_gap(max(1, round(ticks / self.frame_ticks)), FULL_SCALE_DB - level[1])

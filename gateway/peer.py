@@ -9,10 +9,13 @@ import re
 
 from aiortc import RTCPeerConnection, RTCSessionDescription
 
+from ..config import Settings
+
 from .rtc_internals import SessionDescription, candidate_from_sdp
 from .ice import MAX_REMOTE_CANDIDATES, IcePolicy, guard_ice, remote_candidate_count
-from . import fec, rtp_send
+from . import fec, rtc_internals, rtp_send
 from .mic import Microphone
+from .ssrcs import SsrcLimit, offered_ssrcs
 from .session import Session
 from .errors import GatewayError
 from .track import SilentOutput, SpeechTrack
@@ -103,8 +106,14 @@ def _transport_up(channel) -> bool:
 class PeerConnection:
     """Binds one RTCPeerConnection to one Session."""
 
-    def __init__(self, session: Session, ice: IcePolicy, *, rtp_sender: str = "voxgate") -> None:
+    def __init__(self, session: Session, ice: IcePolicy, *, rtp_sender: str = "voxgate",
+                 max_ssrcs: int = Settings.max_ssrcs,
+                 mic_max_packets_per_s: float = Settings.mic_max_packets_per_s) -> None:
         self.session = session
+        self.max_ssrcs = max_ssrcs
+        self.mic_max_packets_per_s = mic_max_packets_per_s
+        self.ssrcs = SsrcLimit(max_ssrcs)  # the offer's SSRCs added when it is answered
+        self.offered_ssrc: int | None = None
         self.ice = ice
         self.rtp_sender = rtp_sender  # who builds the speech packets: see rtp_send.py
         self.pc = RTCPeerConnection(configuration=ice.rtc_configuration(session.id))
@@ -153,6 +162,10 @@ class PeerConnection:
         except Exception as exc:
             raise GatewayError("negotiation_failed", f"could not answer the offer: {exc}") from None
         self.ice_guards = guard_ice(self.pc, self.session.metrics.ice_dropped)
+        metrics = self.session.metrics
+        offered = offered_ssrcs(sdp)
+        self.offered_ssrc = offered[0] if offered else None
+        self.ssrcs = SsrcLimit(self.max_ssrcs, offered, on_drop=lambda: metrics.mic_dropped("ssrc"))
         local = self.pc.localDescription.sdp
         if has_audio:
             codec, payload_type = negotiated_codec(local) or ("", -1)
@@ -174,7 +187,19 @@ class PeerConnection:
             self.session.attach_output("none")
             self.silent = SilentOutput(self.session.playout)
             self.silent.start()
+        self._guard_srtp()
         return local
+
+    def _guard_srtp(self) -> None:
+        """Every DTLS transport of the peer the microphone does not read: only the session's SSRCs
+        reach its SRTP (RTCP), and its RTP, which nothing here receives, is dropped unread."""
+        taken = {id(rtc_internals.receiver_dtls(self.mic.receiver))} if self.mic is not None and self.mic.direct else set()
+        for dtls in rtc_internals.peer_dtls_transports(self.pc):
+            if id(dtls) not in taken:
+                taken.add(id(dtls))
+                if not rtc_internals.take_srtp_datagrams(dtls, None, self.ssrcs):
+                    log.warning("session %s: this aiortc's transports lack what the SSRC limit reads",
+                                self.session.id, extra={"session_id": self.session.id})
 
     async def add_candidate(self, candidate: dict | None) -> bool:
         """Trickle ICE; returns False when the candidate was refused by policy."""
@@ -247,7 +272,8 @@ class PeerConnection:
                     codec, payload_type,
                     on_audio=session.on_inbound_audio, on_gap=session.on_inbound_gap,
                     wanted=lambda: session.listening, whole=lambda: session.wants_every_frame,
-                    clock=session.clock,
+                    clock=session.clock, max_packets_per_s=self.mic_max_packets_per_s, ssrcs=self.ssrcs,
+                    on_drop=session.metrics.mic_dropped, ssrc=self.offered_ssrc,
                 )
                 self.mic.attach(transceiver.receiver)
                 return

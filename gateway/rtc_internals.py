@@ -18,6 +18,7 @@ says so in the log.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from importlib import metadata
@@ -31,6 +32,8 @@ from aiortc.rtcdtlstransport import State
 from aiortc.rtcrtpsender import random_sequence_number
 from aiortc.rtp import HeaderExtensions, RtcpRrPacket, RtcpSrPacket
 from aiortc.sdp import SessionDescription, candidate_from_sdp
+
+from .ssrcs import SsrcLimit
 
 log = logging.getLogger(__name__)
 
@@ -187,19 +190,28 @@ def extension_ids(extensions_map: Any) -> Any:
     return ids if ids is not None and hasattr(ids, "audio_level") else None
 
 
-def take_srtp_datagrams(dtls: Any, on_rtp: Callable[[bytes], None]) -> bool:
+def take_srtp_datagrams(dtls: Any, on_rtp: Callable[[bytes], None] | None, ssrcs: SsrcLimit) -> bool:
     """Hand each SRTP datagram for `dtls` to `on_rtp(plain RTP)`, unprotected, as aioice receives it;
     everything else (DTLS, the data channel, SRTCP, anything before the keys) still goes to aiortc.
+    `on_rtp` None: nothing here receives RTP (no microphone), and every RTP datagram is dropped unread.
     False, with nothing changed, where this aiortc or aioice lacks what that reads.
 
     aiortc would queue each datagram on an asyncio.Queue, wake its receive task, read the clock
     through `datetime` and parse the whole packet into objects first. `on_rtp` runs inside
     asyncio's datagram callback: it must not raise.
+
+    Only SSRCs `ssrcs` admits reach libsrtp, RTP and SRTCP alike (ssrcs.py): any other is
+    dropped on its clear header. An SSRC is learnt once a packet from it authenticates: an RTP
+    one here, and the first SRTCP one from each SSRC too (unprotected here, then handed to
+    aiortc's RTCP handling as its receive loop would), so that nobody without the keys can
+    fill the session's SSRCs.
     """
     connection = ice_connection(dtls)
-    if connection is None or not hasattr(connection, "data_received") or not all(hasattr(dtls, n) for n in _DTLS_RX):
+    if (connection is None or not hasattr(connection, "data_received") or not all(hasattr(dtls, n) for n in _DTLS_RX)
+            or not callable(getattr(dtls, "_handle_rtcp_data", None))):
         return False
     to_aiortc = connection.data_received
+    known = ssrcs.known  # the set itself: its membership is the per-packet check
 
     def data_received(data: bytes, component: int) -> None:
         # Nothing a peer sends may raise out of here (the loop would log a traceback per
@@ -207,14 +219,28 @@ def take_srtp_datagrams(dtls: Any, on_rtp: Callable[[bytes], None]) -> bool:
         if not data or (127 < data[0] < 192 and len(data) > MAX_SRTP_BYTES):
             return  # aiortc fails on these (an index error, pylibsrtp's buffer) and closes the transport
         srtp = dtls._rx_srtp
-        # SRTP but not SRTCP (RFC 5761 demultiplexing, as aiortc's), once the keys exist.
-        if srtp is None or len(data) < 12 or not 127 < data[0] < 192 or 192 <= data[1] <= 208:
+        # SRTP and SRTCP (RFC 5761 demultiplexing, as aiortc's), once the keys exist.
+        if srtp is None or len(data) < 12 or not 127 < data[0] < 192:
             to_aiortc(data, component)
+            return
+        if 192 <= data[1] <= 208:  # SRTCP
+            ssrc = int.from_bytes(data[4:8], "big")
+            if ssrc in known:
+                to_aiortc(data, component)
+            elif ssrcs.admits(ssrc):
+                _first_rtcp(dtls, srtp, data, ssrcs, ssrc)
+            return
+        if on_rtp is None:
+            return  # no receiver: aiortc would decrypt it for nobody
+        ssrc = int.from_bytes(data[8:12], "big")
+        if ssrc not in known and not ssrcs.admits(ssrc):
             return
         try:
             plain = srtp.unprotect(data)
         except (pylibsrtp.Error, ValueError):
             return  # aiortc drops these too
+        if ssrc not in known:
+            ssrcs.learn(ssrc)
         dtls._RTCDtlsTransport__rx_bytes += len(data)
         dtls._RTCDtlsTransport__rx_packets += 1
         on_rtp(plain)
@@ -257,11 +283,38 @@ def _demultiplex(protocol: Any, data_received: Callable[[bytes, int], None]) -> 
     return True
 
 
+def _first_rtcp(dtls: Any, srtp: Any, data: bytes, ssrcs: SsrcLimit, ssrc: int) -> None:
+    """The first SRTCP packet from an SSRC not yet learnt: unprotected here, so that the SSRC is
+    learnt only once it authenticates, then read by aiortc as its receive loop would."""
+    try:
+        plain = srtp.unprotect_rtcp(data)
+    except (pylibsrtp.Error, ValueError):
+        return
+    ssrcs.learn(ssrc)
+    dtls._RTCDtlsTransport__rx_bytes += len(data)
+    dtls._RTCDtlsTransport__rx_packets += 1
+    task = asyncio.ensure_future(dtls._handle_rtcp_data(plain))
+    task.add_done_callback(_retrieved)
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("RTCP handling failed: %s", task.exception())
+
+
 # -- ICE: ice.py ---------------------------------------------------------------------------------
 
 def ice_connection(dtls: Any) -> Any:
     """The aioice connection under a DTLS transport, or None."""
     return getattr(getattr(dtls, "transport", None), "_connection", None)
+
+
+def peer_dtls_transports(pc: Any) -> list:
+    """A peer connection's DTLS transports, each once (one with BUNDLE)."""
+    dtls = [t.sender.transport for t in pc.getTransceivers()]
+    if pc.sctp is not None:
+        dtls.append(pc.sctp.transport)
+    return list({id(t): t for t in dtls if t is not None}.values())
 
 
 def ice_connections(pc: Any) -> list:
@@ -362,7 +415,8 @@ def fast_paths() -> dict[str, bool]:
         "direct_wire": direct_wire(dtls) is not None and all(hasattr(stun, n) for n in ("send_data", "datagram_received")),
         "mic_datagrams": callable(getattr(receiver, "_handle_rtp_packet", None)) and connection is not None
         and hasattr(connection, "data_received") and all(hasattr(dtls, n) for n in _DTLS_RX)
-        and hasattr(connection, "_protocols") and hasattr(pylibsrtp, "Error"),
+        and hasattr(connection, "_protocols") and hasattr(pylibsrtp, "Error")
+        and callable(getattr(dtls, "_handle_rtcp_data", None)),
         "mic_level": extension_ids(header_extensions_map(dtls)) is not None,
         "loss_reports": callable(getattr(sender, "_handle_rtcp_packet", None)) and hasattr(sender, "_ssrc"),
         "ice_guard": connection is not None and ice_guardable(connection)

@@ -45,6 +45,10 @@ class SessionMetrics:
     def ice_dropped(self, reason: str) -> None:
         """The session's ICE guard dropped a datagram or a check (gateway/ice.py's IceGuard)."""
 
+    def mic_dropped(self, reason: str) -> None:
+        """A datagram from the peer dropped unread by a bound: `ssrc` (gateway/ssrcs.py), `packet_rate`
+        or `media_rate` (gateway/mic.py)."""
+
 
 HOOKS = tuple(name for name in vars(SessionMetrics) if not name.startswith("_"))
 

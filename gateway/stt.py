@@ -10,14 +10,23 @@ gateway/stt_pocketsphinx.py, whose thread waits on a worker process, since its d
 --stt-max-concurrent recognitions at once (threads included: a thread that
 outlives its timeout keeps its slot until it ends), a bounded number waiting,
 and every turn's whole time, waiting included, bounded by --stt-timeout-s.
-Nothing of it ever runs on the event loop.
+Nothing of it ever runs on the event loop. The slots are shared out by
+session (`Slots`): a session holds at most one, from when its turn gets it
+until that decode really ends (a turn that timed out included), and its next
+turn waits behind every other session's. A decode cannot be taken back once
+started, so one caller whose turns are long or slow to decode (loud noise:
+issue 53) holds one slot at most, and the others share the rest.
 
 `TurnTranscriber` is a session's: it keeps the caller's recent 20 ms frames
 (caller_audio.py) and cuts one turn from `speech.started` to
 `speech.stopped` (with the speech that came before the VAD decided), or a
 piece every --stt-max-turn-s of a longer one, and sends one
 `speech.transcript` {text, final, start_ms, end_ms} per piece, in order, or
-one `error` (stt_timeout, stt_failed, stt_busy) and nothing else. Sessions of
+one `error` (stt_timeout, stt_failed, stt_busy) and nothing else. A piece is
+bounded by its count of frames, not by their capture times: those follow the
+packets' arrival (clock.py), so a caller sending faster than real time would
+otherwise fit minutes of audio into one "turn" of --stt-max-turn-s (issue 53),
+and the frames kept are bounded by count too. Sessions of
 a server with `--stt none` have none: no frame is kept, nothing is decoded
 for it.
 """
@@ -82,8 +91,59 @@ def load_recognizer(settings: Settings) -> Recognizer | None:
     return None
 
 
+class Slots:
+    """--stt-max-concurrent recognizer slots, shared out by owner (a session's TurnTranscriber).
+
+    An owner holds at most one slot; a free slot goes to the turn that has waited longest among
+    those whose owner holds none. `acquire` may be cancelled while waiting (a timeout)."""
+
+    def __init__(self, count: int) -> None:
+        self.free = count
+        self.held: dict[object, int] = {}
+        self._waiting: deque[tuple[object, asyncio.Future]] = deque()
+
+    async def acquire(self, owner: object) -> None:
+        if self.free > 0 and not self.held.get(owner):
+            self._take(owner)
+            return
+        granted = asyncio.get_running_loop().create_future()
+        entry = (owner, granted)
+        self._waiting.append(entry)
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled():
+                self.release(owner)  # given a slot just as the wait ended: handed on
+            else:
+                self._waiting.remove(entry)
+            raise
+
+    def release(self, owner: object) -> None:
+        left = self.held[owner] - 1
+        if left:
+            self.held[owner] = left
+        else:
+            del self.held[owner]
+        self.free += 1
+        self._hand_on()
+
+    def _take(self, owner: object) -> None:
+        self.free -= 1
+        self.held[owner] = self.held.get(owner, 0) + 1
+
+    def _hand_on(self) -> None:
+        for entry in list(self._waiting):
+            if self.free <= 0:
+                return
+            owner, granted = entry
+            if not self.held.get(owner) and not granted.done():
+                self._waiting.remove(entry)
+                self._take(owner)
+                granted.set_result(None)
+
+
 class SpeechToText:
-    """The process's recognizer, bounded: concurrency, waiting turns, and time."""
+    """The process's recognizer, bounded: concurrency (shared out by session), waiting turns, and time."""
 
     def __init__(self, recognizer: Recognizer, *, max_concurrent: int = Settings.stt_max_concurrent,
                  timeout_s: float = Settings.stt_timeout_s, max_turn_s: float = Settings.stt_max_turn_s) -> None:
@@ -99,7 +159,7 @@ class SpeechToText:
         self.errors: dict[str, int] = {}
         # Called with each turn's outcome: transcript, stt_busy, stt_timeout, stt_failed (the gateway's /metrics).
         self.on_outcome: Callable[[str], None] | None = None
-        self._slots = asyncio.Semaphore(max_concurrent)
+        self._slots = Slots(max_concurrent)
         self._pool = (ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="stt")
                       if recognizer.threaded else None)
 
@@ -111,15 +171,17 @@ class SpeechToText:
         return cls(recognizer, max_concurrent=settings.stt_max_concurrent, timeout_s=settings.stt_timeout_s,
                    max_turn_s=settings.stt_max_turn_s)
 
-    async def recognize(self, pcm: np.ndarray) -> str:
-        """The text of one turn; raises SttError (stt_busy, stt_timeout, stt_failed)."""
+    async def recognize(self, pcm: np.ndarray, owner: object = None) -> str:
+        """The text of one turn of `owner`'s (a session's; None: a caller of its own); raises SttError
+        (stt_busy, stt_timeout, stt_failed)."""
+        owner = object() if owner is None else owner
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
         if self.waiting >= self.max_waiting:
             raise SttError("stt_busy", f"{self.waiting} turns are waiting for the recognizer; this one was not recognized")
         self.waiting += 1
         try:
-            await asyncio.wait_for(self._slots.acquire(), self.timeout_s)
+            await asyncio.wait_for(self._slots.acquire(owner), self.timeout_s)
         except asyncio.TimeoutError:
             raise SttError("stt_timeout", f"no recognizer was free within {self.timeout_s:g} s") from None
         finally:
@@ -128,11 +190,12 @@ class SpeechToText:
         self.turns += 1
         if self._pool is not None:
             work = loop.run_in_executor(self._pool, self.recognizer.recognize, pcm)
-            work.add_done_callback(self._release)  # when the thread ends, not when the wait does
+            # When the thread ends, not when the wait does: the slot is the owner's until then.
+            work.add_done_callback(lambda done: self._release(done, owner))
             waited = asyncio.shield(work)
         else:
             work = asyncio.ensure_future(self.recognizer.recognize_async(pcm))
-            work.add_done_callback(self._release)
+            work.add_done_callback(lambda done: self._release(done, owner))
             waited = work  # cancelled on timeout: the request ends with it
         try:
             text = await asyncio.wait_for(waited, max(0.0, deadline - loop.time()))
@@ -147,9 +210,9 @@ class SpeechToText:
             raise SttError("stt_failed", f"the recognizer ({self.name}) gave no text")
         return " ".join(text.split())
 
-    def _release(self, work: asyncio.Future) -> None:
+    def _release(self, work: asyncio.Future, owner: object) -> None:
         self.running -= 1
-        self._slots.release()
+        self._slots.release(owner)
         if not work.cancelled():
             work.exception()  # retrieved: a thread that failed after its timeout is not logged as unhandled
 
@@ -175,7 +238,9 @@ class TurnTranscriber:
         self.enabled = True
         self.lookback_ms = lookback_ms  # how long before speech.started a turn may have begun
         self.max_turn_ms = int(stt.max_turn_s * 1000)
-        self._frames: deque = deque()  # (capture_ms, pcm or None), in order
+        self.max_turn_frames = max(1, self.max_turn_ms // FRAME_MS)
+        self._frames: deque = deque()  # (capture_ms, pcm or None), in order of arrival
+        self._turn_frames = 0  # frames in the current turn's next piece, so far
         self._turn_from: float | None = None  # where the current turn's next piece begins, when in one
         self._last_end = float("-inf")  # where the last piece ended: pieces never overlap
         self._pending: deque[asyncio.Task] = deque()
@@ -187,19 +252,25 @@ class TurnTranscriber:
             return
         self._frames.append((capture_ms, pcm))
         if self._turn_from is None:
-            keep_from = capture_ms - self.lookback_ms() - MARGIN_MS
+            ahead_ms = self.lookback_ms() + MARGIN_MS
+            keep_from = capture_ms - ahead_ms
             while self._frames and self._frames[0][0] < keep_from:
                 self._frames.popleft()
-        elif capture_ms + FRAME_MS - self._turn_from >= self.max_turn_ms:
+            while len(self._frames) > ahead_ms // FRAME_MS + 1:  # whatever their capture times say
+                self._frames.popleft()
+            return
+        self._turn_frames += 1
+        if self._turn_frames >= self.max_turn_frames or capture_ms + FRAME_MS - self._turn_from >= self.max_turn_ms:
             # A turn as long as --stt-max-turn-s: this piece is recognized now, the rest goes on.
             end = capture_ms + FRAME_MS
-            self._piece(self._turn_from, end)
+            self._piece(self._turn_from, end, whole=True)
             self._turn_from = end
 
     def started(self, at_ms: float) -> None:
         if not self.enabled:
             return
         self._turn_from = max(at_ms - self.lookback_ms() - MARGIN_MS, self._last_end)
+        self._turn_frames = sum(1 for capture_ms, _ in self._frames if capture_ms + FRAME_MS > self._turn_from)
 
     def stopped(self, at_ms: float, text: str | None = None) -> None:
         """The turn ends at `at_ms`; `text`: what its audio was already recognized as (gateway/endpoint.py)."""
@@ -220,12 +291,16 @@ class TurnTranscriber:
         pcm = np.concatenate([np.zeros(RATE * FRAME_MS // 1000, np.int16) if p is None else p for _, p in frames])
         return pcm, int(frames[0][0]), int(frames[-1][0] + FRAME_MS)
 
-    def _piece(self, start: float, end: float, text: str | None = None) -> None:
-        chunks = []
+    def _piece(self, start: float, end: float, text: str | None = None, whole: bool = False) -> None:
+        """Recognize the frames kept from `start` to `end` (capture ms), at most --stt-max-turn-s of
+        them; `text`: what the audio was already recognized as;
+        `whole`: every frame kept goes, the earliest only from `start` (a piece cut by its count)."""
+        chunks: list[np.ndarray] = []
         first = last = None
-        while self._frames and self._frames[0][0] < end:
+        self._turn_frames = 0
+        while self._frames and (whole or self._frames[0][0] < end) and len(chunks) < self.max_turn_frames:
             capture_ms, pcm = self._frames.popleft()
-            if capture_ms + FRAME_MS <= start:
+            if capture_ms + FRAME_MS <= start and not chunks:
                 continue
             first = capture_ms if first is None else first
             last = capture_ms + FRAME_MS
@@ -247,7 +322,7 @@ class TurnTranscriber:
     async def _recognize(self, pcm: np.ndarray, start_ms: int, end_ms: int, before: asyncio.Task | None,
                          known: str | None = None) -> None:
         try:
-            text = known if known is not None else await self.stt.recognize(pcm)
+            text = known if known is not None else await self.stt.recognize(pcm, self)
             event = {"type": "speech.transcript", "text": text, "final": True, "start_ms": start_ms, "end_ms": end_ms}
         except SttError as exc:
             event = None

@@ -180,6 +180,10 @@ class Settings:
                                                low=1, high=1000000, zero="no limit")
     telephony_start_timeout_s: float = setting(10.0, LIMITS, "close a Twilio stream without 'start' by then",
                                                low=1.0, high=600.0)
+    # What one WebRTC peer's microphone may cost (gateway/ssrcs.py, gateway/mic.py; docs/security.md).
+    max_ssrcs: int = setting(4, LIMITS, "SSRCs a WebRTC peer may send from; others are dropped unread", low=1, high=64)
+    mic_max_packets_per_s: float = setting(200.0, LIMITS, "microphone packets read a second per WebRTC peer",
+                                           low=10.0, high=100000.0)
     caller_audio_buffer_ms: int = setting(1000, LIMITS, "caller audio a backend may leave unread (?audio=pcm16)",
                                           low=20, high=10000)
     max_watchers_per_session: int = setting(8, LIMITS, "backend WebSockets on one session at once", low=1, high=10000)

@@ -124,9 +124,9 @@ async def test_partials_come_during_a_long_turn_one_decode_at_a_time(stt):
     in_flight = []
     recognize = stt.recognize
 
-    async def counted(pcm):
+    async def counted(pcm, owner=None):
         in_flight.append(stt.running)
-        return await recognize(pcm)
+        return await recognize(pcm, owner)
 
     stt.recognize = counted  # type: ignore[method-assign]
     try:

@@ -1,6 +1,7 @@
 """The microphone reader: RTP packets to 16 kHz PCM for the VAD, gaps as silence, nothing decoded when unwanted."""
 
 import asyncio
+import itertools
 import struct
 
 import numpy as np
@@ -52,7 +53,8 @@ class Recorder:
         self.gap_levels.append(level_db)
 
     def mic(self, codec: str = "opus") -> Microphone:
-        mic = Microphone(codec, PT, self.audio, self.gap, lambda: self.wanted)
+        # A clock ten seconds on at every reading: these tests are not about the packet and RTP-time bounds.
+        mic = Microphone(codec, PT, self.audio, self.gap, lambda: self.wanted, now=itertools.count(0.0, 10.0).__next__)
         receiver = Receiver()
         mic.attach(receiver)
         self.handle = receiver._handle_rtp_packet
@@ -322,7 +324,8 @@ def test_hostile_datagrams_never_raise_out_of_the_direct_path(caplog):
     connection = FakeConnection()
     dtls = SimpleNamespace(transport=SimpleNamespace(_connection=connection), _rx_srtp=rx,
                            _rtp_header_extensions_map=header_extensions("urn:ietf:params:rtp-hdrext:ssrc-audio-level"),
-                           _RTCDtlsTransport__rx_bytes=0, _RTCDtlsTransport__rx_packets=0)
+                           _RTCDtlsTransport__rx_bytes=0, _RTCDtlsTransport__rx_packets=0,
+                           _handle_rtcp_data=lambda data: None)
     rec = Recorder()
     mic = Microphone("opus", PT, rec.audio, rec.gap, lambda: True)
     mic.attach(SimpleNamespace(_handle_rtp_packet=None, transport=dtls))
@@ -331,9 +334,9 @@ def test_hostile_datagrams_never_raise_out_of_the_direct_path(caplog):
     payload = opus_packets(np.zeros(960, dtype=np.int16))[0]
     good = tx.protect(rtp(payload, 1, 960).serialize())
     dtls_record = b"\x17\xfe\xfd" + b"\x00" * 30
-    rtcp = b"\x81\xc9\x00\x07" + b"\x00" * 28
+    rtcp = b"\x81\xc9\x00\x07" + b"\x00" * 28  # from SSRC 0, learnt from the bad-level packet
     # An audio-level element two bytes long (it is one): aiortc's own parse raises struct.error.
-    bad_level = b"\x90\x6f\x00\x09" + (960).to_bytes(4, "big") + b"\x00\x00\x00\x05" + b"\xbe\xde\x00\x01\x11\x00\x00\x00" + payload
+    bad_level = b"\x90\x6f\x00\x09" + (960).to_bytes(4, "big") + b"\x00\x00\x00\x00" + b"\xbe\xde\x00\x01\x11\x00\x00\x00" + payload
     for data in (b"", b"\x80" * 3000, b"\x80" * 40, good[:-1] + bytes([good[-1] ^ 1]), tx.protect(bad_level)):
         receive(data, 1)  # dropped without raising
     assert mic.packets == 0 and connection.to_aiortc == []
