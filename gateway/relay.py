@@ -35,6 +35,7 @@ import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import DefaultResolver
 
+from . import dtmf
 from . import relay_messages as wire
 from .protocol import RateLimiter
 from .relay_options import SENSITIVITY_MS, RelayOptions, private_address
@@ -140,6 +141,7 @@ class RelayLink:
         self._waiting: dict[str, asyncio.Future] = {}  # utterance id -> done or interrupted
         self._settled = asyncio.Event()  # set whenever an utterance is done or interrupted
         self._over = False  # failed or ended: nothing more is taken from the application
+        self._digits_until = 0.0  # when the DTMF tones queued by sendDigits will have been sent (monotonic)
         if options.interrupt_sensitivity is not None:
             session.options.barge_in.min_interrupt_ms = SENSITIVITY_MS[options.interrupt_sensitivity]
             session.vad.interrupt_ms = session.options.barge_in.min_interrupt_ms
@@ -333,8 +335,13 @@ class RelayLink:
         elif kind == "play":
             raise wire.RelayMessageError("play is not supported by this server: it fetches no audio; send text")
         elif kind == "sendDigits":
-            raise wire.RelayMessageError("sendDigits is not supported on this path: Twilio Media Streams carry no "
-                                         "outbound DTMF, and a WebRTC caller has no keypad")
+            send = self.session.send_digits
+            if send is None:
+                raise wire.RelayMessageError("sendDigits needs a phone call: a WebRTC caller has no keypad to hear them")
+            if not send(msg["digits"]):
+                raise wire.RelayMessageError("sendDigits: too many digits waiting to be sent; wait for them to play")
+            tones_s = len(dtmf.tones(msg["digits"])) * dtmf.FRAME / dtmf.RATE
+            self._digits_until = max(time.monotonic(), self._digits_until) + tones_s
         elif kind == "language":
             self._language(msg)
         elif kind == "end":
@@ -398,6 +405,9 @@ class RelayLink:
                 await asyncio.wait_for(self._settled.wait(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 break
+        # Digits sent just before `end` are heard before the call ends (they wait for speech, then take their time).
+        if self._digits_until > time.monotonic() and not session.closed:
+            await asyncio.sleep(min(END_DRAIN_S, self._digits_until - time.monotonic()))
         self._outcomes.labels("ended").inc()
         log.info("session %s: the relay application ended the conversation", session.id, extra={"session_id": session.id})
         await session.close("ended by the relay application", handoff_data=handoff)

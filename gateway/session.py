@@ -168,6 +168,8 @@ class Session(SessionOutput, UtteranceQueue):
         self._turn_over: str | None = None
         # Whether the caller's speech may interrupt the utterance playing (a relay's `interruptible`, gateway/relay.py).
         self.speech_interrupts = True
+        # In-band DTMF out, while a phone call is the output (gateway/call_link.py); False: too many queued.
+        self.send_digits: Callable[[str], bool] | None = None
         self.on_close: list[Callable[["Session"], Awaitable[None] | None]] = []
         self.stats = {"utterances": 0, "interrupted": 0, "errors": 0}
         self._pending_cancel_at: float | None = None
