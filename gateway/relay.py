@@ -248,11 +248,9 @@ class RelayLink:
         finally:
             if sender is not None:
                 sender.cancel()
-            if ws is not None and not ws.closed:
-                try:
-                    await asyncio.wait_for(ws.close(), 2.0)
-                except (asyncio.TimeoutError, OSError, RuntimeError):
-                    pass
+            # No closing handshake: aiohttp's close() reads until the peer's close frame without giving
+            # the loop a turn while data is buffered, so a flooding application would stall every session.
+            # Closing the client session drops the connection instead.
             if http is not None:
                 await http.close()
 
@@ -287,26 +285,32 @@ class RelayLink:
 
     async def _read(self, ws: aiohttp.ClientWebSocketResponse) -> None:
         limiter = RateLimiter(self.settings.relay_max_messages_per_s)
-        flooding_since: float | None = None
+        flooding_since: float | None = None  # refusals with no second free of them since
+        last_refused = 0.0
         invalid = 0
+        broken: BaseException | None = None
         async for msg in ws:
             if self._over:
                 return
             if msg.type == aiohttp.WSMsgType.BINARY:
                 raise RelayFailure("garbage", "the application sent a binary message; the protocol is JSON text")
             if msg.type != aiohttp.WSMsgType.TEXT:
+                broken = msg.data if isinstance(msg.data, BaseException) else None
                 break
             if not limiter.allow():
+                # Over the rate, reading pauses for a message's share of a second: the application's
+                # socket backs up, and a flood costs this loop no more than the rate's worth of reads.
+                await asyncio.sleep(1.0 / self.settings.relay_max_messages_per_s)
                 now = time.monotonic()
-                if flooding_since is None:
+                if flooding_since is None or now - last_refused > 1.0:
                     flooding_since = now
                     self._send(wire.error(f"more than {self.settings.relay_max_messages_per_s:g} messages per second; "
                                           "messages are being dropped"))
                 elif now - flooding_since > MAX_FLOOD_S:
                     raise RelayFailure("flood", f"over {self.settings.relay_max_messages_per_s:g} messages per second "
                                                 f"for {MAX_FLOOD_S:g} s")
+                last_refused = now
                 continue
-            flooding_since = None
             try:
                 decoded = json.loads(msg.data, parse_constant=_no_constant)
             except (ValueError, RecursionError):
@@ -314,6 +318,7 @@ class RelayLink:
             try:
                 await self._handle(wire.check(decoded))
                 invalid = 0
+                await asyncio.sleep(0)  # a burst read from the socket's buffer gives other sessions their turn
             except wire.RelayMessageError as exc:
                 invalid += 1
                 self._send(wire.error(str(exc)))
@@ -321,10 +326,11 @@ class RelayLink:
                     raise RelayFailure("garbage", f"{MAX_INVALID_IN_ROW} invalid messages in a row") from None
         if self._over or self.session.closed:
             return
-        if ws.close_code == 1009 or isinstance(ws.exception(), aiohttp.WebSocketError):
-            raise RelayFailure("garbage", f"the application's message broke the protocol: {_first_line(ws.exception())}")
-        if ws.exception() is not None:
-            raise RelayFailure("closed", f"the connection failed: {_first_line(ws.exception())}")
+        broken = broken or ws.exception()
+        if ws.close_code == 1009 or isinstance(broken, aiohttp.WebSocketError):
+            raise RelayFailure("garbage", f"the application's message broke the protocol: {_first_line(broken)}")
+        if broken is not None:
+            raise RelayFailure("closed", f"the connection failed: {_first_line(broken)}")
         raise RelayFailure("closed", f"the application closed the connection (code {ws.close_code})")
 
     # The application's messages -> the session

@@ -99,6 +99,7 @@ class RelayApp:
         if self.hostile == "flood":
             while not ws.closed:
                 await self.send(ws, {"type": "text", "token": "spam ", "last": False})
+                await asyncio.sleep(0)  # as fast as the connection takes them
         elif self.hostile == "huge":
             await self.send(ws, {"type": "text", "token": "x" * (10 * 1024 * 1024), "last": True})
         elif self.hostile == "close_mid_utterance":
@@ -148,3 +149,23 @@ async def stt_standin(texts: list[str]) -> tuple[web.AppRunner, str]:
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     return runner, f"http://127.0.0.1:{port}/v1"
+
+
+async def _serve_hostile() -> None:
+    """`python -m tests.relay.relay_app`: the hostile applications in a process of their own (a flood
+    from the test's own event loop would starve the gateway it shares that loop with, which a real
+    application's cannot); prints `ws://127.0.0.1:PORT` and serves /flood, /huge, /close_mid_utterance."""
+    app = web.Application()
+    for mode in ("flood", "huge", "close_mid_utterance"):
+        app.router.add_get(f"/{mode}", RelayApp(hostile=mode).handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    print(f"ws://127.0.0.1:{port}", flush=True)
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    asyncio.run(_serve_hostile())
