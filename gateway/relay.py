@@ -100,6 +100,10 @@ def recognizer_speaks(recognizer: str | None, tag: str) -> bool:
     return True
 
 
+class PrivateAddress(OSError):
+    """A relay URL's name resolved to an address allowed only with --relay-allow-private."""
+
+
 class GuardedResolver(AbstractResolver):
     """The default resolver, refusing a name with any address outside the public Internet
     unless private addresses are allowed: the check is on the addresses connected to."""
@@ -111,7 +115,7 @@ class GuardedResolver(AbstractResolver):
     async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
         results = await self._inner.resolve(host, port, family)
         if not self._allow_private and any(private_address(r["host"]) for r in results):
-            raise OSError(f"{host} resolves to a private address (allowed only with --relay-allow-private)")
+            raise PrivateAddress(f"{host} resolves to a private address (allowed only with --relay-allow-private)")
         return results
 
     async def close(self) -> None:
@@ -272,6 +276,9 @@ class RelayLink:
             raise RelayFailure("timeout", f"no WebSocket handshake within {timeout:g} s") from None
         except aiohttp.WSServerHandshakeError as exc:
             raise RelayFailure("connect", f"the application refused the WebSocket: HTTP {exc.status}") from None
+        except aiohttp.ClientConnectorError as exc:
+            kind = "private" if isinstance(exc.os_error, PrivateAddress) else "connect"
+            raise RelayFailure(kind, f"could not connect: {_first_line(exc.os_error)}") from None
         except (aiohttp.ClientError, OSError) as exc:
             raise RelayFailure("connect", f"could not connect: {_first_line(exc)}") from None
 

@@ -17,11 +17,12 @@ from tests.relay.relay_schema import RECEIVED
 
 class RelayApp:
     def __init__(self, replies: list[list[str]] | None = None, *, end_on_digit: str | None = None,
-                 handoff: dict | None = None, hostile: str | None = None) -> None:
+                 handoff: dict | None = None, hostile: str | None = None, script: list[dict] | None = None) -> None:
         self.replies = list(replies or [])
         self.end_on_digit = end_on_digit
         self.handoff = handoff
         self.hostile = hostile
+        self.script = script or []  # sent as they are, once `setup` came
         self.received: list[dict] = []
         self.invalid: list[str] = []  # schema violations
         self.headers: list[dict] = []
@@ -84,6 +85,9 @@ class RelayApp:
             self.received.append(message)
             self.changed.set()
             kind = message.get("type")
+            if kind == "setup" and self.script:
+                for scripted in self.script:
+                    await ws.send_str(scripted if isinstance(scripted, str) else json.dumps(scripted))
             if kind == "setup" and self.hostile is not None:
                 self.tasks.append(asyncio.ensure_future(self.misbehave(ws)))
             elif kind == "prompt" and message["last"] and self.replies:
