@@ -155,8 +155,8 @@ class Settings:
                                            low=1024, high=16777216)
     relay_max_messages_per_s: float = setting(100.0, RELAY, "messages per second from a relay app", low=1.0,
                                               high=10000.0)
-    relay_apology: str = setting("Sorry, something went wrong. Goodbye.", RELAY,
-                                 "said when a relay app fails, before hanging up (empty: nothing)", metavar="TEXT")
+    relay_apology: str = setting("Sorry, something went wrong. Goodbye.", RELAY, "said when a relay app fails",
+                                 shown="an apology", metavar="TEXT")
     # Sessions and limits
     max_sessions: int = setting(200, LIMITS, "sessions at once, in total; more get 503", low=1, high=100000)
     max_sessions_per_key: int = setting(50, LIMITS, "sessions at once per API key", low=1, high=100000)
