@@ -336,6 +336,8 @@ class RelayLink:
         broken = broken or ws.exception()
         if ws.close_code == 1009 or isinstance(broken, aiohttp.WebSocketError):
             raise RelayFailure("garbage", f"the application's message broke the protocol: {_first_line(broken)}")
+        if isinstance(broken, aiohttp.ServerTimeoutError):
+            raise RelayFailure("unresponsive", f"no answer to a ping within {self.settings.relay_read_timeout_s / 2:g} s")
         if broken is not None:
             raise RelayFailure("closed", f"the connection failed: {_first_line(broken)}")
         raise RelayFailure("closed", f"the application closed the connection (code {ws.close_code})")

@@ -88,6 +88,8 @@ class RelayApp:
             if kind == "setup" and self.script:
                 for scripted in self.script:
                     await ws.send_str(scripted if isinstance(scripted, str) else json.dumps(scripted))
+            if kind == "setup" and self.hostile == "deaf":
+                await asyncio.sleep(3600)  # reads nothing more: pings go unanswered
             if kind == "setup" and self.hostile is not None:
                 self.tasks.append(asyncio.ensure_future(self.misbehave(ws)))
             elif kind == "prompt" and message["last"] and self.replies:
@@ -158,9 +160,9 @@ async def stt_standin(texts: list[str]) -> tuple[web.AppRunner, str]:
 async def _serve_hostile() -> None:
     """`python -m tests.relay.relay_app`: the hostile applications in a process of their own (a flood
     from the test's own event loop would starve the gateway it shares that loop with, which a real
-    application's cannot); prints `ws://127.0.0.1:PORT` and serves /flood, /huge, /close_mid_utterance."""
+    application's cannot); prints `ws://127.0.0.1:PORT` and serves /flood, /huge, /close_mid_utterance, /deaf."""
     app = web.Application()
-    for mode in ("flood", "huge", "close_mid_utterance"):
+    for mode in ("flood", "huge", "close_mid_utterance", "deaf"):
         app.router.add_get(f"/{mode}", RelayApp(hostile=mode).handle)
     runner = web.AppRunner(app)
     await runner.setup()

@@ -1,9 +1,9 @@
 """Hostile ConversationRelay applications cost their own conversation only.
 
-Four phone calls through the Twilio bridge name their application with `<Parameter name="relay_url">`:
+Five phone calls through the Twilio bridge name their application with `<Parameter name="relay_url">`:
 one floods tokens, one sends a 10 MB message, one never answers the handshake, one closes in the
-middle of an utterance. Each caller hears the short apology and the call ends; each failure is one
-log line (no traceback) and one count in /metrics. Meanwhile a fifth call, relayed to a
+middle of an utterance, one stops reading (its pings go unanswered). Each caller hears the short apology and the call ends; each failure is one
+log line (no traceback) and one count in /metrics. Meanwhile a sixth call, relayed to a
 well-behaved application, keeps its speech flowing at 20 ms a frame.
 """
 
@@ -21,11 +21,11 @@ from tests.conftest import in_process_gateway
 from tests.relay.relay_app import RelayApp, SilentServer
 from tests.telephony.twilio_standin import TwilioStandIn
 
-GREETING = "This call keeps talking while four other applications misbehave at the same time as it does."
-HOSTILE = {"flood": "flood", "huge": "garbage", "silent": "timeout", "close_mid_utterance": "closed"}
+GREETING = "This call keeps talking while five other applications misbehave at the same time as it does."
+HOSTILE = {"flood": "flood", "huge": "garbage", "silent": "timeout", "close_mid_utterance": "closed", "deaf": "unresponsive"}
 
 
-async def test_floods_huge_messages_silence_and_closing_mid_utterance_end_only_their_own_call(caplog):
+async def test_hostile_applications_end_only_their_own_call(caplog):
     caplog.set_level(logging.INFO, logger="voxgate.gateway.relay")
     hostile = await asyncio.create_subprocess_exec(sys.executable, "-m", "tests.relay.relay_app",
                                                    stdout=asyncio.subprocess.PIPE)
@@ -38,7 +38,7 @@ async def test_floods_huge_messages_silence_and_closing_mid_utterance_end_only_t
     good_url = await good.start()
     phones: dict[str, TwilioStandIn] = {}
     try:
-        async with in_process_gateway(relay_allow_private=True, relay_connect_timeout_s=1.0,
+        async with in_process_gateway(relay_allow_private=True, relay_connect_timeout_s=1.0, relay_read_timeout_s=1.0,
                                       relay_apology="Sorry.") as (_, url):
             calm = TwilioStandIn(url, stream_sid="MZcalm", call_sid="CAcalm")
             await calm.connect()
