@@ -159,7 +159,7 @@ class RelayLink:
             self._begin()
 
     def describe(self) -> dict:
-        return {"url": self.options.url, "connected": self._task is not None and not self._over,
+        return {"url": _shown(self.options.url), "connected": self._task is not None and not self._over,
                 "ignored": self.options.ignored}
 
     # Session events -> the application
@@ -336,6 +336,10 @@ class RelayLink:
         broken = broken or ws.exception()
         if ws.close_code == 1009 or isinstance(broken, aiohttp.WebSocketError):
             raise RelayFailure("garbage", f"the application's message broke the protocol: {_first_line(broken)}")
+        if isinstance(broken, aiohttp.ServerTimeoutError) and time.monotonic() - last_refused < 1.0:
+            # Its pong waited behind the messages reading skipped past: a flood, not a dead peer.
+            raise RelayFailure("flood", f"over {self.settings.relay_max_messages_per_s:g} messages per second "
+                                        "until a ping went unanswered behind them")
         if isinstance(broken, aiohttp.ServerTimeoutError):
             raise RelayFailure("unresponsive", f"no answer to a ping within {self.settings.relay_read_timeout_s / 2:g} s")
         if broken is not None:
