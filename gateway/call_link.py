@@ -33,6 +33,7 @@ class CallLink:
         gw.registry.add_call(session.id, call)
         session.attach_output("pcmu")
         self.output = TwilioOutput(session, stream_sid=stream_sid, send=send)
+        session.send_digits = self.output.send_digits  # a relay's sendDigits (gateway/relay.py)
         self._listener = f"telephony:{stream_sid}"
         session.add_listener(self._listener, self.output.on_event)
         session.on_close.append(self._session_closed)
@@ -57,6 +58,7 @@ class CallLink:
         closes, for this call was its only output and it cannot speak any more."""
         await self.output.stop()
         session = self.session
+        session.send_digits = None
         session.remove_listener(self._listener)
         self.gw.registry.drop_call(session.id, self.call)
         if not session.closed:

@@ -26,6 +26,8 @@ from .metrics import GatewayMetrics
 from .peer import PeerConnection
 from .protocol import Limits
 from .registry import SessionRegistry, TokenSigner
+from .relay import RelayLink
+from .relay_options import RelayOptions
 from .session import Session, SessionOptions
 from .vad import VadSettings
 from .barge_in import BargeInSettings
@@ -74,6 +76,7 @@ class Gateway:
         )
         self.sessions: dict[str, Session] = {}
         self.peers: dict[str, PeerConnection] = {}
+        self.relays: dict[str, RelayLink] = {}  # sessions relayed to a ConversationRelay application (gateway/relay.py)
         # Who made each session and what is attached to it; the client tokens (gateway/registry.py).
         self.registry = SessionRegistry()
         self.tokens = TokenSigner(settings.token_secret, settings.token_ttl_s)
@@ -369,6 +372,7 @@ class Gateway:
                 "ids": [u.id for u in session.utterances],
             },
             "writer": session.writer,
+            "relay": self.relays[session.id].describe() if session.id in self.relays else None,
             "watchers": sorted(name for name, role in backends.items() if role == "watcher"),
             "backends": len(backends),
             "options": session.describe_options(),
@@ -387,6 +391,7 @@ class Gateway:
 
     def create_session(
         self, voice: object = None, anonymous_from: str | None = None, key: str | None = None, made_ahead: bool = False,
+        relay: RelayOptions | None = None,
     ) -> Session:
         """A new session; `voice` is a client's choice, checked against the engine's voices.
 
@@ -394,7 +399,9 @@ class Gateway:
         token; such sessions count against their own budget and a per-address limit.
         `key`: the API key making it, its owner from now on (None: made without one), limited
         to the sessions a key may hold; `made_ahead`: made through the session API, for an
-        output to join with a token. Refused (GatewayError) by admission (gateway/admission.py).
+        output to join with a token. `relay`: the ConversationRelay application that drives it (gateway/relay.py);
+        a session made for an offer or a call without one takes --relay-url's. Refused (GatewayError) by admission
+        (gateway/admission.py).
         """
         voice = checked_voice(self.engine, voice)
         registry = self.registry
@@ -413,6 +420,7 @@ class Gateway:
 
         def forget(s: Session) -> None:
             self.sessions.pop(s.id, None)
+            self.relays.pop(s.id, None)
             self.peers.pop(s.id, None)
             self.anonymous.pop(s.id, None)
             for callback in self.on_session_closed:
@@ -420,6 +428,10 @@ class Gateway:
             registry.forget(s.id)
 
         session.on_close.append(forget)
+        if relay is None and self.settings.relay_url and not made_ahead:
+            relay = RelayOptions(url=self.settings.relay_url)
+        if relay is not None:
+            self.relays[session.id] = RelayLink(self, session, relay)
         for hook in self.on_session_created:
             hook(session, key)
         return session

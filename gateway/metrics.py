@@ -60,6 +60,8 @@ class GatewayMetrics:
                                         "playout had no frame to send)", ["where"], registry=r)
         for where in ("engine", "webrtc", "telephony"):
             self.speech_underruns.labels(where)
+        self.relay_connections = Counter("voxgate_relay_connections_total", "ConversationRelay connections by outcome: "
+                                         "connected, ended, or why one failed", ["outcome"], registry=r)
         self.errors = Counter("voxgate_protocol_errors_total", "Error events sent to clients", ["code"], registry=r)
         self.opus_signal = Counter("voxgate_opus_signal_switches_total",
                                    "Sessions' Opus signal switches on their listeners' loss: to voice (in-band FEC on) or music",

@@ -173,6 +173,10 @@ class Session(SessionOutput, UtteranceQueue):
         # Whether the caller's current turn began while the bot spoke (and which utterance): one that
         # ends before it is long enough to interrupt is a backchannel.
         self._turn_over: str | None = None
+        # Whether the caller's speech may interrupt the utterance playing (a relay's `interruptible`, gateway/relay.py).
+        self.speech_interrupts = True
+        # In-band DTMF out, while a phone call is the output (gateway/call_link.py); False: too many queued.
+        self.send_digits: Callable[[str], bool] | None = None
         self.on_close: list[Callable[["Session"], Awaitable[None] | None]] = []
         self.stats = {"utterances": 0, "interrupted": 0, "errors": 0}
         self._pending_cancel_at: float | None = None
@@ -417,7 +421,7 @@ class Session(SessionOutput, UtteranceQueue):
             self.last_activity = time.monotonic()
             current = self.playout.current
             if event == "speech.long":  # the turn is long enough to interrupt (gateway/barge_in.py)
-                if self._turn_over is not None and current is not None:
+                if self._turn_over is not None and current is not None and self.speech_interrupts:
                     self._turn_over = None
                     self.interrupt("barge_in")
                 continue
@@ -438,7 +442,8 @@ class Session(SessionOutput, UtteranceQueue):
                 self._turn_over = None
 
     # Lifecycle
-    async def close(self, reason: str = "closed") -> None:
+    async def close(self, reason: str = "closed", handoff_data: str | None = None) -> None:
+        """End the session; `handoff_data` (a relay application's `end`, gateway/relay.py) goes to its listeners in `session.closed`."""
         if self._closed:
             return
         self._closed = True
@@ -458,7 +463,10 @@ class Session(SessionOutput, UtteranceQueue):
         self.playout.clear()
         if self._feeder is not None:
             self._feeder.stop()
-        self.emit({"type": "session.closed", "reason": reason})
+        closed: dict = {"type": "session.closed", "reason": reason}
+        if handoff_data is not None:
+            closed["handoff_data"] = handoff_data
+        self.emit(closed)
         for callback in self.on_close:
             try:
                 result = callback(self)

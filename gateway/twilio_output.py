@@ -24,10 +24,12 @@ import time
 from collections import deque
 from typing import Awaitable, Callable
 
+from . import dtmf
 from .pacer import Pacer
 from .session import Session
 
 MARK_EVERY_FRAMES = 10  # a mark every 200 ms between chunk boundaries (see above)
+MAX_TONE_FRAMES = 500  # DTMF tones waiting to be sent (10 s); more digits are refused
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,7 @@ class TwilioOutput:
         self._clear_task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
+        self._tones: deque[bytes] = deque()  # in-band DTMF frames, sent where speech leaves silence
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._run())
@@ -71,6 +74,15 @@ class TwilioOutput:
             # One interrupt reports every dropped utterance; one clear covers them all. An utterance
             # dropped with its writer was never sent: what plays at the phone plays on.
             self._clear_task = asyncio.ensure_future(self._clear())
+
+    def send_digits(self, digits: str) -> bool:
+        """Queue `digits` as in-band DTMF tones (gateway/dtmf.py), sent from the next frame on, speech
+        pausing for them; False (nothing queued) if that would hold more than MAX_TONE_FRAMES."""
+        frames = dtmf.tones(digits)
+        if len(self._tones) + len(frames) > MAX_TONE_FRAMES:
+            return False
+        self._tones.extend(frames)
+        return True
 
     # Phone side
     def on_mark(self, name: str) -> None:
@@ -126,6 +138,13 @@ class TwilioOutput:
             while True:
                 await self.pacer.wait()
                 now = time.perf_counter()
+                if self._tones:
+                    # DTMF tones go out as they came, ahead of speech, which waits for them (it is not dropped).
+                    await self._send({"event": "media", "streamSid": self.stream_sid,
+                                      "media": {"payload": base64.b64encode(self._tones.popleft()).decode("ascii")}})
+                    self.frames_sent += 1
+                    self.session.on_departure(now)
+                    continue
                 frame = playout.next_frame(now)
                 # Ends of utterances finished by this tick go out before its frame.
                 while self._pending_marks:

@@ -126,7 +126,12 @@ SCHEMAS: dict[str, dict] = {
     },
     "SessionCreateRequest": {
         "type": "object",
-        "properties": {"voice": {"type": "string", "description": "one of the server's voice names"}},
+        "properties": {
+            "voice": {"type": "string", "description": "one of the server's voice names"},
+            "relay": {"type": "object", "description": "a ConversationRelay application drives the session: url (ws:// or "
+                      "wss://) and the vendors' <ConversationRelay> attributes by name (docs/relay.md)",
+                      "properties": {"url": {"type": "string"}}},
+        },
     },
     "SessionCreated": {
         "type": "object",
@@ -167,6 +172,7 @@ SCHEMAS: dict[str, dict] = {
                 },
             },
             "writer": {"type": ["string", "null"]},
+            "relay": {"type": ["object", "null"], "description": "the ConversationRelay application, if one drives the session"},
             "watchers": {"type": "array", "items": _string},
             "backends": {"type": "integer"},
             "options": {

@@ -22,6 +22,7 @@ from ..gateway.backend_link import AUDIO_FORMATS
 from ..gateway.session import Session
 from ..gateway.errors import GatewayError, checked_voice
 from ..gateway.registry import TokenSigner
+from ..gateway.relay_options import parse_options as parse_relay
 from .errors import error_response, read_json_object
 
 log = logging.getLogger(__name__)
@@ -108,9 +109,13 @@ async def handle_create(request: web.Request) -> web.Response:
         return error_response(exc)
     try:
         voice = checked_voice(gw.engine, body.get("voice"))
+        relay = body.get("relay")
+        if relay is not None and not isinstance(relay, dict):
+            raise GatewayError("invalid_field", "'relay' must be an object such as {\"url\": \"wss://app.example/relay\"}")
+        relay = parse_relay(relay, default_url=gw.settings.relay_url) if relay is not None else None  # docs/relay.md
     except GatewayError as exc:
         return error_response(exc)
-    session = gw.create_session(voice=voice, key=key, made_ahead=True)
+    session = gw.create_session(voice=voice, key=key, made_ahead=True, relay=relay)
     signer = request.app[SIGNER]
     log.info("session %s made ahead through the session API", session.id, extra={"session_id": session.id})
     return web.json_response(

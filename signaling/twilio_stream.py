@@ -32,6 +32,7 @@ from aiohttp import WSMsgType, web
 from ..gateway.session import Session
 from ..gateway.call_link import CallLink
 from ..gateway.protocol import RateLimiter, decode_json
+from ..gateway.relay_options import options_from_parameters
 from ..gateway.errors import GatewayError
 from .errors import error_response
 from .http_guard import RateLimitedLog, client_address
@@ -245,7 +246,10 @@ class TwilioCall:
                 raise GatewayError("token_required", "this server needs customParameters session_id and token from POST /v1/sessions", fatal=True)
             try:
                 address = self.address
-                session = gw.create_session(voice=params.get("voice"), anonymous_from=address)
+                # <Parameter name="relay_url"> (or --relay-url): a ConversationRelay application drives the call (docs/relay.md).
+                relay = options_from_parameters(params, gw.settings.relay_url)
+                voice = None if relay is not None else params.get("voice")
+                session = gw.create_session(voice=voice, anonymous_from=address, relay=relay)
             except GatewayError as exc:
                 # No room (503): the call protocol has always said "unavailable".
                 code = "unavailable" if exc.status == 503 else exc.code

@@ -188,7 +188,7 @@ def test_help_is_grouped_one_line_per_flag_without_figures():
         assert max(map(len, lines)) <= 120
         headings = [line.split(" (")[0] for line in lines if line and not line.startswith(" ") and line.endswith("):")]
         if kind is Settings:
-            assert headings == ["listening", "access", "voice", "media", "recognition", "limits", "fleet", "tuning", "logging"], headings
+            assert headings == ["listening", "access", "voice", "media", "recognition", "relay", "limits", "fleet", "tuning", "logging"], headings
         for f in fields(kind):
             starts = (flag_of(f.name) + " ", "--[no-]" + flag_of(f.name)[2:] + " ")
             [line] = [line for line in lines if line.lstrip().startswith(starts)]

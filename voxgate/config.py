@@ -56,6 +56,7 @@ ACCESS = "access"
 VOICE = "voice"
 MEDIA = "media"
 RECOGNITION = "recognition"
+RELAY = "relay"
 LIMITS = "limits"
 FLEET = "fleet"
 TUNING = "tuning"
@@ -66,6 +67,7 @@ GROUPS = {
     VOICE: "the engine and its voices",
     MEDIA: "outbound Opus and barge-in",
     RECOGNITION: "the caller's speech as text (speech.transcript)",
+    RELAY: "ConversationRelay applications Voxgate connects to (docs/relay.md)",
     LIMITS: "sessions, messages and time",
     FLEET: "several gateways sharing sessions through Redis",
     TUNING: "threads, scheduling and memory; the defaults suit most machines",
@@ -148,6 +150,20 @@ class Settings:
                                        low=100, high=10000)
     stt_partial_ms: int = setting(700, RECOGNITION, "a partial transcript at most this often (0: none; whisper)",
                                   low=0, high=10000)
+    # ConversationRelay (gateway/relay.py): Voxgate opens a WebSocket to the application, as the vendors do.
+    relay_url: str | None = setting(None, RELAY, "relay calls and offers made without one to this ws(s):// app",
+                                    metavar="URL")
+    relay_allow_private: bool = setting(False, RELAY, "let relay URLs reach loopback and private addresses")
+    relay_connect_timeout_s: float = setting(5.0, RELAY, "give up on a relay app not connected by then",
+                                             low=0.5, high=60.0)
+    relay_read_timeout_s: float = setting(20.0, RELAY, "ping period; a relay app silent to pings this long is gone",
+                                          low=1.0, high=600.0)
+    relay_max_message_bytes: int = setting(65536, RELAY, "bytes per message from a relay app; larger ends it",
+                                           low=1024, high=16777216)
+    relay_max_messages_per_s: float = setting(100.0, RELAY, "messages per second from a relay app", low=1.0,
+                                              high=10000.0)
+    relay_apology: str = setting("Sorry, something went wrong. Goodbye.", RELAY, "said when a relay app fails",
+                                 shown="an apology", metavar="TEXT")
     # Sessions and limits
     max_sessions: int = setting(200, LIMITS, "sessions at once, in total; more get 503", low=1, high=100000)
     max_sessions_per_key: int = setting(50, LIMITS, "sessions at once per API key", low=1, high=100000)
@@ -321,6 +337,13 @@ class Settings:
                                   "e.g. http://127.0.0.1:8000/v1")
             if self.stt != "none":
                 raise ConfigError(f"--stt {self.stt} and --stt-url name two recognizers; give one")
+        if self.relay_url is not None:
+            parsed = urlsplit(self.relay_url)
+            if parsed.scheme not in ("ws", "wss") or not parsed.hostname:
+                raise ConfigError(f"--relay-url {self.relay_url!r} is not a ws(s):// URL; give the application's "
+                                  "WebSocket, e.g. wss://app.example/relay")
+        if len(self.relay_apology) > 2000:
+            raise ConfigError("--relay-apology is over 2000 characters; a short sentence is what a caller needs")
         if self.engine_url is not None:
             parsed = urlsplit(self.engine_url)
             if parsed.scheme not in ("http", "https") or not parsed.hostname:
