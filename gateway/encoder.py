@@ -35,7 +35,7 @@ class OpusSettings:
     dtx_when_asked: bool = Settings.opus_dtx_when_asked
     # The cost per frame against speech quality is measured by bench/bench_opus_quality.py.
     complexity: int = Settings.opus_complexity
-    packet_loss_pct: int = 5
+    packet_loss_pct: int = Settings.opus_loss_pct
     application: str = "voip"
     # What libopus is told the signal is: "voice" (SILK or hybrid, with in-band
     # FEC), "music" (CELT alone, without in-band FEC), or "auto": music until the
