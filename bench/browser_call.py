@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import json
+import urllib.request
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,7 +41,7 @@ CHROMIUM_ARGS = [
 
 # Runs in the page. Resolves once session.ready has come, with the offer's SDP.
 CALL_JS = r"""
-async ({iceServers, policy, readyMs}) => {
+async ({iceServers, policy, readyMs, offerExtra}) => {
   const vg = {events: [], chunks: [], chunkAt: [], t0: performance.now(), firstAudibleAt: null};
   window.vg = vg;
   const worklet = `registerProcessor('rec', class extends AudioWorkletProcessor {
@@ -91,7 +92,7 @@ async ({iceServers, policy, readyMs}) => {
   });
   const offer = pc.localDescription.sdp;
   const resp = await fetch('/v1/offer', {method: 'POST', headers: {'Content-Type': 'application/json'},
-                                         body: JSON.stringify({sdp: offer, type: 'offer'})});
+                                         body: JSON.stringify({sdp: offer, type: 'offer', ...offerExtra})});
   if (!resp.ok) throw new Error('offer refused: ' + resp.status + ' ' + await resp.text());
   const answer = await resp.json();
   vg.offeredAt = performance.now();
@@ -176,6 +177,24 @@ class CallResult:
         return 1000.0 * self.stats.get("jitterBufferTargetDelay", 0.0) / n if n else float("nan")
 
 
+def turn_servers(url: str, transport: str | None = None) -> tuple[dict, list[dict]]:
+    """A session made ahead ({"session_id", "token"}) and the TURN servers the gateway hands its
+    client token (`GET /v1/ice-servers`: credentials minted with --turn-secret), only those over
+    `transport` ("udp", "tcp" or "tls") when given."""
+    with urllib.request.urlopen(urllib.request.Request(url + "/v1/sessions", data=b"{}", method="POST",
+                                                       headers={"Content-Type": "application/json"}), timeout=10) as r:
+        made = json.load(r)
+    session = {"session_id": made["session_id"], "token": made["client_token"]}
+    with urllib.request.urlopen(url + "/v1/ice-servers?token=" + session["token"], timeout=10) as r:
+        servers = json.load(r)["ice_servers"]
+    if transport is not None:
+        def over(u: str) -> bool:
+            return u.startswith("turns:") if transport == "tls" else u.startswith("turn:") and u.endswith("transport=" + transport)
+        servers = [{**s, "urls": [u for u in s["urls"] if over(u)]} for s in servers]
+        servers = [s for s in servers if s["urls"]]
+    return session, servers
+
+
 def _inbound(page) -> dict:
     got = page.evaluate(STATS_JS)
     inbound = got.get("inbound", {})
@@ -191,9 +210,11 @@ def _wait_event(page, kind: str, uid: str | None, timeout_ms: float) -> dict:
 
 
 def call(browser, url: str, texts: list[str], relay=None, ice_servers: list[dict] | None = None,
-         policy: str = "all", tail_ms: int = 600, timeout_ms: float = 30000) -> list[CallResult]:
+         policy: str = "all", tail_ms: int = 600, timeout_ms: float = 30000,
+         made_ahead: dict | None = None) -> list[CallResult]:
     """One session: each text spoken in turn and measured on its own; `relay` (a netem.RelayThread)
-    sits in the media path when given."""
+    sits in the media path when given; `made_ahead` ({"session_id", "token"}) joins a session made
+    through the session API (the way a page gets TURN credentials: `turn_servers`)."""
     # The gateway's CSP forbids the blob: worklet this page script records with.
     context = browser.new_context(bypass_csp=True)
     try:
@@ -210,7 +231,8 @@ def call(browser, url: str, texts: list[str], relay=None, ice_servers: list[dict
 
             page.route("**/v1/offer", route)
         page.goto(url + "/healthz")
-        page.evaluate(CALL_JS, {"iceServers": ice_servers or [], "policy": policy, "readyMs": timeout_ms})
+        page.evaluate(CALL_JS, {"iceServers": ice_servers or [], "policy": policy, "readyMs": timeout_ms,
+                                "offerExtra": made_ahead or {}})
         results = []
         for i, text in enumerate(texts):
             uid = f"n{i}"
