@@ -91,6 +91,7 @@ async ({iceServers, policy, readyMs, offerExtra}) => {
     setTimeout(resolve, 3000);
   });
   const offer = pc.localDescription.sdp;
+  vg.offerSentAt = performance.now();
   const resp = await fetch('/v1/offer', {method: 'POST', headers: {'Content-Type': 'application/json'},
                                          body: JSON.stringify({sdp: offer, type: 'offer', ...offerExtra})});
   if (!resp.ok) throw new Error('offer refused: ' + resp.status + ' ' + await resp.text());
@@ -158,6 +159,8 @@ class CallResult:
     pair: dict = field(default_factory=dict)  # the selected candidate pair's local and remote candidates
     first_audio_ms: float | None = None  # from sending `speak` to the first audible sample the page played
     ready_ms: float = 0.0  # from the answer's arrival to session.ready (ICE, DTLS, SCTP)
+    # The first utterance only: from sending the offer to the first audible sample (`speak` sent at session.ready).
+    connect_to_audio_ms: float | None = None
 
     @property
     def concealed_share(self) -> float:
@@ -247,7 +250,8 @@ def call(browser, url: str, texts: list[str], relay=None, ice_servers: list[dict
             got = page.evaluate(STATS_JS)
             pcm = np.frombuffer(base64.b64decode(page.evaluate(RECORDING_JS, chunk0)), dtype=np.int16).copy()
             vg = page.evaluate("({events: window.vg.events.map((e) => e.msg), first: window.vg.firstAudibleAt, "
-                               "spoke: window.vg.spokeAt, offered: window.vg.offeredAt, ready: window.vg.readyAt})")
+                               "spoke: window.vg.spokeAt, offered: window.vg.offeredAt, ready: window.vg.readyAt, "
+                               "sent: window.vg.offerSentAt})")
             results.append(CallResult(
                 stats={k: after[k] - before[k] for k in INBOUND_FIELDS},
                 pcm=pcm,
@@ -255,6 +259,7 @@ def call(browser, url: str, texts: list[str], relay=None, ice_servers: list[dict
                 pair={"local": got.get("localCandidate", {}), "remote": got.get("remoteCandidate", {})},
                 first_audio_ms=(vg["first"] - vg["spoke"]) if vg["first"] is not None else None,
                 ready_ms=vg["ready"] - vg["offered"],
+                connect_to_audio_ms=(vg["first"] - vg["sent"]) if i == 0 and vg["first"] is not None else None,
             ))
         return results
     finally:

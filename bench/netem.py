@@ -52,13 +52,16 @@ class Impairment:
     duplicate: float = 0.0  # share of packets sent twice
     rate_kbps: float = 0.0  # bandwidth cap, 0: none
     queue_ms: float = 200.0  # backlog at the cap past which packets are dropped
+    # >0: first hold each packet until its RTP timestamp is due plus this much, so the line starts from a
+    # steady source and the server's own pacing (late frames on a busy machine) is taken out of the figures.
+    retime_ms: float = 0.0
     seed: int = 1
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.loss < 1.0 or not 0.0 <= self.duplicate <= 1.0:
             raise ValueError("loss and duplicate are shares: 0 <= loss < 1, 0 <= duplicate <= 1")
-        if self.burst < 1.0 or self.jitter_ms < 0 or self.rate_kbps < 0 or self.queue_ms <= 0:
-            raise ValueError("burst >= 1, jitter_ms >= 0, rate_kbps >= 0, queue_ms > 0")
+        if self.burst < 1.0 or self.jitter_ms < 0 or self.rate_kbps < 0 or self.queue_ms <= 0 or self.retime_ms < 0:
+            raise ValueError("burst >= 1, jitter_ms >= 0, rate_kbps >= 0, queue_ms > 0, retime_ms >= 0")
 
     def label(self) -> str:
         parts = []
@@ -70,6 +73,8 @@ class Impairment:
             parts.append(f"{self.duplicate:.0%} duplicated")
         if self.rate_kbps:
             parts.append(f"{self.rate_kbps:g} kbit/s cap")
+        if self.retime_ms:
+            parts.append(f"re-timed {self.retime_ms:g} ms")
         return ", ".join(parts) or "clean"
 
 
@@ -117,6 +122,29 @@ class Impairer:
             queued = self._link_free - now
         copies = 2 if imp.duplicate and self._rng.random() < imp.duplicate else 1
         return [queued + self.jitter() for _ in range(copies)]
+
+
+class Retimer:
+    """When each packet would leave a perfectly steady sender: its RTP timestamp (48 kHz) after the
+    first packet's, plus `slack_s`. A packet later than that re-anchors the clock (never earlier)."""
+
+    def __init__(self, slack_s: float, clock_hz: int = 48000) -> None:
+        self.slack_s, self.clock_hz = slack_s, clock_hz
+        self._anchor: tuple[int, float] | None = None  # (RTP timestamp, its due time)
+
+    def hold(self, timestamp: int, now: float) -> float:
+        """Seconds to hold the packet from `now`."""
+        if self._anchor is None:
+            self._anchor = (timestamp, now + self.slack_s)
+        ts0, t0 = self._anchor
+        elapsed = ((timestamp - ts0) % 2**32) / self.clock_hz
+        if elapsed > 2**31 / self.clock_hz:  # an older timestamp (reordered at the source): at once
+            return 0.0
+        due = t0 + elapsed
+        if due < now:  # later than the slack covers: the steady clock starts again from here
+            self._anchor = (timestamp, now)
+            return 0.0
+        return due - now
 
 
 def is_rtp(data: bytes) -> bool:
@@ -172,6 +200,7 @@ class Relay:
         self._sides: dict[str, _Side] = {}
         self._in_flight = 0
         self._last_seq_sent: int | None = None
+        self._retimer = Retimer(imp.retime_ms / 1000.0) if imp.retime_ms else None
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -211,7 +240,9 @@ class Relay:
             st.lost_seqs.append(seq)
             return
         loop = asyncio.get_running_loop()
-        delays = self.impairer.schedule(len(data), loop.time())
+        now = loop.time()
+        hold = self._retimer.hold(int.from_bytes(data[4:8], "big"), now) if self._retimer else 0.0
+        delays = self.impairer.schedule(len(data), now + hold)
         if delays is None:
             st.rtp_capped += 1
             st.lost_seqs.append(seq)
@@ -222,7 +253,7 @@ class Relay:
                 st.rtp_capped += 1
                 continue
             self._in_flight += 1
-            loop.call_later(delay, self._deliver, data, seq)
+            loop.call_later(hold + delay, self._deliver, data, seq)
 
     def _deliver(self, data: bytes, seq: int) -> None:
         self._in_flight -= 1

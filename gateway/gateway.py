@@ -183,7 +183,7 @@ class Gateway:
             barge_in=BargeInSettings(echo_cancel=s.echo_cancel, min_interrupt_ms=s.min_interrupt_ms),
             opus=OpusSettings(bitrate=s.opus_bitrate, fec=s.opus_fec, dtx=s.opus_dtx, complexity=s.opus_complexity,
                               signal=s.opus_signal, dtx_when_asked=s.opus_dtx_when_asked,
-                              packet_loss_pct=s.opus_loss_pct),
+                              packet_loss_pct=s.opus_loss_pct, fec_bitrate=s.opus_fec_bitrate),
             limits=Limits(max_message_bytes=s.max_message_bytes, max_text_chars=s.max_text_chars, max_messages_per_s=s.max_messages_per_s,
                           max_buffered_bytes=s.max_channel_buffer_kb * 1024),
             max_utterance_chars=s.max_utterance_chars,

@@ -73,3 +73,16 @@ def test_chromium_reports_and_conceals_the_packets_the_relay_dropped(tone_server
     assert st.rtp_lost - 3 <= stats["packetsLost"] <= st.rtp_lost, (stats, st)
     assert stats["concealedSamples"] - stats["silentConcealedSamples"] >= 480 * stats["packetsLost"] // 2, stats
     assert np.abs(result.pcm.astype(np.int32)).max() > 3000  # it played the tones, through the losses
+
+
+def test_the_retimer_sends_on_the_rtp_clock_whatever_the_arrival():
+    import random
+
+    rng = random.Random(1)
+    retimer = netem.Retimer(0.1)
+    arrivals = [i * 0.02 + rng.uniform(0, 0.06) for i in range(200)]  # a pacer up to 60 ms late
+    sent = [t + retimer.hold(i * 960, t) for i, t in enumerate(arrivals)]
+    assert all(abs((b - a) - 0.02) < 1e-9 for a, b in zip(sent, sent[1:]))  # steady 20 ms again
+    late = netem.Retimer(0.01)
+    assert late.hold(0, 0.0) == pytest.approx(0.01) and late.hold(960, 0.5) == 0.0  # later than the slack: at once
+    assert late.hold(1920, 0.5) == pytest.approx(0.02)  # and the clock starts again from there
