@@ -234,6 +234,60 @@ def run_turn(args) -> dict:
     return {"turn": summary, "turn_rows": got, "engine": args.engine, "rounds": args.turn}
 
 
+def run_move(args) -> dict:
+    """The browser's address changes mid-utterance (the relay's server side moves to a new port, as a
+    NAT rebinding or a phone's new network shows to the server), and the path is cut outright
+    (every packet both ways dropped): how long until media flows again, or until each side gives up."""
+    from playwright.sync_api import sync_playwright
+
+    from tests.conftest import ServerProcess
+
+    long_text = " ".join(SENTENCES)
+    out: dict = {"move": [], "cut": []}
+    server = ServerProcess(args.engine, ["--log-json"])
+    try:
+        with sync_playwright() as p:
+            browser = browser_call.launch(p)
+            for n in range(args.move):
+                with netem.RelayThread(netem.Impairment()) as relay:
+                    context = browser.new_context(bypass_csp=True)
+                    page = retried(browser_call.open_session, context, server.url, relay)
+                    page.evaluate("(t) => window.vg.dc.send(JSON.stringify({type: 'speak', id: 'm', text: t}))", long_text)
+                    page.wait_for_timeout(1000 + 300 * n)  # the move falls at a different point of the consent cycle
+                    relay.move()
+                    page.wait_for_timeout(4000)
+                    r = relay.relay
+                    gap = None if r.resumed_at is None or r.moved_at is None else (r.resumed_at - r.moved_at) * 1000
+                    state = page.evaluate("window.vg.pc.connectionState")
+                    out["move"].append({"resumed_ms": gap, "browser": state})
+                    print(f"  move {n}: the server sent to the new address after {gap if gap is None else round(gap)} ms; "
+                          f"browser {state}", flush=True)
+                    context.close()
+            for n in range(args.move_cuts):
+                with netem.RelayThread(netem.Impairment()) as relay:
+                    context = browser.new_context(bypass_csp=True)
+                    page = retried(browser_call.open_session, context, server.url, relay)
+                    sid = page.evaluate("window.vg.events.find((e) => e.msg.type === 'session.ready').msg.session_id")
+                    page.evaluate("(t) => window.vg.dc.send(JSON.stringify({type: 'speak', id: 'c', text: t}))", long_text)
+                    page.wait_for_timeout(1500)
+                    relay.relay.cut = True
+                    cut = time.monotonic()
+                    seen: dict = {}
+                    while time.monotonic() - cut < 60 and "server_closed_s" not in seen:
+                        state = page.evaluate("window.vg.pc.connectionState")
+                        seen.setdefault(f"browser_{state}_s", round(time.monotonic() - cut, 1))
+                        if any(e.get("session_id") == sid and "closed" in e["message"] for e in server.log_entries()):
+                            seen["server_closed_s"] = round(time.monotonic() - cut, 1)
+                        time.sleep(0.25)
+                    out["cut"].append(seen)
+                    print(f"  cut {n}: {seen}", flush=True)
+                    context.close()
+            browser.close()
+    finally:
+        server.stop()
+    return {**out, "engine": args.engine}
+
+
 def main() -> None:
     parser = _common.arg_parser(__doc__)
     parser.add_argument("--engine", default="piper", help="the gateway's engine (piper: the real voice)")
@@ -243,13 +297,17 @@ def main() -> None:
     parser.add_argument("--sentences", type=int, default=len(SENTENCES))
     parser.add_argument("--turn", type=int, default=0, metavar="ROUNDS",
                         help="instead: first audio through coturn (UDP, TCP, TLS) against direct, this many rounds")
+    parser.add_argument("--move", type=int, default=0, metavar="TRIALS",
+                        help="instead: the browser's address moves mid-utterance (TRIALS times), then the path is cut")
+    parser.add_argument("--move-cuts", type=int, default=2)
     args = parser.parse_args()
     started = time.perf_counter()
     info = _common.machine()
     _common.print_machine(info, "bench_network")
-    results = run_turn(args) if args.turn else run(args)
+    results = run_turn(args) if args.turn else run_move(args) if args.move else run(args)
     results["machine"] = info
-    _common.finish("network-turn" if args.turn else "network", results, started, getattr(args, "out", None))
+    name = "network-turn" if args.turn else "network-move" if args.move else "network"
+    _common.finish(name, results, started, getattr(args, "out", None))
 
 
 if __name__ == "__main__":

@@ -212,6 +212,27 @@ def _wait_event(page, kind: str, uid: str | None, timeout_ms: float) -> dict:
     return handle.json_value()
 
 
+def open_session(context, url: str, relay=None, ice_servers: list[dict] | None = None, policy: str = "all",
+                 timeout_ms: float = 30000, made_ahead: dict | None = None):
+    """A page in `context` with a ready session (CALL_JS), through `relay` when given."""
+    page = context.new_page()
+    if relay is not None:
+        def route(r, request) -> None:
+            body = request.post_data_json
+            body["sdp"] = relay.rewrite_offer(body["sdp"])
+            resp = r.fetch(post_data=json.dumps(body))
+            data = resp.json()
+            if resp.ok:
+                data["sdp"] = relay.rewrite_answer(data["sdp"])
+            r.fulfill(response=resp, json=data)
+
+        page.route("**/v1/offer", route)
+    page.goto(url + "/healthz")
+    page.evaluate(CALL_JS, {"iceServers": ice_servers or [], "policy": policy, "readyMs": timeout_ms,
+                            "offerExtra": made_ahead or {}})
+    return page
+
+
 def call(browser, url: str, texts: list[str], relay=None, ice_servers: list[dict] | None = None,
          policy: str = "all", tail_ms: int = 600, timeout_ms: float = 30000,
          made_ahead: dict | None = None) -> list[CallResult]:
@@ -221,21 +242,7 @@ def call(browser, url: str, texts: list[str], relay=None, ice_servers: list[dict
     # The gateway's CSP forbids the blob: worklet this page script records with.
     context = browser.new_context(bypass_csp=True)
     try:
-        page = context.new_page()
-        if relay is not None:
-            def route(r, request) -> None:
-                body = request.post_data_json
-                body["sdp"] = relay.rewrite_offer(body["sdp"])
-                resp = r.fetch(post_data=json.dumps(body))
-                data = resp.json()
-                if resp.ok:
-                    data["sdp"] = relay.rewrite_answer(data["sdp"])
-                r.fulfill(response=resp, json=data)
-
-            page.route("**/v1/offer", route)
-        page.goto(url + "/healthz")
-        page.evaluate(CALL_JS, {"iceServers": ice_servers or [], "policy": policy, "readyMs": timeout_ms,
-                                "offerExtra": made_ahead or {}})
+        page = open_session(context, url, relay, ice_servers, policy, timeout_ms, made_ahead)
         results = []
         for i, text in enumerate(texts):
             uid = f"n{i}"

@@ -201,12 +201,27 @@ class Relay:
         self._in_flight = 0
         self._last_seq_sent: int | None = None
         self._retimer = Retimer(imp.retime_ms / 1000.0) if imp.retime_ms else None
+        self.cut = False  # True: every packet, both ways, is dropped
+        self.moved_at: float | None = None  # loop time of the last move()
+        self.resumed_at: float | None = None  # the first RTP from the server after it, on the new socket
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         for name in ("browser_side", "server_side"):
             _, protocol = await loop.create_datagram_endpoint(lambda n=name: _Side(self, n), local_addr=(self.host, 0))
             self._sides[name] = protocol
+
+    async def move(self) -> int:
+        """The browser's address changes (a phone from Wi-Fi to LTE): the server side moves to a new
+        socket and the old one closes; returns the new port."""
+        old = self._sides["server_side"]
+        _, protocol = await asyncio.get_running_loop().create_datagram_endpoint(
+            lambda: _Side(self, "server_side"), local_addr=(self.host, 0))
+        self._sides["server_side"] = protocol
+        if old.transport:
+            old.transport.close()
+        self.moved_at, self.resumed_at = asyncio.get_running_loop().time(), None
+        return self.port("server_side")
 
     def port(self, side: str) -> int:
         transport = self._sides[side].transport
@@ -219,6 +234,9 @@ class Relay:
                 side.transport.close()
 
     def _received(self, side: str, data: bytes, addr) -> None:
+        if self.cut:  # the path is gone both ways (a phone off Wi-Fi before LTE comes up)
+            self.stats.other["cut"] += 1
+            return
         if side == "browser_side":
             self.browser = self.browser or addr  # chromium checks from the address its offer named
             if self.server:
@@ -232,6 +250,8 @@ class Relay:
             self._send("browser_side", data, self.browser)
             return
         st = self.stats
+        if self.moved_at is not None and self.resumed_at is None:
+            self.resumed_at = asyncio.get_running_loop().time()
         st.rtp_in += 1
         st.rtp_bytes += len(data)
         seq = int.from_bytes(data[2:4], "big")
@@ -290,6 +310,10 @@ class RelayThread:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
         self._loop.close()
+
+    def move(self) -> int:
+        """Relay.move, from the caller's thread."""
+        return asyncio.run_coroutine_threadsafe(self.relay.move(), self._loop).result(5)
 
     def rewrite_offer(self, sdp: str) -> str:
         """The browser's offer with one candidate, its UDP one on the relay's host, moved to
