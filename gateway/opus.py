@@ -184,7 +184,7 @@ def has_lbrr(packet: bytes) -> bool | None:
 
     libopus codes LBRR only with FEC on, a nonzero expected loss, SILK or hybrid
     mode (signal voice), speech in the frame, and a bitrate that covers it: at
-    32 kbit/s and complexity 0 it needs 6 % expected loss or more (tests/gateway/test_opus.py)."""
+    32 kbit/s and complexity 0 it needs 6 % expected loss or more (tests/gateway/test_encoder.py)."""
     lib = _lib()
     if not hasattr(lib, "opus_packet_has_lbrr"):
         return None

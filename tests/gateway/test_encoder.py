@@ -133,5 +133,11 @@ def test_speech_coded_as_voice_carries_in_band_fec_at_the_default_settings():
     if None in flags:
         pytest.skip("libopus before 1.5 cannot say whether a packet has LBRR")
     assert sum(flags) >= 0.6 * len(packets), f"{sum(flags)} of {len(packets)} packets carry LBRR"
-    # Coded as music (CELT alone), nothing does: the FEC policy's other half.
-    assert not any(opus.has_lbrr(p) for p in OpusEncoder(OpusSettings(signal="music")).encode(speech))
+    # Coded as music (CELT alone), nothing does: the FEC policy's other half, at --opus-bitrate again.
+    encoder = OpusEncoder(OpusSettings())  # auto: voice first
+    with_fec = encoder.encode(speech)
+    encoder.use_signal("music")
+    music = encoder.encode(speech)
+    assert not any(opus.has_lbrr(p) for p in music[2:])
+    size = {name: 8 * 50 * sum(map(len, ps[10:])) / len(ps[10:]) for name, ps in (("fec", with_fec), ("music", music))}
+    assert size["fec"] > 1.25 * size["music"] and size["music"] < 1.1 * OpusSettings().bitrate, size
