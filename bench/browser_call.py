@@ -161,6 +161,8 @@ class CallResult:
     ready_ms: float = 0.0  # from the answer's arrival to session.ready (ICE, DTLS, SCTP)
     # The first utterance only: from sending the offer to the first audible sample (`speak` sent at session.ready).
     connect_to_audio_ms: float | None = None
+    totals: dict = field(default_factory=dict)  # the inbound-rtp figures since the session began
+    relay_lost: int | None = None  # packets the relay had dropped when `totals` were read
 
     @property
     def concealed_share(self) -> float:
@@ -254,6 +256,7 @@ def call(browser, url: str, texts: list[str], relay=None, ice_servers: list[dict
             # The tail still in the jitter buffer; the recording catches up by then too.
             page.wait_for_timeout(tail_ms)
             after = _inbound(page)
+            relay_lost = None if relay is None else relay.relay.stats.rtp_lost + relay.relay.stats.rtp_capped
             got = page.evaluate(STATS_JS)
             pcm = np.frombuffer(base64.b64decode(page.evaluate(RECORDING_JS, chunk0)), dtype=np.int16).copy()
             vg = page.evaluate("({events: window.vg.events.map((e) => e.msg), first: window.vg.firstAudibleAt, "
@@ -267,6 +270,8 @@ def call(browser, url: str, texts: list[str], relay=None, ice_servers: list[dict
                 first_audio_ms=(vg["first"] - vg["spoke"]) if vg["first"] is not None else None,
                 ready_ms=vg["ready"] - vg["offered"],
                 connect_to_audio_ms=(vg["first"] - vg["sent"]) if i == 0 and vg["first"] is not None else None,
+                totals=after,
+                relay_lost=relay_lost,
             ))
         return results
     finally:
