@@ -60,6 +60,8 @@ ARMS = {
 RETIME_MS = 100.0
 LINES = {
     "clean": netem.Impairment(retime_ms=RETIME_MS),
+    # Not in the default run (--lines): the server's own pacing as it reaches the browser, against "clean".
+    "clean, as sent": netem.Impairment(),
     "5% random, 40 ms": netem.Impairment(loss=0.05, jitter_ms=40, retime_ms=RETIME_MS),
     "5% burst 2, 40 ms": netem.Impairment(loss=0.05, burst=2, jitter_ms=40, retime_ms=RETIME_MS),
     "10% burst 2, 40 ms": netem.Impairment(loss=0.10, burst=2, jitter_ms=40, retime_ms=RETIME_MS),
@@ -120,7 +122,7 @@ def run(args) -> dict:
     from tests.conftest import ServerProcess
 
     arms = {k: v for k, v in ARMS.items() if k in args.arms}
-    lines = {k: v for k, v in LINES.items() if not args.lines or k in args.lines}
+    lines = {k: v for k, v in LINES.items() if k in args.lines or (not args.lines and k != "clean, as sent")}
     sentences = SENTENCES[: args.sentences]
     servers = {name: ServerProcess(args.engine, flags) for name, flags in arms.items()}
     rows: list[dict] = []
