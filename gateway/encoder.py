@@ -27,6 +27,9 @@ class OpusSettings:
 
     bitrate: int = Settings.opus_bitrate
     fec: bool = Settings.opus_fec
+    # The bitrate while coding as voice with FEC (when higher than `bitrate`): libopus leaves
+    # LBRR out of packets whose bitrate does not cover it (gateway/opus.py has_lbrr).
+    fec_bitrate: int = Settings.opus_fec_bitrate
     # Between utterances, send a silent keep-alive packet every 400 ms instead of
     # a silent packet every 20 ms (Opus DTX; receivers fill the gap with silence).
     dtx: bool = Settings.opus_dtx
@@ -35,11 +38,11 @@ class OpusSettings:
     dtx_when_asked: bool = Settings.opus_dtx_when_asked
     # The cost per frame against speech quality is measured by bench/bench_opus_quality.py.
     complexity: int = Settings.opus_complexity
-    packet_loss_pct: int = 5
+    packet_loss_pct: int = Settings.opus_loss_pct
     application: str = "voip"
     # What libopus is told the signal is: "voice" (SILK or hybrid, with in-band
-    # FEC), "music" (CELT alone, without in-band FEC), or "auto": music until the
-    # listener reports loss (gateway/fec.py).
+    # FEC), "music" (CELT alone, without in-band FEC), or "auto": voice until the
+    # listener's reports show a clean line (gateway/fec.py).
     signal: str = Settings.opus_signal
     # Rate the encoder is fed at. The RTP clock is 48 kHz whatever this is; 24 kHz
     # keeps all of a 22.05 kHz voice and costs less to resample and encode.
@@ -96,15 +99,18 @@ class OpusEncoder(FrameEncoder):
         return _opus_silence(self.settings)
 
 
-def _open(s: OpusSettings) -> opus.Encoder:
-    signal = "music" if s.signal == "auto" else s.signal  # auto starts as music: gateway/fec.py
-    return opus.Encoder(s.input_rate, s.bitrate, s.complexity, s.fec, s.packet_loss_pct, s.dtx, s.application, signal)
+def _open(s: OpusSettings, auto: str | None = None) -> opus.Encoder:
+    # auto starts as voice (FEC before the first loss report) when FEC is on: gateway/fec.py.
+    signal = (auto or ("voice" if s.fec else "music")) if s.signal == "auto" else s.signal
+    return opus.Encoder(s.input_rate, s.bitrate, s.complexity, s.fec, s.packet_loss_pct, s.dtx, s.application, signal,
+                        voice_bitrate=s.fec_bitrate)
 
 
 @lru_cache(maxsize=32)
 def _opus_silence(settings: OpusSettings) -> bytes:
-    """Steady-state silence, encoded once per setting for the whole process."""
-    encoder = _open(settings)
+    """Steady-state silence, encoded once per setting for the whole process. With auto it is CELT,
+    as it was before auto started with FEC: silence has nothing for FEC to rebuild."""
+    encoder = _open(settings, auto="music")
     packets = encoder.encode(np.zeros(frame_samples(settings.input_rate) * 6, dtype=np.int16))
     return packets[-1]
 

@@ -92,6 +92,9 @@ def _lib() -> ctypes.CDLL:
         lib.opus_packet_get_nb_samples.restype = ctypes.c_int
         lib.opus_packet_get_nb_samples.argtypes = [ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32]
         lib.opus_strerror.restype = ctypes.c_char_p
+        if hasattr(lib, "opus_packet_has_lbrr"):  # libopus 1.5 and later
+            lib.opus_packet_has_lbrr.restype = ctypes.c_int
+            lib.opus_packet_has_lbrr.argtypes = [ctypes.c_char_p, ctypes.c_int32]
         lib.opus_strerror.argtypes = [ctypes.c_int]
         return lib
     raise OpusError(
@@ -119,6 +122,7 @@ class Encoder:
         dtx: bool,
         application: str = "voip",
         signal: str = "voice",
+        voice_bitrate: int | None = None,
     ) -> None:
         if rate not in RATES:
             raise ValueError(f"Opus encodes at {', '.join(map(str, RATES))} Hz, not {rate}")
@@ -128,8 +132,10 @@ class Encoder:
         _check(err.value, "opus_encoder_create")
         self.rate = rate
         self.frame_samples = rate // 50
+        # Coded as voice with FEC, libopus needs the bitrate to cover LBRR as well, or it leaves it out
+        # (gateway/fec.py): voice_bitrate applies then, `bitrate` otherwise.
+        self._bitrates = {"music": bitrate, "voice": max(bitrate, voice_bitrate or 0) if fec else bitrate}
         for request, value in (
-            (_SET_BITRATE, bitrate),
             (_SET_COMPLEXITY, complexity),
             (_SET_INBAND_FEC, int(fec)),
             (_SET_PACKET_LOSS_PERC, packet_loss_pct),
@@ -142,10 +148,11 @@ class Encoder:
         self._out = ctypes.create_string_buffer(MAX_PACKET)
 
     def set_signal(self, signal: str) -> None:
-        """What libopus codes the next frames as (SIGNALS); it switches modes between frames."""
+        """What libopus codes the next frames as (SIGNALS), at that signal's bitrate; it switches modes between frames."""
         if signal not in SIGNALS:
             raise ValueError(f"signal {signal!r}: choose one of {', '.join(SIGNALS)}")
-        for request, value in ((_SET_SIGNAL, SIGNALS[signal]), (_SET_PREDICTION_DISABLED, int(signal == "music"))):
+        for request, value in ((_SET_SIGNAL, SIGNALS[signal]), (_SET_PREDICTION_DISABLED, int(signal == "music")),
+                               (_SET_BITRATE, self._bitrates[signal])):
             _check(_lib().opus_encoder_ctl(ctypes.c_void_p(self._state), ctypes.c_int(request), ctypes.c_int(value)),
                    "opus_encoder_ctl")
         self.signal = signal
@@ -169,6 +176,19 @@ class Encoder:
         state, self._state = getattr(self, "_state", None), None
         if state:
             _lib().opus_encoder_destroy(state)
+
+
+def has_lbrr(packet: bytes) -> bool | None:
+    """Whether the packet carries in-band FEC (SILK's LBRR: the previous frame again, at low bitrate);
+    None where libopus is older than 1.5 and cannot say.
+
+    libopus codes LBRR only with FEC on, a nonzero expected loss, SILK or hybrid
+    mode (signal voice), speech in the frame, and a bitrate that covers it: at
+    32 kbit/s and complexity 0 it needs 6 % expected loss or more (tests/gateway/test_encoder.py)."""
+    lib = _lib()
+    if not hasattr(lib, "opus_packet_has_lbrr"):
+        return None
+    return _check(lib.opus_packet_has_lbrr(packet, len(packet)), "opus_packet_has_lbrr") > 0
 
 
 def packet_samples(packet: bytes, rate: int) -> int:

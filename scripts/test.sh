@@ -2,8 +2,8 @@
 # Installs everything the test suite needs on a fresh Debian machine, then runs it.
 #
 # System packages: Debian's chromium at /usr/bin/chromium (the browser tests drive
-# that exact binary; a chromium elsewhere on PATH does not count) and Debian's
-# redis-server (the fleet tests start their own on loopback). Python: the
+# that exact binary; a chromium elsewhere on PATH does not count), Debian's
+# redis-server (the fleet tests start their own on loopback) and coturn (the TURN tests too). Python: the
 # torch engine's CPU build (torch 2.13.0+cpu: from PyTorch's CPU index on a plain
 # machine, or from a local wheel where pip is configured with one) and the
 # project with its test, gpu, scale (Ray Serve, the Redis client), pipecat and livekit extras.
@@ -13,12 +13,13 @@ cd "$(dirname "$0")/.."
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
-# espeak-ng speaks the callers of the barge-in tests; libspeexdsp1 is the echo canceller (gateway/speex.py).
+# espeak-ng speaks the callers of the barge-in tests; libspeexdsp1 is the echo canceller (gateway/speex.py);
+# coturn is the TURN server the relay-only browser tests connect through (tests/web/test_turn.py).
 if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/redis-server ] || [ ! -x /usr/bin/espeak-ng ] \
-    || ! ldconfig -p | grep -q libspeexdsp.so.1; then
+    || [ ! -x /usr/bin/turnserver ] || [ ! -x /usr/bin/openssl ] || ! ldconfig -p | grep -q libspeexdsp.so.1; then
   as_root apt-get update -qq
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium redis-server \
-    espeak-ng libspeexdsp1
+    espeak-ng libspeexdsp1 coturn openssl
 fi
 
 pip_install() { python3 -m pip install -q --disable-pip-version-check --retries 2 "$@"; }

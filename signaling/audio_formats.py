@@ -219,7 +219,8 @@ class OpusPackets:
     last frame padded with silence."""
 
     def __init__(self, engine_rate: int) -> None:
-        self.encoder = OpusEncoder(OpusSettings(signal="voice"))
+        # Over a WebSocket (TCP) nothing is lost: --opus-bitrate throughout, not the FEC bitrate.
+        self.encoder = OpusEncoder(OpusSettings(signal="voice", fec_bitrate=0))
         self.resampler = StreamResampler(engine_rate, self.encoder.sample_rate)
         self.frame = self.encoder.frame_samples
         self.pending = np.zeros(0, dtype=np.int16)

@@ -120,6 +120,9 @@ class Settings:
     opus_dtx: bool = setting(False, MEDIA, "libopus DTX for every listener, inside utterances too")
     opus_dtx_when_asked: bool = setting(True, MEDIA, "keep-alives between utterances to listeners asking for DTX")
     opus_complexity: int = setting(0, MEDIA, "Opus encoder complexity", low=0, high=10)
+    opus_fec_bitrate: int = setting(48000, MEDIA, "outbound Opus bitrate while in-band FEC is on, bit/s",
+                                    low=6000, high=510000)
+    opus_loss_pct: int = setting(5, MEDIA, "the loss, %, libopus sizes in-band FEC for", low=0, high=100)
     opus_signal: str = setting("auto", MEDIA, "code speech as music, voice (FEC), or auto: by loss",
                                choices=SIGNAL_POLICIES)
     # Barge-in defaults for new sessions

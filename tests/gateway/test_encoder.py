@@ -118,3 +118,26 @@ def test_speech_after_the_shared_silence_packet_decodes_as_coded(signal):
         decoder = opus.Decoder(48000)
         heard = tone_engine.decode(np.concatenate([decoder.decode(p) for p in packets]), 48000)
         assert heard == "".join(parts), (signal, gap)
+
+
+def test_speech_coded_as_voice_carries_in_band_fec_at_the_default_settings():
+    # libopus puts LBRR (the previous frame again, at low bitrate) in a packet only with FEC on, a nonzero
+    # expected loss, speech in the frame, and a bitrate that covers it: at 32 kbit/s and complexity 0
+    # an expected loss of 5 % gave none in any packet, so "FEC" recovered nothing (bench/bench_network.py).
+    from tests.listening_corpus import espeak
+
+    speech = espeak("The quick brown fox jumps over the lazy dog.", "en-us+f2", 24000)
+    speech = speech[: len(speech) // 480 * 480]
+    packets = OpusEncoder(OpusSettings(signal="voice")).encode(speech)
+    flags = [opus.has_lbrr(p) for p in packets]
+    if None in flags:
+        pytest.skip("libopus before 1.5 cannot say whether a packet has LBRR")
+    assert sum(flags) >= 0.6 * len(packets), f"{sum(flags)} of {len(packets)} packets carry LBRR"
+    # Coded as music (CELT alone), nothing does: the FEC policy's other half, at --opus-bitrate again.
+    encoder = OpusEncoder(OpusSettings())  # auto: voice first
+    with_fec = encoder.encode(speech)
+    encoder.use_signal("music")
+    music = encoder.encode(speech)
+    assert not any(opus.has_lbrr(p) for p in music[2:])
+    size = {name: 8 * 50 * sum(map(len, ps[10:])) / len(ps[10:]) for name, ps in (("fec", with_fec), ("music", music))}
+    assert size["fec"] > 1.25 * size["music"] and size["music"] < 1.1 * OpusSettings().bitrate, size

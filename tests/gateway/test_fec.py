@@ -1,4 +1,4 @@
-"""In-band FEC while the listener loses packets (gateway/fec.py): the policy, the
+"""In-band FEC until the listener shows a clean line (gateway/fec.py): the policy, the
 encoder's switch, and a real aiortc listener that drops packets on loopback."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import soxr
 from voxgate.engine import tone
 from voxgate.gateway import opus
 from voxgate.gateway.encoder import OpusEncoder, OpusSettings
-from voxgate.gateway.fec import HOLD_S, LOSS_ON, SignalPolicy
+from voxgate.gateway.fec import CLEAN_REPORTS, HOLD_S, LOSS_ON, SignalPolicy
 from voxgate.gateway.frames import Framer
 from voxgate.rtc_client import RtcClient
 
@@ -21,14 +21,19 @@ def mode(packet: bytes) -> str:
     return "silk" if config < 12 else "hybrid" if config < 16 else "celt"
 
 
-def test_fec_goes_on_with_reported_loss_and_off_after_the_hold():
+def test_fec_is_on_before_the_first_report_and_off_after_clean_ones():
     policy = SignalPolicy()
-    assert policy.signal == "music"
-    assert policy.report(0.0, 100.0) == "music"
-    assert policy.report(LOSS_ON / 2, 101.0) == "music"  # under the threshold: one stray loss
-    assert policy.report(LOSS_ON, 102.0) == "voice"
-    assert policy.report(0.0, 102.0 + HOLD_S - 1) == "voice"  # held through quiet reports
-    assert policy.report(0.0, 102.0 + HOLD_S + 1) == "music"
+    assert policy.signal == "voice"  # nothing known about the line: FEC from the first packet
+    for i in range(CLEAN_REPORTS - 1):
+        assert policy.report(LOSS_ON / 2, 100.0 + i) == "voice"  # under the threshold, but not enough of them
+    assert policy.report(0.0, 101.0 + CLEAN_REPORTS) == "music"
+    assert policy.report(LOSS_ON, 110.0) == "voice"
+    for i in range(CLEAN_REPORTS + 1):
+        assert policy.report(0.0, 111.0 + i) == "voice"  # held through quiet reports
+    assert policy.report(0.0, 110.0 + HOLD_S + 1) == "music"
+    assert policy.report(LOSS_ON, 200.0) == "voice"
+    assert policy.report(0.0, 200.0 + HOLD_S + 1) == "voice"  # past the hold, but one clean report only
+    assert policy.report(0.0, 200.0 + HOLD_S + 2) == "music"
 
 
 def speech_frames(text: str = "Frames for the encoder.") -> np.ndarray:
@@ -38,17 +43,20 @@ def speech_frames(text: str = "Frames for the encoder.") -> np.ndarray:
 
 
 def test_the_encoder_codes_celt_alone_as_music_and_hybrid_with_fec_as_voice():
-    encoder = OpusEncoder(OpusSettings())  # signal auto: starts as music
+    encoder = OpusEncoder(OpusSettings())  # signal auto: starts as voice
     frames = speech_frames()
     n = encoder.frame_samples
-    first = encoder.encode(frames[: 20 * n])
-    assert {mode(p) for p in first} == {"celt"}
+    first = encoder.encode(frames[: 15 * n])
+    assert {mode(p) for p in first} <= {"silk", "hybrid"}
+    encoder.use_signal("music")
+    middle = encoder.encode(frames[15 * n: 35 * n])
+    assert {mode(p) for p in middle[2:]} == {"celt"}
     encoder.use_signal("voice")
-    rest = encoder.encode(frames[20 * n: 60 * n])
+    rest = encoder.encode(frames[35 * n: 60 * n])
     assert {mode(p) for p in rest[2:]} <= {"silk", "hybrid"}  # libopus may take a frame or two to switch
     decoder = opus.Decoder(16000)
-    heard = tone.decode(np.concatenate([decoder.decode(p) for p in first + rest]), 16000)
-    assert heard == "Frames for the encoder."  # the switch between frames loses no symbol
+    heard = tone.decode(np.concatenate([decoder.decode(p) for p in first + middle + rest]), 16000)
+    assert heard == "Frames for the encoder."  # the switches between frames lose no symbol
     with pytest.raises(ValueError):
         encoder.use_signal("speech")
 
@@ -79,35 +87,33 @@ def drop_every(client: RtcClient, nth: int) -> list[tuple[bool, bytes]]:
     return kept
 
 
-async def test_a_listener_that_loses_packets_gets_in_band_fec(server_factory):
+async def test_a_listener_that_loses_packets_keeps_in_band_fec_from_its_first_packet(server_factory):
     """A real aiortc listener drops every 5th packet: its receiver reports show 20 %
-    loss, the server turns the Opus signal to voice, and the next utterance arrives
-    as SILK or hybrid (FEC) where the first arrived as CELT alone."""
+    loss, and both utterances arrive as SILK or hybrid with LBRR (FEC) in the packets,
+    from the first: the line never counts as clean."""
     server = server_factory("tone", extra=["--log-json"])
     async with RtcClient(server.url) as client:
         kept = drop_every(client, 5)
         client.send({"type": "speak", "text": "Lossy line, first words.", "id": "f1"})
         await client.wait_for("utterance.done", id="f1")
-        switched = await server.wait_log(lambda e: "Opus signal voice" in e["message"], timeout=30)
-        assert switched["session_id"]
-        client.fec_switched = True
-        client.send({"type": "speak", "text": "With FEC now, for a while longer.", "id": "f2"})
+        client.send({"type": "speak", "text": "With FEC still, for a while longer.", "id": "f2"})
         await client.wait_for("utterance.done", id="f2")
-    speech = [(after, p) for after, p in kept if len(p) > 20]  # silence packets are a few bytes
-    before_modes = {mode(p) for after, p in speech if not after}
-    after_modes = [mode(p) for after, p in speech if after]
-    assert before_modes == {"celt"}
-    assert len(after_modes) > 20 and set(after_modes[2:]) <= {"silk", "hybrid"}
+    speech = [p for _, p in kept if len(p) > 20]  # silence packets are a few bytes
+    assert len(speech) > 60 and {mode(p) for p in speech} <= {"silk", "hybrid"}
+    if opus.has_lbrr(speech[0]) is not None:
+        assert sum(bool(opus.has_lbrr(p)) for p in speech) > 0.8 * len(speech)
+    assert not [e for e in server.log_entries() if "Opus signal music" in e["message"]]
 
 
-async def test_a_listener_that_loses_nothing_keeps_celt_and_hears_every_word(tone_server):
+async def test_a_listener_that_loses_nothing_gets_celt_after_its_clean_reports_and_hears_every_word(tone_server):
     async with RtcClient(tone_server.url) as client:
         kept = drop_every(client, 10**9)
-        text = "A clean line keeps the cheap mode; every symbol arrives. " * 3
+        text = "A clean line gets the cheap mode; every symbol arrives. " * 3
         sent = client.send({"type": "speak", "text": text, "id": "c1"})
         await client.wait_tail(await client.wait_for("utterance.done", id="c1"))
         assert tone.decode(client.audio.pcm(sent), client.audio.sample_rate) == text
-    assert {mode(p) for _, p in kept if len(p) > 20} == {"celt"}
+    modes = [mode(p) for _, p in kept if len(p) > 20]
+    assert modes[0] in ("silk", "hybrid") and modes[-1] == "celt", modes
 
 
 async def test_without_a_place_to_watch_reports_the_session_keeps_fec():
@@ -119,10 +125,11 @@ async def test_without_a_place_to_watch_reports_the_session_keeps_fec():
     assert watch_reports(object(), lambda fraction: None) is False
     session, _, _, _ = make()
     session.attach_output("opus")
-    assert session.encoder.signal == "music"
+    assert session.encoder.signal == "voice"
     session.keep_fec()
     assert session.encoder.signal == "voice"
-    session.on_loss_report(0.0)  # the policy is pinned: nothing turns it back
+    for _ in range(5):
+        session.on_loss_report(0.0)  # the policy is pinned: no clean reports turn it to music
     session._restart_feeder()  # a cancel makes a fresh encoder
     assert session.encoder.signal == "voice"
     await session.close("test")
