@@ -76,8 +76,8 @@ def test_chromium_reports_and_conceals_the_packets_the_relay_dropped(tone_server
     assert stats["packetsLost"] > 0, stats
     # Concealed: what was lost and not rebuilt. The gateway starts every call in Opus voice mode with in-band
     # FEC (docs/networks.md), so chromium rebuilds part of the loss from the next packet and conceals less than
-    # the whole lost duration (seen: 12 lost, 2,850 samples concealed). A quarter of it still tells concealment
-    # from none: with the loss ignored, concealedSamples is 0.
+    # the whole lost duration (seen: 12 lost, 2,850 samples concealed). A quarter of it still shows the losses
+    # the relay made were concealed in what chromium played.
     assert stats["concealedSamples"] - stats["silentConcealedSamples"] >= 480 * stats["packetsLost"] // 4, stats
     assert np.abs(result.pcm.astype(np.int32)).max() > 3000  # it played the tones, through the losses
 
