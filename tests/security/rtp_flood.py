@@ -81,9 +81,11 @@ class RtpFlood:
         ssrcs = []
         for _ in range(count):
             ssrc = self.rng.randrange(1, 1 << 32)
-            self.seq += 1
+            # Each flood SSRC is a new SRTP stream with a sequence number of its own. Sharing the microphone's
+            # counter moved it on by the flood's count, and its next packets looked 120k packets old to libsrtp's
+            # sender replay check ("index too old"): the bench's attacker died in its second round.
             self.ts += 960
-            self._send(tx.protect(rtp_packet(ssrc, self.seq, self.ts, payload, self.pt)))
+            self._send(tx.protect(rtp_packet(ssrc, self.rng.randrange(1 << 16), self.ts, payload, self.pt)))
             tx.remove_stream(ssrc)  # the attacker's own side stays one stream
             ssrcs.append(ssrc)
         return ssrcs
