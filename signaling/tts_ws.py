@@ -6,9 +6,10 @@ carries several contexts, each its own utterance, so an agent can start its
 next reply while the last one is being cancelled. The messages are in
 docs/tts-websocket.md.
 
-This module parses, authenticates, routes and writes frames. The contexts (each a
-peerless utterance: its slot, stream, audio cap, cancel, idle end, and its audio's
-format) are gateway/speech_contexts.py's `SpeechContexts`, the model `POST /v1/tts`
+This module parses, authenticates, routes and writes frames. The contexts are
+gateway/speech_contexts.py's `SpeechContexts` (how many, their text, their idle end,
+their audio's format and word timings), each a gateway/peerless_speech.py
+`PeerlessUtterance` (its slot, stream, audio cap and cancel), the model `POST /v1/tts`
 uses too. Bounded here: bytes and messages a second per connection
 (--max-message-bytes, --max-messages-per-s), text per message (--max-text-chars),
 and what waits for the socket (a short queue; a reader that takes nothing for
