@@ -345,7 +345,7 @@ class Admission:
         `caller` (its API key, or its client address without keys) may start now;
         else counts it until `end_request(caller, slots)`. It takes `slots` of the
         --tts-max-concurrent slots, of --max-sessions' and of the budget: a compressed
-        format's encode costs more than a WAV's (signaling/audio_formats.py)."""
+        format's encode costs more than a WAV's (gateway/http_audio.py)."""
         gw, s = self.gw, self.settings
         retry = {"Retry-After": "1"}
         if not gw.accepting:

@@ -7,7 +7,7 @@ work a tenant's own input or jobs cost this process is measured where it is done
 
 - the caller's audio sent to a session's backends (gateway/backend_link.py): the event loop's CPU time
   for each frame queued and sent, charged to the session's tenant;
-- a speech request's encoding (signaling/tts_http.py): its formatter thread's CPU time, charged to its caller.
+- a speech request's encoding (gateway/http_audio.py FormatRun, for signaling/tts_http.py): its formatter thread's CPU time, charged to its caller.
 
 A tenant is the API key that made the session or request, else the client address of one made
 without a key, else the session itself. The charges decay with a time constant of LAG_WINDOW_S, as

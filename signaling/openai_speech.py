@@ -9,7 +9,8 @@
 
 Only the body differs from `POST /v1/tts`: everything else (the API key, the
 concurrency slots, the audio cap, the engine, the errors, streaming as audio is
-made) is signaling/tts_http.py's `serve_speech`. See docs/http-tts.md.
+made) is signaling/tts_http.py's `serve_speech`; OpenAI's formats are gateway/http_audio.py's
+OPENAI_FORMATTERS. See docs/http-tts.md.
 """
 
 from __future__ import annotations
@@ -18,19 +19,10 @@ from aiohttp import web
 
 from ..engine.base import SynthesisOptions
 from ..gateway.errors import GatewayError, checked_voice
+from ..gateway.peerless_speech import format_names
 from . import tts_http
-from .audio_formats import AacFormatter, FlacFormatter, Mp3Formatter, OpusFormatter, PcmFormatter, WavFormatter
 
-# OpenAI's formats; its `pcm` is 24 kHz, and clients play it at that rate.
-OPENAI_PCM_RATE = 24000
-FORMATTERS = {
-    "mp3": Mp3Formatter,
-    "opus": OpusFormatter,
-    "aac": AacFormatter,
-    "flac": FlacFormatter,
-    "wav": WavFormatter,
-    "pcm": lambda rate: PcmFormatter(rate, OPENAI_PCM_RATE),
-}
+FORMATS = format_names("openai")  # mp3, opus, aac, flac, wav, pcm (24 kHz, as OpenAI's is)
 STREAM_FORMATS = ("audio", "sse")
 # OpenAI's built-in voices. Apps send one of these whatever server they talk to,
 # so each means the server's default voice, unless the server has a voice of that name.
@@ -59,15 +51,15 @@ def _speech_request(gw, body: dict) -> tts_http.SpeechRequest:
         raise GatewayError("invalid_field", "'instructions' must be a string")
     text = tts_http.checked_text(body.get("input"), "input", gw.settings.max_utterance_chars)
     fmt = body.get("response_format", "mp3")
-    if not isinstance(fmt, str) or fmt not in FORMATTERS:
-        raise GatewayError("invalid_field", f"'response_format' must be one of {', '.join(FORMATTERS)}")
+    if not isinstance(fmt, str) or fmt not in FORMATS:
+        raise GatewayError("invalid_field", f"'response_format' must be one of {', '.join(FORMATS)}")
     stream_format = body.get("stream_format", "audio")
     if not isinstance(stream_format, str) or stream_format not in STREAM_FORMATS:
         raise GatewayError("invalid_field", f"'stream_format' must be one of {', '.join(STREAM_FORMATS)}")
     voice = _voice(gw, body.get("voice"))
     speed = tts_http.checked_rate(body.get("speed", 1.0), "speed")
     return tts_http.SpeechRequest(
-        text, fmt, SynthesisOptions(voice=voice, rate=speed), FORMATTERS[fmt], sse=stream_format == "sse"
+        text, fmt, SynthesisOptions(voice=voice, rate=speed), "openai", sse=stream_format == "sse"
     )
 
 

@@ -17,8 +17,7 @@ from aiohttp import web
 from ..config import Settings
 from ..engine.client import EngineClient
 from ..gateway.errors import GatewayError
-from ..gateway import heap, ice, priority, rtc_internals, speex
-from ..gateway.encode_pool import encode_pool, parse_threads
+from ..gateway import heap, media_startup
 from ..gateway.gateway import Gateway
 from .errors import MAX_CANDIDATE_BYTES, MAX_OFFER_BYTES, error_response, read_json_object
 from .http_guard import client_address
@@ -315,22 +314,6 @@ def _base_url(settings: Settings, port: int) -> str:
     return f"http://{host}:{port}"
 
 
-def _media_line(settings: Settings) -> tuple[int, str]:
-    """(level, what) about the addresses peers are offered for media (ICE host candidates)."""
-    offered = ice.offered_host_addresses()
-    if not offered:
-        return logging.WARNING, (
-            "media: no address to offer peers as an ICE candidate, so no WebRTC peer can connect; "
-            "give --ice-host with one of this machine's addresses")
-    if settings.ice_host:
-        how = "--ice-host"
-    elif settings.loopback:
-        how = "loopback, since HTTP listens on loopback; --ice-host ADDR offers another"
-    else:
-        how = "every interface; --ice-host ADDR offers fewer"
-    return logging.INFO, f"media (ICE) offered on {', '.join(offered)} ({how})"
-
-
 def _engine_line(settings: Settings, info: dict) -> str:
     voices = info.get("voices") or []
     voice = settings.voice or (voices[0] if voices else "its default")
@@ -341,37 +324,14 @@ def _engine_line(settings: Settings, info: dict) -> str:
     return f"voice {voice} on {where}{device}{load}{more}"
 
 
-def _fast_paths_line(settings: Settings, info: dict, rtc_paths: dict[str, bool]) -> str:
-    paths = []
-    fast = info.get("fast_paths")
-    if fast:
-        paths.append(f"engine: {fast}")
-    paths.append(rtc_internals.summary(rtc_paths))
-    paths.append("RTP packets from templates" if settings.rtp_sender == "voxgate" else "RTP through aiortc's sender (--rtp-sender aiortc)")
-    paths.append(f"encoding on {encode_pool.threads} thread(s)" if encode_pool.threads else "encoding on the event loop")
-    if settings.media_priority != "normal":
-        paths.append(f"{settings.media_priority} media priority")
-    if settings.echo_cancel:
-        paths.append("echo cancellation by libspeexdsp" if speex.available()
-                     else "NO echo cancellation: libspeexdsp is missing (apt-get install libspeexdsp1)")
-    return "fast paths: " + "; ".join(paths)
-
-
 async def serve(settings: Settings) -> None:
     """Run until SIGTERM or SIGINT, then drain: readiness goes false, new sessions are
     refused, current utterances get up to --drain-timeout-s to finish, then peers close."""
     settings.check()  # raises ConfigError before anything listens
     sockets = listen(settings.host, settings.port)  # raises OSError before the voice loads
     try:
-        # Before the engine worker starts and before any encoding thread: it follows the
-        # loop's thread, and the worker does not (raises PriorityError saying what to do).
-        priority.apply(settings.media_priority)
-        encode_pool.configure(parse_threads(settings.encode_threads))
-        where = f"on {encode_pool.threads} thread(s)" if encode_pool.threads else "on the event loop"
-        log.debug("speech is encoded %s (--encode-threads %s)", where, settings.encode_threads)
-        if not encode_pool.threads and not hasattr(asyncio.get_running_loop(), "_ready"):
-            log.warning("this event loop (%s) does not show its waiting callbacks, so encoding on it cannot give way "
-                        "to them and frames may go late; give --encode-threads auto", type(asyncio.get_running_loop()).__name__)
+        # Before the engine worker starts and before any encoding thread (raises PriorityError).
+        media_startup.configure(settings)
         app = create_app(settings)
         gw: Gateway = app["gateway"]
         runner = web.AppRunner(app, handle_signals=False, access_log=None, keepalive_timeout=http_guard.KEEPALIVE_S)
@@ -399,9 +359,9 @@ async def serve(settings: Settings) -> None:
             gw.on_session_closed.append(full_collections.session_closed)
         url = _base_url(settings, sockets[0].getsockname()[1])
         log.info("listening on %s", url)
-        log.log(*_media_line(settings))
+        log.log(*media_startup.media_line(settings))
         log.info("%s", _engine_line(settings, gw.engine.info))
-        log.info("%s", _fast_paths_line(settings, gw.engine.info, gw.fast_paths))
+        log.info("%s", media_startup.fast_paths_line(settings, gw.engine.info, gw.fast_paths))
         if settings.web:
             log.info("open %s/ in a browser", url)
         stop = asyncio.Event()

@@ -10,8 +10,10 @@ required here too. See docs/http-tts.md.
 
 `serve_speech` is the one way a request becomes streamed audio: OpenAI's
 `POST /v1/audio/speech` (signaling/openai_speech.py) goes through it too, with
-its own parsing of the body. The formatters (engine PCM in, response bytes out) are
-signaling/audio_formats.py, and serve the TTS WebSocket (signaling/tts_ws.py) as well.
+its own parsing of the body. This module parses, authenticates and writes the response;
+the request's utterance (its slot, stream, audio cap and cancel) is gateway/speech_contexts.py's
+`PeerlessUtterance`, as each TTS WebSocket context's is, and its audio's format, threads, price
+and pace are gateway/http_audio.py's.
 """
 
 from __future__ import annotations
@@ -22,27 +24,21 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, TypeVar
+from typing import Callable
 
 from aiohttp import web
 
 from ..engine.base import SynthesisOptions
-from ..engine.stream import StreamChunk
-from ..gateway.text_pump import TEXT_SLICE_CHARS
 from ..gateway.errors import GatewayError, checked_voice
-from ..gateway.late_blame import LateBlame, address_tenant, key_tenant
-from ..gateway.speech_request import SpeechStream, open_speech
-from .audio_formats import FORMATS, FORMATTERS, EncodedFormatter, Formatter, pause_after, slots_of, threads_of
+from ..gateway.late_blame import address_tenant, key_tenant
+from ..gateway.peerless_speech import HttpSpeech, format_names, open_http_speech
 from .errors import error_response, read_json_object
 from .http_guard import RateLimitedLog, client_address
 from .sessions_api import check_api_key
 
 log = logging.getLogger(__name__)
 _client_log = RateLimitedLog()
-T = TypeVar("T")
-
-
+FORMATS = format_names("tts")
 
 
 # The request
@@ -75,7 +71,7 @@ class SpeechRequest:
     text: str
     fmt: str  # the format's name, for X-Audio-Format and the log
     options: SynthesisOptions
-    formatter: Callable[[int], Formatter]  # the engine's rate -> a formatter (made in the pool)
+    family: str = "tts"  # whose formats `fmt` is one of (gateway/peerless_speech.format_names)
     sse: bool = False  # the audio as server-sent events (OpenAI's stream_format "sse")
 
 
@@ -86,62 +82,13 @@ def _tts_request(gw, body: dict) -> SpeechRequest:
         raise GatewayError("invalid_field", f"'format' must be one of {', '.join(FORMATS)}")
     voice = checked_voice(gw.engine, body.get("voice"))
     rate = checked_rate(body.get("rate", 1.0), "rate")
-    return SpeechRequest(text, fmt, SynthesisOptions(voice=voice, rate=rate), FORMATTERS[fmt])
-
-
-async def push_in_slices(stream: SpeechStream, text: str) -> None:
-    """Feed the text a slice per turn of the event loop, so a long text never holds it."""
-    for start in range(0, len(text), TEXT_SLICE_CHARS):
-        stream.push_text(text[start : start + TEXT_SLICE_CHARS])
-        await asyncio.sleep(0)
-
-
-async def _first_chunk(stream: SpeechStream) -> StreamChunk | None:
-    try:
-        return await stream.__anext__()
-    except StopAsyncIteration:
-        return None
-
-
-class _Timeline:
-    """When this request's audio was made and sent, on the monotonic clock the
-    engine worker shares; logged once per request so an operator (and the
-    streaming test) can see that bytes left while synthesis was still running."""
-
-    def __init__(self) -> None:
-        self.received_at = time.monotonic()
-        self.first_bytes_at: float | None = None
-        self.units: dict[int, float] = {}  # unit index -> when its synthesis began
-
-    def chunk(self, chunk: StreamChunk) -> None:
-        started = self.units.get(chunk.unit_index)
-        if chunk.synth_started_at and (started is None or chunk.synth_started_at < started):
-            self.units[chunk.unit_index] = chunk.synth_started_at
-
-    def log(self, fmt: str, chars: int) -> None:
-        def ms(t: float | None) -> float | None:
-            return None if t is None else round((t - self.received_at) * 1000.0, 1)
-
-        last_unit = self.units[max(self.units)] if self.units else None
-        fields = {
-            "format": fmt,
-            "chars": chars,
-            "units": len(self.units),
-            "first_bytes_ms": ms(self.first_bytes_at),
-            "last_unit_synthesis_started_ms": ms(last_unit),
-            "done_ms": ms(time.monotonic()),
-        }
-        log.info(
-            "tts request: %d units, first bytes sent at %s ms, last unit's synthesis started at %s ms",
-            fields["units"], fields["first_bytes_ms"], fields["last_unit_synthesis_started_ms"],
-            extra={"fields": fields},
-        )
+    return SpeechRequest(text, fmt, SynthesisOptions(voice=voice, rate=rate))
 
 
 async def serve_speech(request: web.Request, parse: Callable[..., SpeechRequest], hint: str) -> web.StreamResponse:
     """Key, body, limits, synthesis and streaming for one speech request; `parse`
     turns the body into a SpeechRequest (raising GatewayError for a bad field)."""
-    timeline = _Timeline()
+    received_at = time.monotonic()
     key = check_api_key(request)  # raises a JSON 401
     gw = request.app["gateway"]
 
@@ -150,40 +97,24 @@ async def serve_speech(request: web.Request, parse: Callable[..., SpeechRequest]
     try:
         body = await read_json_object(request, body_limit(gw.settings), hint)
         job = parse(gw, body)
-        # In flight in total and per caller, each taking a session's slot, and the node's load.
-        slot = gw.admission.speech_slot(caller, slots_of(job.fmt), tenant)
+        # In flight in total and per caller, each taking a session's slot (more for a compressed
+        # format), and the node's load.
+        speech = open_http_speech(gw.engine, gw.admission, caller, tenant, job.options, gw.settings.tts_max_audio_s,
+                                  job.family, job.fmt, lambda why: _shed(request, why))
     except GatewayError as exc:
         return error_response(exc)
-    work = _Work(request, gw.admission.blame, tenant, job.fmt)
+    speech.utterance.timeline.received_at = received_at  # its log counts from the request's arrival
     try:
-        with slot:
-            return await _synthesize(request, gw, job, timeline, work)
+        return await _synthesize(request, gw, job, speech)
     finally:
-        gw.admission.blame.forget(work)
+        speech.close()  # synthesis stops, the slot is free
 
 
-class _Work:
-    """One request's formatting, run on a formatter thread and charged to its caller: when frames
-    are late and its encodes are to blame, it can be shed (gateway/late_blame.py)."""
-
-    def __init__(self, request: web.Request, blame: LateBlame, tenant: str, fmt: str) -> None:
-        self.request = request
-        self.blame = blame
-        self.tenant = tenant
-        self.fmt = fmt
-
-    async def run(self, threads: ThreadPoolExecutor, fn: Callable[..., T], *args: object) -> T:
-        result, spent = await asyncio.get_running_loop().run_in_executor(threads, _timed, fn, *args)
-        self.blame.charge(self.tenant, spent, self)  # on the loop's thread: the blame's tables are its alone
-        pause = pause_after(self.fmt, spent)
-        if pause > 0:
-            await asyncio.sleep(pause)  # a compressed encode's pace (signaling/audio_formats.py)
-        return result
-
-    def shed(self, why: str) -> None:
-        _client_log(log.warning, f"tts: a request was cut: {why}")
-        if self.request.transport is not None:
-            self.request.transport.abort()
+def _shed(request: web.Request, why: str) -> None:
+    """A request's encodes were blamed for late frames (gateway/late_blame.py): it is cut."""
+    _client_log(log.warning, f"tts: a request was cut: {why}")
+    if request.transport is not None:
+        request.transport.abort()
 
 
 async def handle_tts(request: web.Request) -> web.StreamResponse:
@@ -233,44 +164,23 @@ class _Body:
         await self._within_deadline(self.response.write_eof())
 
 
-def _timed(fn: Callable[..., T], *args: object) -> tuple[T, float]:
-    """`fn(*args)` and the CPU time it took this thread."""
-    started = time.thread_time()
-    result = fn(*args)
-    return result, time.thread_time() - started
-
-
 def _event(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode("utf-8") + b"\n\n"
 
 
-async def _synthesize(request: web.Request, gw, job: SpeechRequest, timeline: _Timeline, work: _Work) -> web.StreamResponse:
-    try:
-        stream = open_speech(gw.engine, job.options)
-    except GatewayError as exc:
-        return error_response(exc)
-    # Audio is capped per request: text that expands into hours of audio (breaks,
-    # spelled-out symbols) costs the server as much CPU as it says.
-    sent_samples = 0
-
-    threads = threads_of(job.fmt)
-    formatter: Formatter | None = None
+async def _synthesize(request: web.Request, gw, job: SpeechRequest, speech: HttpSpeech) -> web.StreamResponse:
     response: web.StreamResponse | None = None
     try:
         try:
-            await push_in_slices(stream, job.text)
-            stream.end_input()
             # Headers wait for the first chunk: an engine error can still be a JSON error,
             # and the WAV header needs the engine's rate.
-            first = await _first_chunk(stream)
+            await speech.begin(job.text, int(gw.engine.info.get("sample_rate") or 16000))
         except GatewayError as exc:
             return error_response(exc)
-        rate = first.sample_rate if first is not None else int(gw.engine.info.get("sample_rate") or 16000)
-        formatter = await work.run(threads, job.formatter, rate)
         response = web.StreamResponse(
             headers={
-                "Content-Type": "text/event-stream" if job.sse else formatter.content_type,
-                "X-Sample-Rate": str(formatter.sample_rate),
+                "Content-Type": "text/event-stream" if job.sse else speech.content_type,
+                "X-Sample-Rate": str(speech.sample_rate),
                 "X-Audio-Format": job.fmt,
                 "X-Max-Audio-S": f"{gw.settings.tts_max_audio_s:g}",
                 "Cache-Control": "no-store",
@@ -279,38 +189,25 @@ async def _synthesize(request: web.Request, gw, job: SpeechRequest, timeline: _T
         response.enable_chunked_encoding()
         await response.prepare(request)
         body = _Body(request, response, job.sse, gw.settings.write_stall_s)
-        head = await work.run(threads, formatter.start)
-        max_samples = int(gw.settings.tts_max_audio_s * rate)
-        if first is not None:
-            timeline.chunk(first)
-            pcm = first.pcm[:max_samples]
-            sent_samples += len(pcm)
-            head += await work.run(threads, formatter.feed, pcm)
-        await body.write(head)
-        timeline.first_bytes_at = time.monotonic()
+        await body.write(await speech.head())
+        speech.utterance.timeline.first_bytes_at = time.monotonic()
         try:
-            async for chunk in stream:
-                timeline.chunk(chunk)
-                if sent_samples >= max_samples:
-                    log.info("tts: request reached --tts-max-audio-s (%g s); the rest is not synthesized", gw.settings.tts_max_audio_s)
-                    break
-                pcm = chunk.pcm[: max_samples - sent_samples]
-                sent_samples += len(pcm)
-                await body.write(await work.run(threads, formatter.feed, pcm))
+            async for data in speech.pieces():
+                await body.write(data)
         except GatewayError as exc:  # the engine failed (gateway/speech_request.py)
             # Headers are gone: cut the body short so the client sees it incomplete.
             log.warning("tts: engine failed mid-response: %s", exc)
             if request.transport is not None:
                 request.transport.close()
             return response
-        await body.write(await work.run(threads, formatter.finish))
-        await body.end(sent_samples / rate)
-        timeline.log(job.fmt, len(job.text))
+        await body.write(await speech.finish())
+        await body.end(speech.utterance.audio_s)
+        speech.utterance.timeline.log(job.fmt, len(job.text))
         return response
     except ConnectionResetError as exc:
         # The client went away mid-body, or read nothing for --write-stall-s: nothing
-        # to answer, and nothing for aiohttp to log as a server error. The finally cancels
-        # synthesis, and the caller's `with` frees the slot.
+        # to answer, and nothing for aiohttp to log as a server error. The caller's
+        # finally closes the speech: synthesis stops and its slot is free.
         if response is None:
             raise
         if isinstance(exc, WriteStalled):
@@ -318,10 +215,6 @@ async def _synthesize(request: web.Request, gw, job: SpeechRequest, timeline: _T
         else:
             log.info("tts: the client went away before the end of the audio")
         return response
-    finally:
-        stream.cancel()
-        if isinstance(formatter, EncodedFormatter):
-            formatter.close()
 
 
 def add_routes(app: web.Application) -> None:

@@ -6,17 +6,14 @@ carries several contexts, each its own utterance, so an agent can start its
 next reply while the last one is being cancelled. The messages are in
 docs/tts-websocket.md.
 
-Everything a request to `POST /v1/tts` meets applies here, and comes from
-signaling/tts_http.py: the API key, the text checks and limits, admission
-(each open context takes one of the request slots while it lives), the audio
-cap per context; the formatters and their threads are signaling/audio_formats.py's. What is new is bounded
-here: contexts per connection (--tts-ws-max-contexts), text per context
-(--max-utterance-chars), bytes and messages a second per connection
-(--max-message-bytes, --max-messages-per-s), what waits for the socket (a
-short queue; a reader that takes nothing for --write-stall-s loses the
-connection, a slow one paces synthesis), and how long a context may hold its slot
-doing nothing (--tts-ws-context-idle-s: no new text and no audio made; a `flush` or
-blank text is not new text, so flushes alone cannot keep a slot).
+This module parses, authenticates, routes and writes frames. The contexts are
+gateway/speech_contexts.py's `SpeechContexts` (how many, their text, their idle end,
+their audio's format and word timings), each a gateway/peerless_speech.py
+`PeerlessUtterance` (its slot, stream, audio cap and cancel), the model `POST /v1/tts`
+uses too. Bounded here: bytes and messages a second per connection
+(--max-message-bytes, --max-messages-per-s), text per message (--max-text-chars),
+and what waits for the socket (a short queue; a reader that takes nothing for
+--write-stall-s loses the connection, a slow one paces synthesis).
 """
 
 from __future__ import annotations
@@ -27,24 +24,19 @@ import json
 import logging
 import re
 import time
-from collections import OrderedDict
 
 from aiohttp import WSMsgType, web
 
-from ..engine.base import SynthesisOptions
-from ..gateway.admission import SpeechSlot
 from ..gateway.errors import GatewayError, checked_voice
-from ..gateway.speech_request import SpeechStream, open_speech
 from ..gateway.protocol import RateLimiter, decode_json
-from ..gateway.text_pump import TEXT_SLICE_CHARS
+from ..gateway.speech_contexts import (CONTEXT_FORMATS, ContextAudio, ContextCancelled, ContextDone, ContextError,
+                                       ContextOutput, SpeechContexts)
 from .errors import error_response
 from .http_guard import RateLimitedLog, client_address
 from .sessions_api import check_api_key
-from .audio_formats import FORMAT_THREADS, OpusPackets, Pcm16Pieces
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("pcm16", "opus")
 # A context's id: what ElevenLabs-style clients send (UUIDs, short names).
 CONTEXT_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 CLIENT_TYPES = ("text", "flush", "end", "cancel")
@@ -52,16 +44,8 @@ CLIENT_TYPES = ("text", "flush", "end", "cancel")
 OUT_QUEUE = 32
 # Control messages (errors, acknowledgements) waiting for the socket; past it the client is disconnected.
 MAX_CONTROL = 256
-# Ids of ended contexts remembered, so late text for one is refused rather than opening it anew.
-MAX_CLOSED_IDS = 256
-# How a remembered context ended. After an error about it (it failed, or was refused as it opened),
-# its error was its last word: what the client still sends for it is ignored, not answered with
-# more errors (a client streaming tokens sends them before it reads the error). One refused for
-# want of room may be opened again by a later `text` (a retry); its flush and end are ignored.
-ENDED, FAILED, REFUSED = "ended", "failed", "refused"
 # A connection over its message rate for this long in a row is closed.
 MAX_FLOOD_S = 5.0
-OPUS_RATE = 48000  # what a receiver decodes the packets at (audio_formats.OpusPackets)
 _client_log = RateLimitedLog()
 
 
@@ -70,57 +54,31 @@ def _clean(value: object, limit: int = 64) -> str:
     return "".join(ch if ch.isprintable() else "?" for ch in text)
 
 
-class Context:
-    def __init__(self, cid: str, stream: SpeechStream) -> None:
-        self.id = cid
-        self.stream = stream
-        self.chars = 0
-        self.seq = 0
-        self.out_ms = 0.0  # audio sent so far, on this context's clock
-        self.engine_s = 0.0  # engine audio received so far (words are placed on it)
-        self.samples = 0  # engine samples taken (the audio cap)
-        self.cancelled = False
-        self.failed = False  # ended by an error about it
-        self.ended = False  # `end` received
-        self.task: asyncio.Task | None = None
-        self.slot: SpeechSlot | None = None  # its admission, released once when it ends
-        # Last new text or audio made (monotonic): a context quiet for --tts-ws-context-idle-s ends.
-        self.active_at = time.monotonic()
-
-
 class Connection:
-    def __init__(self, request: web.Request, ws: web.WebSocketResponse, caller: str, fmt: str, rate: int | None,
-                 voice: str | None, words: bool) -> None:
+    """One connection's socket: its one writer, the client's messages parsed and routed to its
+    contexts (gateway/speech_contexts.py), and the events they make written as JSON frames."""
+
+    def __init__(self, request: web.Request, ws: web.WebSocketResponse, caller: str, output: ContextOutput,
+                 voice: str | None) -> None:
         self.request = request
         self.ws = ws
-        self.gw = request.app["gateway"]
-        self.settings = self.gw.settings
+        gw = request.app["gateway"]
+        self.settings = gw.settings
         self.caller = caller
-        self.fmt = fmt
-        self.rate = rate  # pcm16's output rate; None: each engine rate as it comes (the default voice's)
-        self.voice = voice
-        self.words = words
-        self.contexts: dict[str, Context] = {}
-        self.closed_ids: OrderedDict[str, str] = OrderedDict()  # id -> ENDED, FAILED or REFUSED
+        self.contexts = SpeechContexts(gw.engine, gw.admission, gw.settings, caller, voice, output, self)
         # Everything for the socket, in order; audio bounded by the slots, control by MAX_CONTROL.
         self.out: asyncio.Queue = asyncio.Queue()
         self.audio_slots = asyncio.Semaphore(OUT_QUEUE)
         self.control_pending = 0
         self.closing: str | None = None
 
-    @property
-    def sample_rate(self) -> int:
-        if self.fmt == "opus":
-            return OPUS_RATE
-        return self.rate or int(self.gw.engine.info.get("sample_rate") or 16000)
-
-    # Out
-    async def send(self, message: dict, ctx: Context) -> None:
+    # Out (the contexts' ContextSink)
+    async def send(self, event: ContextAudio | ContextDone) -> None:
         """A context's audio or done: waits while OUT_QUEUE of them wait for the socket."""
         await self.audio_slots.acquire()
-        self.out.put_nowait((ctx, message))
+        self.out.put_nowait(event)
 
-    def send_now(self, message: dict) -> None:
+    def send_now(self, event: ContextCancelled | ContextError | dict) -> None:
         """A control message (ready, errors, acknowledgements): never waits behind the
         audio slots; as many as the client's own messages, which are rate limited, and a
         client that leaves MAX_CONTROL of them unread is disconnected."""
@@ -128,13 +86,10 @@ class Connection:
             self.disconnect("slow_reader")
             return
         self.control_pending += 1
-        self.out.put_nowait((None, message))
+        self.out.put_nowait(event)
 
     def error(self, code: str, message: str, context_id: str | None = None) -> None:
-        payload = {"type": "error", "code": code, "message": message}
-        if context_id is not None:
-            payload["context_id"] = context_id
-        self.send_now(payload)
+        self.send_now(ContextError(code, message, context_id))
 
     def disconnect(self, why: str) -> None:
         if self.closing is None:
@@ -147,17 +102,17 @@ class Connection:
         """The one task that writes to the socket, in order; a cancelled context's
         queued audio is dropped here, so none of it follows its `cancelled`."""
         while True:
-            ctx, message = await self.out.get()
+            event = await self.out.get()
             try:
-                if ctx is None:
-                    self.control_pending -= 1
-                else:
+                if isinstance(event, (ContextAudio, ContextDone)):
                     self.audio_slots.release()
-                    if ctx.cancelled:
+                    if event.context.cancelled:
                         continue
+                else:
+                    self.control_pending -= 1
                 stall = self.settings.write_stall_s
                 try:
-                    await asyncio.wait_for(self.ws.send_str(json.dumps(message, separators=(",", ":"))), stall)
+                    await asyncio.wait_for(self.ws.send_str(json.dumps(_message(event), separators=(",", ":"))), stall)
                 except asyncio.TimeoutError:
                     self.disconnect(f"read nothing for {stall:g} s")
                     return
@@ -177,16 +132,6 @@ class Connection:
         cid = msg.get("context_id")
         if not isinstance(cid, str) or not CONTEXT_ID.fullmatch(cid):
             raise GatewayError("invalid_field", "'context_id' must be 1 to 64 letters, digits or _.:-")
-        ctx = self.contexts.get(cid)
-        gone = self.closed_ids.get(cid) if ctx is None else None
-        if kind == "cancel":
-            if ctx is not None:
-                self.cancel(ctx)
-            elif cid in self.closed_ids:
-                self.send_now({"type": "cancelled", "context_id": cid})  # it ended already: nothing more comes
-            else:
-                raise GatewayError("unknown_context", f"no context {cid!r} on this connection", id=cid)
-            return
         if kind == "text":
             text = msg.get("text")
             if not isinstance(text, str):
@@ -195,189 +140,39 @@ class Connection:
                 raise GatewayError("text_too_long", f"text has {len(text)} characters; the limit per message is {self.settings.max_text_chars}", id=cid)
             if any(0xD800 <= ord(c) <= 0xDFFF for c in text):
                 raise GatewayError("invalid_utf8", "text holds unpaired surrogates", id=cid)
-            if gone == FAILED:
-                return  # its error was its last word
-            if ctx is None:
-                ctx = self.open(cid, msg.get("voice"))
-            elif msg.get("voice") is not None:
-                raise GatewayError("invalid_field", "'voice' applies to a context's first text only", id=cid)
-            if ctx.ended:
-                raise GatewayError("context_ended", f"context {cid!r} has had its 'end'; open a new context", id=cid)
-            ctx.chars += len(text)
-            if text.strip():
-                ctx.active_at = time.monotonic()
-            if ctx.chars > self.settings.max_utterance_chars:
-                self.fail(ctx, "text_too_long", f"the context's text is over {self.settings.max_utterance_chars} characters; it was stopped")
-                return
-            for start in range(0, len(text), TEXT_SLICE_CHARS):
-                ctx.stream.push_text(text[start : start + TEXT_SLICE_CHARS])
-            return
-        if ctx is None:
-            if gone in (FAILED, REFUSED):
-                return  # its error was its last word
-            if gone == ENDED:
-                raise GatewayError("context_closed", f"context {cid!r} has ended", id=cid)
-            raise GatewayError("unknown_context", f"no context {cid!r} on this connection; a 'text' opens one", id=cid)
-        if ctx.ended:
-            return  # a repeated end or a flush after it: nothing left to do
-        if kind == "flush":
-            ctx.stream.flush()
-        else:  # end
-            ctx.ended = True
-            ctx.stream.end_input()
-
-    def open(self, cid: str, voice: object) -> Context:
-        if self.closed_ids.get(cid) == ENDED:
-            raise GatewayError("context_closed", f"context {cid!r} has ended; open a new context with another id", id=cid)
-        self.closed_ids.pop(cid, None)  # refused before: this is a retry
-        try:
-            return self._open(cid, voice)
-        except GatewayError as exc:
-            exc.id = cid  # every error about a context names it
-            # No room now (429, 503): a later `text` may try again. A mistake in the message
-            # that opened it (an unknown voice): the context is over.
-            self._remember(cid, REFUSED if exc.status in (429, 503) else FAILED)
-            raise
-
-    def _open(self, cid: str, voice: object) -> Context:
-        limit = self.settings.tts_ws_max_contexts
-        if len(self.contexts) >= limit:
-            raise GatewayError("too_many_contexts", f"this connection has {limit} open contexts; end or cancel one first", 429)
-        if voice is not None and not isinstance(voice, str):
-            raise GatewayError("invalid_field", "'voice' must be a string", id=cid)
-        voice = checked_voice(self.gw.engine, voice) if voice is not None else self.voice
-        slot = self.gw.admission.speech_slot(self.caller)
-        try:
-            stream = open_speech(self.gw.engine, SynthesisOptions(voice=voice))
-        except GatewayError:
-            slot.release()
-            raise
-        ctx = Context(cid, stream)
-        ctx.slot = slot
-        self.contexts[cid] = ctx
-        ctx.task = asyncio.ensure_future(self.speak(ctx))
-        self._watch_idle(ctx)
-        return ctx
-
-    def _remember(self, cid: str, how: str) -> None:
-        self.closed_ids[cid] = how
-        self.closed_ids.move_to_end(cid)
-        while len(self.closed_ids) > MAX_CLOSED_IDS:
-            self.closed_ids.popitem(last=False)
-
-    def _watch_idle(self, ctx: Context) -> None:
-        """End `ctx` once it has had no new text and made no audio for --tts-ws-context-idle-s:
-        an open context holds a speech slot, and one word with a `flush` every few seconds
-        held all of them at no cost (issue 53, finding 6)."""
-        idle = self.settings.tts_ws_context_idle_s
-
-        def check() -> None:
-            if self.contexts.get(ctx.id) is not ctx:
-                return
-            quiet = time.monotonic() - ctx.active_at
-            if quiet >= idle:
-                self.fail(ctx, "context_idle", f"no new text and no audio for {idle:g} s; the context ended and "
-                          "gave up its slot (open a new one to speak again)")
-            else:
-                asyncio.get_running_loop().call_later(idle - quiet, check)
-
-        asyncio.get_running_loop().call_later(idle, check)
-
-    def forget(self, ctx: Context) -> None:
-        if self.contexts.get(ctx.id) is ctx:
-            del self.contexts[ctx.id]
-            self._remember(ctx.id, FAILED if ctx.failed else ENDED)
-        if ctx.slot is not None:
-            ctx.slot.release()
-        ctx.stream.cancel()
-
-    def cancel(self, ctx: Context) -> None:
-        # Marked first: the writer drops what of it is queued, and the task stops at its next await.
-        ctx.cancelled = True
-        self.forget(ctx)
-        if ctx.task is not None:
-            ctx.task.cancel()
-        self.send_now({"type": "cancelled", "context_id": ctx.id})
-
-    def fail(self, ctx: Context, code: str, message: str) -> None:
-        ctx.cancelled = True
-        ctx.failed = True
-        self.forget(ctx)
-        if ctx.task is not None:
-            ctx.task.cancel()
-        self.error(code, message, ctx.id)
-
-    async def speak(self, ctx: Context) -> None:
-        loop = asyncio.get_running_loop()
-        pieces: OpusPackets | Pcm16Pieces | None = None
-        words: list[dict] = []  # words not yet sent with audio
-        try:
-            async for chunk in ctx.stream:
-                if pieces is None:
-                    if self.fmt == "opus":
-                        pieces = await loop.run_in_executor(FORMAT_THREADS, OpusPackets, chunk.sample_rate)
-                    else:
-                        pieces = await loop.run_in_executor(FORMAT_THREADS, Pcm16Pieces, chunk.sample_rate, self.sample_rate)
-                    max_samples = int(self.settings.tts_max_audio_s * chunk.sample_rate)
-                if ctx.samples >= max_samples:
-                    log.info("tts ws: a context reached --tts-max-audio-s (%g s); the rest is not synthesized", self.settings.tts_max_audio_s)
-                    break
-                pcm = chunk.pcm[: max_samples - ctx.samples]
-                ctx.samples += len(pcm)
-                if self.words:
-                    for w in chunk.words:
-                        if w.start * chunk.sample_rate >= len(pcm):
-                            break
-                        words.append({"word": w.text, "start_ms": round((ctx.engine_s + w.start) * 1000.0, 1),
-                                      "end_ms": round((ctx.engine_s + min(w.end, len(pcm) / chunk.sample_rate)) * 1000.0, 1)})
-                ctx.engine_s += len(pcm) / chunk.sample_rate
-                words = await self.send_audio(ctx, await loop.run_in_executor(FORMAT_THREADS, pieces.feed, pcm), words)
-                ctx.active_at = time.monotonic()
-            if pieces is not None:
-                words = await self.send_audio(ctx, await loop.run_in_executor(FORMAT_THREADS, pieces.finish), words)
-            if words:
-                await self.send_audio(ctx, [b""], words)
-            await self.send({"type": "done", "context_id": ctx.id, "duration_ms": round(ctx.out_ms, 1)}, ctx)
-        except asyncio.CancelledError:
-            return
-        except GatewayError as exc:  # the engine failed (gateway/speech_request.py)
-            log.warning("tts ws: engine failed mid-context: %s", exc.message)
-            ctx.failed = True
-            self.error(exc.code, exc.message, ctx.id)
-        except Exception as exc:  # a bug costs this context, not the connection
-            log.exception("tts ws: context failed")
-            ctx.failed = True
-            self.error("internal", f"internal error: {type(exc).__name__}", ctx.id)
-        finally:
-            self.forget(ctx)
-
-    async def send_audio(self, ctx: Context, pieces: list[bytes], words: list[dict]) -> list[dict]:
-        """One `audio` message per piece; the words so far go with the first. Returns the words left unsent."""
-        bytes_per_ms = 2 * self.sample_rate / 1000.0
-        for data in pieces:
-            duration = 20.0 if self.fmt == "opus" and data else len(data) / bytes_per_ms
-            message = {"type": "audio", "context_id": ctx.id, "seq": ctx.seq,
-                       "audio": base64.b64encode(data).decode("ascii"),
-                       "start_ms": round(ctx.out_ms, 1), "duration_ms": round(duration, 1), "words": words}
-            words = []
-            ctx.seq += 1
-            ctx.out_ms += duration
-            await self.send(message, ctx)
-        return words
-
-    async def close(self) -> None:
-        for ctx in list(self.contexts.values()):
-            ctx.cancelled = True
-            self.forget(ctx)
-            if ctx.task is not None:
-                ctx.task.cancel()
+            self.contexts.text(cid, text, msg.get("voice"))
+        elif kind == "cancel":
+            self.contexts.cancel(cid)
+        elif kind == "flush":
+            self.contexts.flush(cid)
+        else:
+            self.contexts.end(cid)
 
 
-def _query(request: web.Request, gw) -> tuple[str, int | None, str | None, bool]:
+def _message(event: ContextAudio | ContextDone | ContextCancelled | ContextError | dict) -> dict:
+    """An event as its JSON message (docs/tts-websocket.md)."""
+    if isinstance(event, ContextAudio):
+        words = [{"word": w.word, "start_ms": w.start_ms, "end_ms": w.end_ms} for w in event.words]
+        return {"type": "audio", "context_id": event.context.id, "seq": event.seq,
+                "audio": base64.b64encode(event.data).decode("ascii"),
+                "start_ms": event.start_ms, "duration_ms": event.duration_ms, "words": words}
+    if isinstance(event, ContextDone):
+        return {"type": "done", "context_id": event.context.id, "duration_ms": event.duration_ms}
+    if isinstance(event, ContextCancelled):
+        return {"type": "cancelled", "context_id": event.context_id}
+    if isinstance(event, ContextError):
+        payload = {"type": "error", "code": event.code, "message": event.message}
+        if event.context_id is not None:
+            payload["context_id"] = event.context_id
+        return payload
+    return event
+
+
+def _query(request: web.Request, gw) -> tuple[ContextOutput, str | None]:
     q = request.query
     fmt = q.get("format", "pcm16")
-    if fmt not in FORMATS:
-        raise GatewayError("invalid_field", f"'format' must be one of {', '.join(FORMATS)}")
+    if fmt not in CONTEXT_FORMATS:
+        raise GatewayError("invalid_field", f"'format' must be one of {', '.join(CONTEXT_FORMATS)}")
     rate = None
     if "sample_rate" in q:
         if fmt != "pcm16":
@@ -390,14 +185,14 @@ def _query(request: web.Request, gw) -> tuple[str, int | None, str | None, bool]
     words = q.get("words", "true")
     if words not in ("true", "false"):
         raise GatewayError("invalid_field", "'words' must be true or false")
-    return fmt, rate, voice, words == "true"
+    return ContextOutput(fmt, rate, words == "true"), voice
 
 
 async def handle_tts_ws(request: web.Request) -> web.StreamResponse:
     gw = request.app["gateway"]
     try:
         key = check_api_key(request, query=True)  # raises a JSON 401
-        fmt, rate, voice, words = _query(request, gw)
+        output, voice = _query(request, gw)
         if not gw.accepting:
             raise GatewayError("draining", "the server is shutting down; retry on another instance", 503)
     except GatewayError as exc:
@@ -407,10 +202,10 @@ async def handle_tts_ws(request: web.Request) -> web.StreamResponse:
     # Up to twice the limit arrives and earns a JSON error; past that aiohttp closes with 1009.
     ws = web.WebSocketResponse(heartbeat=20.0, max_msg_size=2 * limit, decode_text=False, compress=False)
     await ws.prepare(request)
-    conn = Connection(request, ws, caller, fmt, rate, voice, words)
+    conn = Connection(request, ws, caller, output, voice)
     writer = asyncio.ensure_future(conn.writer())
     default_voice = voice or (gw.engine.info.get("voices") or [None])[0]
-    conn.send_now({"type": "ready", "sample_rate": conn.sample_rate, "format": fmt, "voice": default_voice,
+    conn.send_now({"type": "ready", "sample_rate": conn.contexts.sample_rate, "format": output.fmt, "voice": default_voice,
                    "max_contexts": gw.settings.tts_ws_max_contexts})
     limiter = RateLimiter(gw.settings.max_messages_per_s)
     flooding_since: float | None = None
@@ -449,7 +244,7 @@ async def handle_tts_ws(request: web.Request) -> web.StreamResponse:
                 log.exception("tts ws: message failed")
                 conn.error("internal", f"internal error: {type(exc).__name__}")
     finally:
-        await conn.close()
+        conn.contexts.close()
         # Let what is queued (errors, cancelled) go out before the close, briefly.
         if not ws.closed and not writer.done():
             try:

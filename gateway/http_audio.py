@@ -1,21 +1,32 @@
-"""The audio formats speech is served in over HTTP (signaling/tts_http.py, openai_speech.py)
-and the TTS WebSocket: a formatter takes the engine's PCM and gives the response's bytes
-(WAV, raw PCM, mu-law, and Opus, MP3, AAC, FLAC through PyAV); the WebSocket's take the
-same PCM and give a list of pieces, each its own message (raw Opus packets, PCM16)."""
+"""Speech audio as it leaves without a peer: the one home of formatting for `POST /v1/tts`,
+OpenAI's `POST /v1/audio/speech` and the TTS WebSocket (signaling/tts_http.py, openai_speech.py,
+tts_ws.py only parse, route and write what this gives them).
+
+A formatter takes the engine's PCM and gives the response's bytes (WAV, raw PCM, mu-law, and
+Opus, MP3, AAC, FLAC through PyAV); the WebSocket's take the same PCM and give a list of pieces,
+each its own message (raw Opus packets, PCM16). Formatting runs on threads of its own, never on
+the event loop, and a compressed format pays its price: more of the speech slots, one thread for
+all of them, and a pace (`FormatRun`), charged to its caller for late-frame blame.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import struct
+import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import cast
+from typing import Callable, TypeVar, cast
 
 import av
 import numpy as np
 from av.audio.stream import AudioStream
 
-from ..gateway import priority
-from ..gateway.encoder import OpusEncoder, OpusSettings, ulaw_encode
-from ..gateway.resample import StreamResampler
+from . import priority
+from .encoder import OpusEncoder, OpusSettings, ulaw_encode
+from .late_blame import LateBlame
+from .resample import StreamResampler
+
+T = TypeVar("T")
 
 # Formatters run here (resampling, Opus, PyAV), never on the event loop; one request's calls
 # are awaited in order, so each formatter is only ever used by one thread at a time.
@@ -33,7 +44,9 @@ COMPRESSED_SLOTS = 2
 # request waits 3t before the next, so an encode (and through the stream's backpressure, the synthesis
 # feeding it) cannot take the cores the event loop's frames need. 300 s of aac then takes some 20 s.
 COMPRESSED_CORE_SHARE = 0.25
-FORMATS = ("wav", "pcm", "mulaw", "opus")
+FORMATS = ("wav", "pcm", "mulaw", "opus")  # POST /v1/tts's
+# OpenAI's pcm is 24 kHz, and clients play it at that rate.
+OPENAI_PCM_RATE = 24000
 UNKNOWN_SIZE = 0xFFFFFFFF
 
 
@@ -213,6 +226,21 @@ FORMATTERS: dict[str, type[Formatter]] = {
 }
 
 
+# OpenAI's formats (POST /v1/audio/speech): the engine's rate -> a formatter.
+OPENAI_FORMATTERS: dict[str, Callable[[int], Formatter]] = {
+    "mp3": Mp3Formatter,
+    "opus": OpusFormatter,
+    "aac": AacFormatter,
+    "flac": FlacFormatter,
+    "wav": WavFormatter,
+    "pcm": lambda rate: PcmFormatter(rate, OPENAI_PCM_RATE),
+}
+
+
+# Each speech route's formats by name: POST /v1/tts's and OpenAI's.
+FORMAT_FAMILIES: dict[str, dict[str, Callable[[int], Formatter]]] = {"tts": dict(FORMATTERS), "openai": OPENAI_FORMATTERS}
+
+
 # The TTS WebSocket's (signaling/tts_ws.py): a list of pieces a chunk, each sent as one message.
 class OpusPackets:
     """Engine PCM in, raw Opus packets (20 ms each, decoded at 48 kHz) out; the
@@ -267,3 +295,39 @@ def pause_after(fmt: str, cpu_s: float) -> float:
 def threads_of(fmt: str) -> ThreadPoolExecutor:
     """Where a request in format `fmt` is formatted: the compressed ones on their one thread."""
     return ENCODE_THREADS if fmt in COMPRESSED else FORMAT_THREADS
+
+
+def _timed(fn: Callable[..., T], *args: object) -> tuple[T, float]:
+    """`fn(*args)` and the CPU time it took this thread."""
+    started = time.thread_time()
+    result = fn(*args)
+    return result, time.thread_time() - started
+
+
+class FormatRun:
+    """One request's formatting in format `fmt`: each call on the format's thread (`threads_of`),
+    its CPU time charged to `tenant` (gateway/late_blame.py), and a compressed format paced
+    (`pause_after`). `shed` stops the request when its encodes are blamed for late frames; the
+    route that made it says how (signaling/tts_http.py aborts its connection)."""
+
+    def __init__(self, fmt: str, blame: LateBlame, tenant: str, shed: Callable[[str], None]) -> None:
+        self.fmt = fmt
+        self.blame = blame
+        self.tenant = tenant
+        self._shed = shed
+        self.threads = threads_of(fmt)
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        result, spent = await asyncio.get_running_loop().run_in_executor(self.threads, _timed, fn, *args)
+        self.blame.charge(self.tenant, spent, self)  # on the loop's thread: the blame's tables are its alone
+        pause = pause_after(self.fmt, spent)
+        if pause > 0:
+            await asyncio.sleep(pause)  # a compressed encode's pace
+        return result
+
+    def shed(self, why: str) -> None:
+        self._shed(why)
+
+    def forget(self) -> None:
+        """The request is over: nothing more to charge or shed."""
+        self.blame.forget(self)
