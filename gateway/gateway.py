@@ -350,7 +350,7 @@ class Gateway:
     def attach_call(self, session: Session, call: object, stream_sid: str, send: Callable[[dict], Awaitable[None]],
                     on_session_close: Callable[[], Awaitable[None]]) -> CallLink:
         """A phone call as the session's output and input (gateway/call_link.py), until its `end`."""
-        return CallLink(self, session, call, stream_sid, send, on_session_close)
+        return CallLink(self.registry, session, call, stream_sid, send, on_session_close)
 
     def describe(self, session: Session) -> dict:
         """A session as GET /v1/sessions/{id} shows it: what is attached, queued and set."""
