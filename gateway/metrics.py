@@ -29,10 +29,8 @@ class GatewayMetrics:
                                         "instead of being sent", registry=r)
         self.underruns = Counter("voxgate_pacer_underruns_total", "Underruns inside an utterance, filled with silence", registry=r)
         self.jitter = Histogram("voxgate_pacer_departure_jitter_seconds", "Absolute deviation of inter-departure intervals from 20 ms", buckets=JITTER_BUCKETS, registry=r)
-        # The same counts as plain numbers, for admission's late-frame share (gateway/admission.py): the
-        # metrics' own values are prometheus_client's private state, and rendering them each second costs more.
-        self.frames_sent = 0
-        self.frames_late = 0
+        # Frames sent, and late, as plain counts for admission (prometheus_client keeps the metrics' values private).
+        self.frames_sent = self.frames_late = 0
         self.sessions = Gauge("voxgate_active_sessions", "Open sessions", registry=r)
         self.utterances_active = Gauge("voxgate_active_utterances", "Utterances queued or playing", registry=r)
         self.utterances = Counter("voxgate_utterances_total", "Utterances by outcome", ["outcome"], registry=r)

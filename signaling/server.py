@@ -17,7 +17,7 @@ from aiohttp import web
 from ..config import Settings
 from ..engine.client import EngineClient
 from ..gateway.errors import GatewayError
-from ..gateway import heap, ice, priority, rtc_internals, speex
+from ..gateway import heap, ice, loop_internals, priority, rtc_internals, speex
 from ..gateway.encode_pool import encode_pool, parse_threads
 from ..gateway.gateway import Gateway
 from .errors import MAX_CANDIDATE_BYTES, MAX_OFFER_BYTES, error_response, read_json_object
@@ -341,12 +341,13 @@ def _engine_line(settings: Settings, info: dict) -> str:
     return f"voice {voice} on {where}{device}{load}{more}"
 
 
-def _fast_paths_line(settings: Settings, info: dict, rtc_paths: dict[str, bool]) -> str:
+def _fast_paths_line(settings: Settings, info: dict, rtc_paths: dict[str, bool], compat: list[str]) -> str:
     paths = []
     fast = info.get("fast_paths")
     if fast:
         paths.append(f"engine: {fast}")
     paths.append(rtc_internals.summary(rtc_paths))
+    paths += compat  # the other dependencies reached inside, each from its one module (Gateway.start)
     paths.append("RTP packets from templates" if settings.rtp_sender == "voxgate" else "RTP through aiortc's sender (--rtp-sender aiortc)")
     paths.append(f"encoding on {encode_pool.threads} thread(s)" if encode_pool.threads else "encoding on the event loop")
     if settings.media_priority != "normal":
@@ -369,7 +370,7 @@ async def serve(settings: Settings) -> None:
         encode_pool.configure(parse_threads(settings.encode_threads))
         where = f"on {encode_pool.threads} thread(s)" if encode_pool.threads else "on the event loop"
         log.debug("speech is encoded %s (--encode-threads %s)", where, settings.encode_threads)
-        if not encode_pool.threads and not hasattr(asyncio.get_running_loop(), "_ready"):
+        if not encode_pool.threads and not loop_internals.check():
             log.warning("this event loop (%s) does not show its waiting callbacks, so encoding on it cannot give way "
                         "to them and frames may go late; give --encode-threads auto", type(asyncio.get_running_loop()).__name__)
         app = create_app(settings)
@@ -401,7 +402,7 @@ async def serve(settings: Settings) -> None:
         log.info("listening on %s", url)
         log.log(*_media_line(settings))
         log.info("%s", _engine_line(settings, gw.engine.info))
-        log.info("%s", _fast_paths_line(settings, gw.engine.info, gw.fast_paths))
+        log.info("%s", _fast_paths_line(settings, gw.engine.info, gw.fast_paths, gw.compat))
         if settings.web:
             log.info("open %s/ in a browser", url)
         stop = asyncio.Event()
