@@ -322,9 +322,6 @@ class RemoteEngineClient(EngineClient):
         """The open stream `sid`, if it is still open."""
         return self._streams.get(sid)
 
-    def count_request(self, route: str) -> None:
-        self.requests_by_route[route] += 1
-
     def finish(self, sid: int, error: Exception | None) -> None:
         """A stream's last word, from its transport: done, or failed with `error`."""
         transport = self._transports.pop(sid, None)

@@ -43,6 +43,7 @@ class PoolClient(Protocol):
 
     url: str  # Serve's proxy
     read_timeout_s: float
+    requests_by_route: dict[str, int]  # requests sent "direct" to a replica, and through the "proxy"
 
     @property
     def http(self) -> aiohttp.ClientSession | None: ...  # None once closed
@@ -56,8 +57,6 @@ class PoolClient(Protocol):
     def release_replica(self, url: str) -> None: ...
 
     def drop_replica(self, url: str, why: str) -> None: ...
-
-    def count_request(self, route: str) -> None: ...
 
     def replica_lost(self, replica: str | None) -> None: ...
 
@@ -188,7 +187,7 @@ class RemoteTransport:
                     # Not the replica's answer to a stream (its port taken over, or it
                     # sheds load): nothing was synthesized, so the proxy may place it.
                     raise _NotConnected(f"answered {resp.status}")
-                self.client.count_request("direct" if direct else "proxy")
+                self.client.requests_by_route["direct" if direct else "proxy"] += 1
                 self.replica = resp.headers.get(REPLICA_HEADER, self.replica)
                 if resp.status == 400:
                     raise EngineStreamError((await resp.text())[:500])
