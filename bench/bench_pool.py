@@ -81,13 +81,10 @@ async def throughput(client, streams: int) -> float:
 
 def grpc_replica_address() -> str:
     """The replica's own gRPC port, as Serve's controller lists it (this bench is the Ray driver)."""
-    import ray
-    from ray.serve._private.common import RequestProtocol
-    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+    from voxgate.engine import ray_internals
 
-    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-    for group in ray.get(controller.get_target_groups.remote(APP_NAME)):
-        if group.protocol == RequestProtocol.GRPC:
+    for group in ray_internals.target_groups_blocking(APP_NAME):
+        if ray_internals.serves(group, "GRPC"):
             for target in group.targets:
                 if target.name.startswith("SERVE_REPLICA::"):
                     return f"127.0.0.1:{target.port}"

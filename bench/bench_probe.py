@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import ARTIFACTS, arg_parser, finish, free_port, machine, print_machine, ratio, section, wait_ready  # noqa: E402
 
-from voxgate.probe import ProbeConfig, ProbeReport, run_probe  # noqa: E402
+from voxgate.probe import ProbeConfig, ProbeReport, run_probe, write_html  # noqa: E402
 
 TEXTS = [
     "Good morning. This is the benchmark speaking through the gateway, one symbol at a time.",
@@ -120,7 +120,7 @@ async def main() -> None:
     results["comparison"] = comparison
     if last is not None:
         html_path = os.path.join(ARTIFACTS, "bench-probe.html")
-        last.write_html(html_path)
+        write_html(last, html_path)
         print(f"HTML report of the last {n}-session run: {html_path}")
     finish("probe", results, started)
 

@@ -22,7 +22,7 @@ proxy's hop, about 5 ms a request here (bench/bench_pool.py).
 
 This module is the deployment and its launcher; the HTTP ingress is
 engine/pool_ingress.py, the gRPC shim engine/pool_grpc.py, and the read of
-Serve's controller (Ray's private API) engine/pool_replicas.py.
+Serve's controller engine/pool_replicas.py, through Ray's private API in engine/ray_internals.py.
 
 Ray is imported only inside `build_app`, `serve_forever` and the replica, so the gateway can
 import this module's neighbours without the `[scale]` extra.
@@ -35,6 +35,7 @@ import os
 import threading
 from dataclasses import fields
 
+from . import ray_internals
 from .pool_grpc import GRPC_SERVICE, GRPC_SERVICER
 from .pool_host import PoolConfig
 from .pool_ingress import PoolIngress
@@ -136,7 +137,8 @@ def serve_forever(config: PoolConfig, host: str, port: int, num_cpus: int | None
     """`voxgate engine serve`: a local pool until interrupted."""
     ray, serve = require_ray()
     start_local(config, host, port, num_cpus, direct_ingress=direct_ingress)
-    print(f"voxgate engine pool ({config.engine}) on http://{host}:{port}/ ; Ctrl-C stops it", flush=True)
+    listing = ray_internals.summary(ray_internals.check()) if direct_ingress else "direct ingress off"
+    print(f"voxgate engine pool ({config.engine}) on http://{host}:{port}/ ; {listing}; Ctrl-C stops it", flush=True)
     stop = threading.Event()
     try:
         import signal

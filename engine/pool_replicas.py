@@ -1,6 +1,5 @@
 """The replicas' own addresses (Serve's direct ingress) for `GET /v1/replicas`,
-read from Serve's controller through Ray's private API: the only module that
-reaches into `ray.serve._private`."""
+read from Serve's controller through Ray's private API (engine/ray_internals.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ import logging
 import math
 import time
 
+from . import ray_internals
 from .pool_protocol import MAX_REPLICAS_LISTED, replica_url
 
 log = logging.getLogger(__name__)
@@ -24,11 +24,10 @@ class ReplicaListing:
     """The addresses of the pool's replicas where they listen themselves (Serve's
     direct ingress), read from Serve's controller and cached for REPLICAS_CACHE_S.
 
-    Serve has no public call for these addresses in Ray 2.60 (its HAProxy
-    integration reads them the same way), so this reads the controller's
-    `get_target_groups`; if a Ray upgrade changes it, the listing is empty, the
-    log says why, and gateways keep using the proxy. The controller is looked up
-    once, off the event loop, and each read is bounded by LISTING_TIMEOUT_S."""
+    Serve has no public call for these addresses, so this reads the controller's
+    target groups (engine/ray_internals.py); if a Ray upgrade changes them, the listing
+    is empty, the log says why, and gateways keep using the proxy. The controller is
+    looked up once, off the event loop, and each read is bounded by LISTING_TIMEOUT_S."""
 
     def __init__(self) -> None:
         self._at = -math.inf
@@ -50,20 +49,16 @@ class ReplicaListing:
         return self._value
 
     async def _read(self) -> dict:
-        import ray
         from ray import serve
-        from ray.serve._private.common import RequestProtocol
-        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
-        if self._controller is None:  # a blocking call to Ray's GCS: not on the loop that streams frames
-            self._controller = await asyncio.to_thread(ray.get_actor, SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-        controller = self._controller
+        if self._controller is None:
+            self._controller = await ray_internals.serve_controller()
         app = serve.get_replica_context().app_name
-        groups, http = await asyncio.gather(controller.get_target_groups.remote(app), controller.get_http_config.remote())
+        groups, http = await ray_internals.target_groups(self._controller, app)
         bind = _literal_ip(http.host)
         replicas = []
         for group in groups:
-            if group.protocol != RequestProtocol.HTTP or group.app_name != app:
+            if not ray_internals.serves(group, "HTTP") or group.app_name != app:
                 continue
             for target in group.targets:
                 # Without direct ingress (or before a replica runs) Serve lists its proxies here instead.

@@ -44,6 +44,7 @@ from .pool_protocol import (
     check_load, parse_replicas,
 )
 from .remote_stream import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, RemoteTransport
+from .stream import TTSStream
 
 log = logging.getLogger(__name__)
 
@@ -251,16 +252,23 @@ class RemoteEngineClient(EngineClient):
             except Exception:  # whatever a listing does, the next one is still read
                 log.exception("engine pool replica listing failed")
 
-    def _pick_replica(self) -> str | None:
-        """The listed replica with the fewest of this gateway's requests open, ties taken in turn."""
+    def take_replica(self) -> str | None:
+        """The listed replica with the fewest of this gateway's requests open, ties taken in turn,
+        counted as open until `release_replica` (None: none listed, use the proxy at `url`)."""
         if not self.replicas:
             return None
         start = self._turn % len(self.replicas)
         self._turn += 1
         ring = self.replicas[start:] + self.replicas[:start]
-        return min(ring, key=lambda url: self._inflight.get(url, 0))
+        replica = min(ring, key=lambda url: self._inflight.get(url, 0))
+        self._inflight[replica] = self._inflight.get(replica, 0) + 1
+        return replica
 
-    def _drop_replica(self, url: str, why: str) -> None:
+    def release_replica(self, url: str) -> None:
+        """A request that `take_replica` counted has ended."""
+        self._inflight[url] -= 1
+
+    def drop_replica(self, url: str, why: str) -> None:
         """Leave a replica out for FAILED_HOLD_S: its requests go through the proxy."""
         if url in self.replicas:
             log.warning("engine pool replica %s: %s; sending through the proxy for %.0f s", url, why, FAILED_HOLD_S)
@@ -304,7 +312,17 @@ class RemoteEngineClient(EngineClient):
         if transport is not None:
             transport.add_credit(chunks)
 
-    def _finish(self, sid: int, error: Exception | None) -> None:
+    # What a stream's RemoteTransport asks of this client (remote_stream.PoolClient)
+    @property
+    def http(self) -> aiohttp.ClientSession | None:
+        """The HTTP client to the pool, from `start` until `close` (None before)."""
+        return self._http
+
+    def stream_of(self, sid: int) -> TTSStream | None:
+        """The open stream `sid`, if it is still open."""
+        return self._streams.get(sid)
+
+    def finish(self, sid: int, error: Exception | None) -> None:
         """A stream's last word, from its transport: done, or failed with `error`."""
         transport = self._transports.pop(sid, None)
         if transport is not None:
@@ -320,7 +338,8 @@ class RemoteEngineClient(EngineClient):
         else:
             stream.on_error(error)
 
-    def _replica_lost(self, replica: str | None) -> None:
+    def replica_lost(self, replica: str | None) -> None:
+        """A replica died mid-stream: counted once as a restart, and the listeners told."""
         if replica is not None and replica in self._lost_replicas:
             return
         self._lost_replicas.append(replica)

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import aiohttp
 import numpy as np
@@ -23,9 +23,6 @@ from .errors import EngineCrashed, EngineStreamError, EngineUnavailable
 from .codec import FRAME_HEAD, FrameError, frame_sizes, parse_header
 from .pool_protocol import MAX_UNITS_PER_REQUEST, REPLICA_HEADER, STREAM_PATH, StreamRequest, check_chunk
 from .stream import TTSStream
-
-if TYPE_CHECKING:
-    from .remote import RemoteEngineClient
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +38,34 @@ READ_TIMEOUT_S = 60.0
 CRASHED_TEXT = "the engine pool's replica stopped unexpectedly; it is being restarted and the next utterance goes to a live replica"
 
 
+class PoolClient(Protocol):
+    """What a transport asks of the client that holds it (engine/remote.py's RemoteEngineClient)."""
+
+    url: str  # Serve's proxy
+    read_timeout_s: float
+    requests_by_route: dict[str, int]  # requests sent "direct" to a replica, and through the "proxy"
+
+    @property
+    def http(self) -> aiohttp.ClientSession | None: ...  # None once closed
+
+    def stream_of(self, sid: int) -> TTSStream | None: ...
+
+    def finish(self, sid: int, error: Exception | None) -> None: ...
+
+    def take_replica(self) -> str | None: ...
+
+    def release_replica(self, url: str) -> None: ...
+
+    def drop_replica(self, url: str, why: str) -> None: ...
+
+    def replica_lost(self, replica: str | None) -> None: ...
+
+
 class RemoteTransport:
     """One stream's requests to the pool: units out in order, frames in, within the stream's credit."""
 
     def __init__(
-        self, client: "RemoteEngineClient", sid: int, options: dict, start_in_s: float, held_s: float = 0.0,
+        self, client: PoolClient, sid: int, options: dict, start_in_s: float, held_s: float = 0.0,
         after: "RemoteTransport | None" = None,
     ) -> None:
         self.client = client
@@ -116,7 +136,7 @@ class RemoteTransport:
 
     # The requests
     async def _run(self) -> None:
-        stream = self.client._streams.get(self.sid)
+        stream = self.client.stream_of(self.sid)
         if stream is None:
             return
         try:
@@ -125,34 +145,33 @@ class RemoteTransport:
                     self._wake.clear()
                     await self._wake.wait()
                 if not self.units:
-                    self.client._finish(self.sid, None)
+                    self.client.finish(self.sid, None)
                     return
                 batch = [self.units.popleft() for _ in range(min(len(self.units), MAX_UNITS_PER_REQUEST))]
                 await self._request(stream, batch)
         except (EngineCrashed, EngineStreamError, EngineUnavailable) as exc:
-            self.client._finish(self.sid, exc)
+            self.client.finish(self.sid, exc)
         except Exception as exc:  # a bug here must end the stream, never leave its reader waiting
             log.exception("engine pool stream failed")
-            self.client._finish(self.sid, EngineUnavailable(f"the engine pool stream failed: {type(exc).__name__}"))
+            self.client.finish(self.sid, EngineUnavailable(f"the engine pool stream failed: {type(exc).__name__}"))
 
     async def _request(self, stream: TTSStream, batch: list) -> None:
         """One request: straight to a replica when the pool lists them, else (or if
         that replica cannot be connected to, so nothing reached it) through the proxy."""
         client = self.client
-        replica = client._pick_replica()
+        replica = client.take_replica()
         if replica is not None:
-            client._inflight[replica] = client._inflight.get(replica, 0) + 1
             try:
                 await self._request_at(replica, stream, batch, direct=True)
                 return
             except _NotConnected as exc:
-                client._drop_replica(replica, str(exc))
+                client.drop_replica(replica, str(exc))
             finally:
-                client._inflight[replica] -= 1
+                client.release_replica(replica)
         await self._request_at(client.url, stream, batch)
 
     async def _request_at(self, base: str, stream: TTSStream, batch: list, direct: bool = False) -> None:
-        http = self.client._http
+        http = self.client.http
         if http is None:
             raise EngineUnavailable("the engine is shutting down")
         playing = self.first_audio_at is not None
@@ -174,7 +193,7 @@ class RemoteTransport:
                     raise EngineStreamError((await resp.text())[:500])
                 if resp.status != 200:
                     if playing:
-                        self.client._replica_lost(self.replica)
+                        self.client.replica_lost(self.replica)
                         raise EngineCrashed(CRASHED_TEXT)
                     raise EngineUnavailable(f"the engine pool answered {resp.status}; try again in a moment")
                 try:
@@ -192,16 +211,16 @@ class RemoteTransport:
             # crashed. Clients get plain words; the pool's address stays in the log.
             log.warning("cannot reach the engine pool at %s: %s", base, exc)
             if playing:
-                self.client._replica_lost(self.replica)
+                self.client.replica_lost(self.replica)
                 raise EngineCrashed(CRASHED_TEXT) from None
             raise EngineUnavailable("the engine pool cannot be reached; try again in a moment") from None
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, asyncio.IncompleteReadError,
                 FrameError, asyncio.TimeoutError):
-            self.client._replica_lost(self.replica)
+            self.client.replica_lost(self.replica)
             raise EngineCrashed(CRASHED_TEXT) from None
         except aiohttp.ClientConnectionError as exc:
             if playing:
-                self.client._replica_lost(self.replica)
+                self.client.replica_lost(self.replica)
                 raise EngineCrashed(CRASHED_TEXT) from None
             log.warning("engine pool connection at %s failed: %s", base, exc)
             raise EngineUnavailable("the engine pool cannot be reached; try again in a moment") from None

@@ -276,31 +276,11 @@ class Scheduler:
             close_job(job)
 
     def dispatch(self) -> None:
+        """Start steps while cores are free: the most pressing eligible stream's, batched with
+        others' where the engine batches, on as many threads as it should have."""
         while self.in_flight < self.parallel:
             now = time.monotonic()
-            # A stream that does not speak yet may start only while the cores keep
-            # fewer listeners speaking than they can (or none at all): otherwise it
-            # waits, and the started ones keep their pace (the module docstring).
-            speaking = self.speaking()
-            room = not self.hold_new or speaking == 0 or (speaking < self.capacity() and self._in_time(now))
-            ready = [s for s in self.streams.values() if s.runnable() and (room or s.speaks())]
-            if not room:
-                for s in self.streams.values():
-                    if s.sid not in self._held and s.runnable() and not s.speaks():
-                        self._held.add(s.sid)
-                        self.counters["held_streams"] += 1
-            if not ready:
-                return
-            ready.sort(key=lambda s: s.priority(now))
-            # While a listener waits for first audio, streams with audio to
-            # spare wait too: they would only share its cores. Their running
-            # steps are stopped, to be redone later.
-            waiting = [s for s in self.streams.values() if s.waiting_for_first(now) and (s.busy or s.runnable())
-                       and (room or s.speaks())]
-            first_pending = bool(waiting)
-            if first_pending and any(s.waiting_for_first(now) for s in ready):
-                self._preempt(now)
-            eligible = [s for s in ready if not first_pending or s.waiting_for_first(now) or s.urgent(now)]
+            eligible = self._eligible(now)
             if not eligible:
                 return
             stream = eligible[0]
@@ -308,13 +288,8 @@ class Scheduler:
                 # Every core is taken by an urgent step; only a listener who is
                 # waiting for first audio may share them, the rest waits.
                 return
-            if stream.job is None:
-                try:
-                    stream.begin_unit(self.engine)
-                except Exception as exc:  # a bad voice name, say: this stream's error alone
-                    self._remove(stream.sid, cancelled=False)
-                    self.send(proto.StreamError(stream.sid, str(exc)))
-                    continue
+            if stream.job is None and not self._begin(stream):
+                continue
             # Every core for a step that runs alone and is urgent; one thread each
             # when steps run side by side: more audio per second from the cores.
             # Never every core beside a running step: each op of a many-thread
@@ -324,51 +299,93 @@ class Scheduler:
             alone = self.in_flight == 0 and len(eligible) == 1
             every_core = self.parallel == 1 or (alone and stream.urgent(now))
             threads = self.max_threads if (every_core and self.stepwise) else 1
-            if self.max_batch > 1 and not isinstance(stream.job, RenderJob):
-                # One batched pass for several streams' next windows. Streams still
-                # waiting for their first audio are batched only with each other,
-                # so a new stream's first window never waits behind a full batch.
-                fresh = stream.waiting_for_first(now)
-                group = [stream]
-                for s in eligible[1:]:
-                    if len(group) >= self.max_batch:
-                        break
-                    if s.waiting_for_first(now) != fresh:
-                        continue
-                    if s.job is None:
-                        try:
-                            s.begin_unit(self.engine)
-                        except Exception:
-                            continue  # it fails on its own turn, with its own error
-                    if not isinstance(s.job, RenderJob):
-                        group.append(s)
-                self.counters["batches"] += 1
-                self.counters["batched_streams"] += len(group)
-                self.counters["largest_batch"] = max(self.counters["largest_batch"], len(group))
-            else:
-                group = [stream]
-            active = sum(1 for s in self.streams.values() if s.busy or s.runnable())
-            members: list[tuple[int, SynthesisJob]] = []
-            for member in group:
-                job = member.job
-                assert job is not None  # each member's unit has begun
-                members.append((member.sid, job))
-                # Capped: a stream far back in its listener's queue has an endless deadline.
-                job.slack_s = min(max(0.0, member.deadline() - now), MAX_SLACK_S)
-                job.load = active / self.parallel
-                member.busy = True
-                member.granted = True
-                member.credit -= 1
-                self.trace.append((member.sid, "first" if member.chunks_sent == 0 else "later"))
-            self.counters["steps"] += 1
-            if threads > 1:
-                self.counters["all_core_steps"] += 1
-                self.all_cores_in_flight += 1
-            self.in_flight += 1
-            stop = StopSignal()
-            if len(group) == 1:
-                self.running[stream.sid] = stop
-            self.pool.submit(self._run, members, threads, stop)
+            self._launch(self._batch(stream, eligible[1:], now), threads, now)
+
+    def _eligible(self, now: float) -> list[Stream]:
+        """The streams that may step now, most pressing first (none: nothing starts now)."""
+        # A stream that does not speak yet may start only while the cores keep
+        # fewer listeners speaking than they can (or none at all): otherwise it
+        # waits, and the started ones keep their pace (the module docstring).
+        speaking = self.speaking()
+        room = not self.hold_new or speaking == 0 or (speaking < self.capacity() and self._in_time(now))
+        ready = [s for s in self.streams.values() if s.runnable() and (room or s.speaks())]
+        if not room:
+            for s in self.streams.values():
+                if s.sid not in self._held and s.runnable() and not s.speaks():
+                    self._held.add(s.sid)
+                    self.counters["held_streams"] += 1
+        if not ready:
+            return []
+        ready.sort(key=lambda s: s.priority(now))
+        # While a listener waits for first audio, streams with audio to
+        # spare wait too: they would only share its cores. Their running
+        # steps are stopped, to be redone later.
+        waiting = [s for s in self.streams.values() if s.waiting_for_first(now) and (s.busy or s.runnable())
+                   and (room or s.speaks())]
+        first_pending = bool(waiting)
+        if first_pending and any(s.waiting_for_first(now) for s in ready):
+            self._preempt(now)
+        return [s for s in ready if not first_pending or s.waiting_for_first(now) or s.urgent(now)]
+
+    def _begin(self, stream: Stream) -> bool:
+        """Begin the stream's next unit; a unit that cannot begin (a bad voice name, say) is this stream's error alone."""
+        try:
+            stream.begin_unit(self.engine)
+        except Exception as exc:
+            self._remove(stream.sid, cancelled=False)
+            self.send(proto.StreamError(stream.sid, str(exc)))
+            return False
+        return True
+
+    def _batch(self, stream: Stream, others: list[Stream], now: float) -> list[Stream]:
+        """`stream` and the streams whose next windows go in one pass with it (just it, unbatched)."""
+        if self.max_batch <= 1 or isinstance(stream.job, RenderJob):
+            return [stream]
+        # Streams still waiting for their first audio are batched only with each other,
+        # so a new stream's first window never waits behind a full batch.
+        fresh = stream.waiting_for_first(now)
+        group = [stream]
+        for s in others:
+            if len(group) >= self.max_batch:
+                break
+            if s.waiting_for_first(now) != fresh:
+                continue
+            if s.job is None:
+                try:
+                    s.begin_unit(self.engine)
+                except Exception:
+                    continue  # it fails on its own turn, with its own error
+            if not isinstance(s.job, RenderJob):
+                group.append(s)
+        self.counters["batches"] += 1
+        self.counters["batched_streams"] += len(group)
+        self.counters["largest_batch"] = max(self.counters["largest_batch"], len(group))
+        return group
+
+    def _launch(self, group: list[Stream], threads: int, now: float) -> None:
+        """One step for `group` (its first stream's, and any batched with it) on the pool's threads."""
+        active = sum(1 for s in self.streams.values() if s.busy or s.runnable())
+        members: list[tuple[int, SynthesisJob]] = []
+        for member in group:
+            job = member.job
+            assert job is not None  # each member's unit has begun
+            members.append((member.sid, job))
+            # Capped: a stream far back in its listener's queue has an endless deadline.
+            job.slack_s = min(max(0.0, member.deadline() - now), MAX_SLACK_S)
+            job.load = active / self.parallel
+            member.busy = True
+            member.granted = True
+            member.credit -= 1
+            self.trace.append((member.sid, "first" if member.chunks_sent == 0 else "later"))
+        self.counters["steps"] += 1
+        if threads > 1:
+            self.counters["all_core_steps"] += 1
+            self.all_cores_in_flight += 1
+        self.in_flight += 1
+        stop = StopSignal()
+        if len(group) == 1:
+            self.running[group[0].sid] = stop
+        self.pool.submit(self._run, members, threads, stop)
 
     def _preempt(self, now: float) -> None:
         for sid, stop in self.running.items():

@@ -44,14 +44,19 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from ..engine.capacity import LISTENER_MEDIA_COST, RESERVE, CoreShare
 from .errors import GatewayError
 from .late_blame import LateBlame, address_tenant, key_tenant
 
 if TYPE_CHECKING:
-    from .gateway import Gateway
+    from ..config import Settings
+    from ..engine.client import EngineClient
+    from .metrics import GatewayMetrics
+    from .registry import SessionRegistry
+    from .session import Session
 
 # Sent with a refusal for capacity: the client may try again shortly.
 RETRY_LATER = {"Retry-After": "5"}
@@ -113,10 +118,41 @@ class LoadFigures:
         return self.budget - self.expected
 
 
+class AdmissionHost(Protocol):
+    """What admission reads of the gateway it guards (gateway/gateway.py's Gateway, which owns it):
+    the sessions and who made them, the engine, the metrics it reports to, and whether it accepts
+    any; and the speech slots taken by requests, which admission counts in and out."""
+
+    tts_active: int
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def engine(self) -> EngineClient: ...
+
+    @property
+    def metrics(self) -> GatewayMetrics: ...
+
+    @property
+    def registry(self) -> SessionRegistry: ...
+
+    @property
+    def sessions(self) -> Mapping[str, Session]: ...
+
+    @property
+    def anonymous(self) -> Mapping[str, str]: ...  # session id -> client address, for those made without a token
+
+    @property
+    def accepting(self) -> bool: ...
+
+    def joined(self, session_id: str) -> bool: ...
+
+
 class Admission:
     """The gateway's admission checks and the load they read (one per Gateway)."""
 
-    def __init__(self, gateway: "Gateway", share: CoreShare | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, gateway: AdmissionHost, share: CoreShare | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.gw = gateway
         self.settings = gateway.settings
         self.share = share or CoreShare((0,))
@@ -129,6 +165,7 @@ class Admission:
         self._frames: deque = deque()  # (when, late, sent) snapshots of the pacer counters
         self._last_tick: float | None = None
         self._cpu0: float | None = None
+        self._underruns = 0  # the engine's underruns counted into voxgate_speech_underruns_total{where="engine"}
         # Whose work made the frames late, when they are (gateway/late_blame.py).
         self.blame = LateBlame(LAG_WINDOW_S)
         # Called for a gateway that has room, when this one has none (the fleet's directory).
@@ -168,7 +205,7 @@ class Admission:
         for sid in [sid for sid in self._recent if sid not in self.gw.sessions]:
             del self._recent[sid]
         m = self.gw.metrics
-        self._frames.append((now, m.late_frames._value.get(), _count(m.jitter)))
+        self._frames.append((now, m.frames_late, m.frames_sent))
         while self._frames and now - self._frames[0][0] > LAG_WINDOW_S:
             self._frames.popleft()
         self.figures = self._figures()
@@ -181,9 +218,9 @@ class Admission:
         m.synthesis_cost.labels("media").set(self.figures.media_cost)
         m.talk_share.set(self.figures.talk_share)
         underruns = getattr(self.gw.engine, "underruns", 0)
-        counted = m.speech_underruns.labels("engine")
-        if underruns > counted._value.get():
-            counted.inc(underruns - counted._value.get())
+        if underruns > self._underruns:
+            m.speech_underruns.labels("engine").inc(underruns - self._underruns)
+            self._underruns = underruns
 
     # What the node carries
     def budget(self) -> float:
@@ -429,11 +466,6 @@ class SpeechSlot:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
-
-
-def _count(histogram) -> float:
-    """A prometheus_client Histogram's count of observations, without rendering it."""
-    return float(sum(bucket.get() for bucket in histogram._buckets))
 
 
 def _own_cpu_s() -> float:

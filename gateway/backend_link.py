@@ -19,7 +19,10 @@ from .frames import FRAME_MS
 from .protocol import parse
 
 if TYPE_CHECKING:
-    from .gateway import Gateway
+    from ..config import Settings
+    from .admission import Admission
+    from .metrics import GatewayMetrics
+    from .registry import SessionRegistry
     from .session import Session
 
 log = logging.getLogger(__name__)
@@ -45,7 +48,26 @@ class Socket(Protocol):
     async def close(self, *, code: int = ..., message: bytes = ...) -> bool: ...
 
 
-def check_room(gw: Gateway, session: Session, key: str | None) -> None:
+class LinkHost(Protocol):
+    """What a backend's link uses of the gateway (gateway/gateway.py's Gateway, which makes the links):
+    the settings, the registry it is filed in, the metrics, and admission's charge for its work."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def registry(self) -> SessionRegistry: ...
+
+    @property
+    def metrics(self) -> GatewayMetrics: ...
+
+    @property
+    def admission(self) -> Admission: ...
+
+    def tenant_of(self, session_id: str) -> str: ...
+
+
+def check_room(gw: LinkHost, session: Session, key: str | None) -> None:
     """Raises GatewayError (429 watcher_limit) unless one more backend may attach to `session`:
     --max-watchers-per-session on it, --max-watchers-per-key on all of `key`'s sessions. Each
     backend costs the loop a send per event and, with the caller's audio, per 20 ms frame: 250
@@ -66,7 +88,7 @@ class BackendLink:
     for a backend that takes none of the caller's audio for --write-stall-s (its socket's
     own close would wait on the very writes it does not take)."""
 
-    def __init__(self, gw: Gateway, session: Session, socket: Socket, role: str, audio: bool,
+    def __init__(self, gw: LinkHost, session: Session, socket: Socket, role: str, audio: bool,
                  abort: Callable[[], None] | None = None) -> None:
         self.gw = gw
         self.session = session

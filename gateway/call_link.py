@@ -14,7 +14,7 @@ from .twilio_input import TwilioInput
 from .twilio_output import TwilioOutput
 
 if TYPE_CHECKING:
-    from .gateway import Gateway
+    from .registry import SessionRegistry
     from .session import Session
 
 
@@ -22,15 +22,15 @@ class CallLink:
     """One call attached to one session until `end`."""
 
     def __init__(
-        self, gw: Gateway, session: Session, call: object, stream_sid: str,
+        self, registry: SessionRegistry, session: Session, call: object, stream_sid: str,
         send: Callable[[dict], Awaitable[None]], on_session_close: Callable[[], Awaitable[None]],
     ) -> None:
-        self.gw = gw
+        self.registry = registry  # the gateway's: the call is filed there while attached
         self.session = session
         self.call = call  # what GET /v1/sessions/{id} describes (its describe())
         self._on_closed = on_session_close
         self.input = TwilioInput(session)
-        gw.registry.add_call(session.id, call)
+        registry.add_call(session.id, call)
         session.attach_output("pcmu")
         self.output = TwilioOutput(session, stream_sid=stream_sid, send=send)
         session.send_digits = self.output.send_digits  # a relay's sendDigits (gateway/relay.py)
@@ -60,7 +60,7 @@ class CallLink:
         session = self.session
         session.send_digits = None
         session.remove_listener(self._listener)
-        self.gw.registry.drop_call(session.id, self.call)
+        self.registry.drop_call(session.id, self.call)
         if not session.closed:
             session.emit(event)
             await session.close(f"call ended: {reason}")

@@ -45,22 +45,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..config import MAX_ENCODE_THREADS
-from . import priority
+from . import loop_internals, priority
 
 FIRST = 0  # priority of an utterance's first slice
 LATER = 1
 MAX_THREADS = MAX_ENCODE_THREADS
 LOOP_BUDGET_S = 0.001  # encoding on the loop: at most this long per turn, then one more job
 MAX_YIELD_S = 0.005  # encoding on the loop gives way to other callbacks for at most this long
-
-
-def _others_waiting(loop: asyncio.AbstractEventLoop) -> bool:
-    """Whether other callbacks wait to run on `loop` this turn or the next.
-
-    asyncio's own loops keep them in `_ready`; a loop without it (uvloop) never
-    says so, and encoding there runs on its budget alone.
-    """
-    return bool(getattr(loop, "_ready", None))
 
 
 @dataclass
@@ -160,7 +151,8 @@ class EncodePool:
         """Run the loop's jobs while nothing else waits, for up to LOOP_BUDGET_S, then go round."""
         jobs = self._here[loop]
         now = time.perf_counter()
-        if _others_waiting(loop):
+        # A loop that cannot say (uvloop) never waits: encoding there runs on its budget alone.
+        if loop_internals.callbacks_waiting(loop):
             if jobs.yielding_since is None:
                 jobs.yielding_since = now
             if now - jobs.yielding_since < MAX_YIELD_S:

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 
 from ..config import Settings
 from ..engine.client import EngineClient, EngineConfig
-from . import priority, rtc_internals
+from . import av_internals, loop_internals, opus, priority, rtc_internals
 from .admission import Admission
 from .backend_link import BackendLink, Socket, check_room
 from .call_link import CallLink
@@ -60,6 +60,18 @@ def _engine_client(settings: Settings) -> EngineClient:
     return EngineClient(config)
 
 
+def _check_compat() -> list[str]:
+    """The dependencies other than aiortc whose internals the gateway reaches, each checked by its
+    one module, in the words of the server's start-up line: PyAV's wheel (the libopus loaded) and
+    asyncio (the loop's waiting callbacks). Ray's is the engine pool's (engine/ray_internals.py)."""
+    try:
+        path, version = opus.library()
+        libopus = av_internals.summary(path, version)
+    except opus.OpusError as exc:
+        libopus = f"NO libopus: {exc}"
+    return [libopus, loop_internals.summary(loop_internals.check())]
+
+
 class Gateway:
     """Everything one server process holds: settings, the engine, the sessions."""
 
@@ -88,6 +100,7 @@ class Gateway:
         self.trusted_proxies = parse_networks(settings.trusted_proxy)
         self.accepting = True
         self.fast_paths: dict[str, bool] = {}  # rtc_internals.check_fast_paths(), at start
+        self.compat: list[str] = []  # the other dependencies reached inside, as checked at start (_check_compat)
         # Called with the sessions and /v1/tts requests still open, after a session is forgotten.
         self.on_session_closed: list[Callable[[int], None]] = []
         # Called with each new session and the API key that made it (the fleet's directory records it).
@@ -116,6 +129,7 @@ class Gateway:
             self.fast_paths.update(rtp_sender=False, direct_wire=False)
         for path, active in self.fast_paths.items():
             self.metrics.fast_path.labels(path).set(1 if active else 0)
+        self.compat = _check_compat()
         restrict_host_addresses(self.settings.ice_hosts or None)
         await self.engine.start()
         self.engine.listeners.append(self._on_engine_event)
@@ -350,7 +364,7 @@ class Gateway:
     def attach_call(self, session: Session, call: object, stream_sid: str, send: Callable[[dict], Awaitable[None]],
                     on_session_close: Callable[[], Awaitable[None]]) -> CallLink:
         """A phone call as the session's output and input (gateway/call_link.py), until its `end`."""
-        return CallLink(self, session, call, stream_sid, send, on_session_close)
+        return CallLink(self.registry, session, call, stream_sid, send, on_session_close)
 
     def describe(self, session: Session) -> dict:
         """A session as GET /v1/sessions/{id} shows it: what is attached, queued and set."""

@@ -12,7 +12,7 @@ import asyncio
 import logging
 
 from ..config import Settings
-from . import ice, priority, rtc_internals, speex
+from . import ice, loop_internals, priority, rtc_internals, speex
 from .encode_pool import encode_pool, parse_threads
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ def configure(settings: Settings) -> None:
     encode_pool.configure(parse_threads(settings.encode_threads))
     where = f"on {encode_pool.threads} thread(s)" if encode_pool.threads else "on the event loop"
     log.debug("speech is encoded %s (--encode-threads %s)", where, settings.encode_threads)
-    if not encode_pool.threads and not hasattr(asyncio.get_running_loop(), "_ready"):
+    if not encode_pool.threads and not loop_internals.check():
         log.warning("this event loop (%s) does not show its waiting callbacks, so encoding on it cannot give way "
                     "to them and frames may go late; give --encode-threads auto", type(asyncio.get_running_loop()).__name__)
 
@@ -47,14 +47,15 @@ def media_line(settings: Settings) -> tuple[int, str]:
     return logging.INFO, f"media (ICE) offered on {', '.join(offered)} ({how})"
 
 
-def fast_paths_line(settings: Settings, info: dict, rtc_paths: dict[str, bool]) -> str:
+def fast_paths_line(settings: Settings, info: dict, rtc_paths: dict[str, bool], compat: list[str]) -> str:
     """The fast paths this process takes: the engine's (its `info`), aiortc's (`rtc_paths`, the
-    gateway's check of them at start), RTP, encoding, priority, echo cancellation."""
+    gateway's check of them at start), the other dependencies' (`compat`), RTP, encoding, priority, echo cancellation."""
     paths = []
     fast = info.get("fast_paths")
     if fast:
         paths.append(f"engine: {fast}")
     paths.append(rtc_internals.summary(rtc_paths))
+    paths += compat  # the other dependencies reached inside, each from its one module (Gateway.start)
     paths.append("RTP packets from templates" if settings.rtp_sender == "voxgate" else "RTP through aiortc's sender (--rtp-sender aiortc)")
     paths.append(f"encoding on {encode_pool.threads} thread(s)" if encode_pool.threads else "encoding on the event loop")
     if settings.media_priority != "normal":

@@ -29,6 +29,8 @@ class GatewayMetrics:
                                         "instead of being sent", registry=r)
         self.underruns = Counter("voxgate_pacer_underruns_total", "Underruns inside an utterance, filled with silence", registry=r)
         self.jitter = Histogram("voxgate_pacer_departure_jitter_seconds", "Absolute deviation of inter-departure intervals from 20 ms", buckets=JITTER_BUCKETS, registry=r)
+        # Frames sent, and late, as plain counts for admission (prometheus_client keeps the metrics' values private).
+        self.frames_sent = self.frames_late = 0
         self.sessions = Gauge("voxgate_active_sessions", "Open sessions", registry=r)
         self.utterances_active = Gauge("voxgate_active_utterances", "Utterances queued or playing", registry=r)
         self.utterances = Counter("voxgate_utterances_total", "Utterances by outcome", ["outcome"], registry=r)
@@ -182,9 +184,12 @@ class _SessionMetrics(SessionMetrics):
         self.m.utterances.labels(outcome).inc()
 
     def frame_sent(self, interval: float, lateness: float) -> None:
-        self.m.jitter.observe(abs(interval - 0.020))
+        m = self.m
+        m.jitter.observe(abs(interval - 0.020))
+        m.frames_sent += 1
         if lateness > 0.005:
-            self.m.late_frames.inc()
+            m.late_frames.inc()
+            m.frames_late += 1
 
     def keepalive(self, frames: int) -> None:
         self.m.keepalive_frames.inc(frames)

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import glob
-import os
 from functools import lru_cache
 
 import numpy as np
+
+from . import av_internals
 
 # From opus_defines.h.
 _APPLICATION = {"voip": 2048, "audio": 2049, "lowdelay": 2051}
@@ -53,19 +53,20 @@ class OpusError(RuntimeError):
 
 
 def _candidates() -> list[str]:
-    found = []
-    try:
-        import av
-
-        site = os.path.dirname(os.path.dirname(av.__file__))
-        found += sorted(glob.glob(os.path.join(site, "av.libs", "libopus*.so*")))  # PyPI wheels
-        found += sorted(glob.glob(os.path.join(os.path.dirname(av.__file__), ".dylibs", "libopus*.dylib")))
-    except ImportError:
-        pass
+    found = av_internals.bundled("libopus")  # PyAV's, from PyPI's wheels
     system = ctypes.util.find_library("opus")
     if system:
         found.append(system)
     return found
+
+
+_loaded: list[str] = []  # the path _lib() loaded
+
+
+def library() -> tuple[str, str]:
+    """(path, version) of the libopus in use: loaded now if not yet (raises OpusError if none is found)."""
+    lib = _lib()
+    return _loaded[0], lib.opus_get_version_string().decode()
 
 
 @lru_cache(maxsize=1)
@@ -77,6 +78,9 @@ def _lib() -> ctypes.CDLL:
         except OSError as exc:
             errors.append(f"{path}: {exc}")
             continue
+        _loaded[:] = [path]
+        lib.opus_get_version_string.restype = ctypes.c_char_p
+        lib.opus_get_version_string.argtypes = []
         lib.opus_encoder_create.restype = ctypes.c_void_p
         lib.opus_encoder_create.argtypes = [ctypes.c_int32, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
         lib.opus_encoder_destroy.argtypes = [ctypes.c_void_p]

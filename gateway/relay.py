@@ -28,7 +28,7 @@ import logging
 import re
 import socket
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -41,8 +41,11 @@ from .protocol import RateLimiter
 from .relay_options import SENSITIVITY_MS, RelayOptions, private_address
 
 if TYPE_CHECKING:
-    from .gateway import Gateway
+    from ..config import Settings
+    from ..engine.client import EngineClient
+    from .metrics import GatewayMetrics
     from .session import Session
+    from .stt import SpeechToText
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +125,27 @@ class GuardedResolver(AbstractResolver):
         await self._inner.close()
 
 
+class RelayHost(Protocol):
+    """What a relay link uses of the gateway (gateway/gateway.py's Gateway, which makes the links):
+    the settings, the metrics, the engine's voices and the speech recognizer's name."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def metrics(self) -> GatewayMetrics: ...
+
+    @property
+    def engine(self) -> EngineClient: ...
+
+    @property
+    def stt(self) -> SpeechToText | None: ...
+
+
 class RelayLink:
     """One session's connection to its ConversationRelay application, until the session closes."""
 
-    def __init__(self, gw: Gateway, session: Session, options: RelayOptions) -> None:
+    def __init__(self, gw: RelayHost, session: Session, options: RelayOptions) -> None:
         self.gw = gw
         self.session = session
         self.options = options

@@ -9,23 +9,35 @@ import asyncio
 import json
 import logging
 import math
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import Counter
 
+from ..gateway.directory import Directory
 from ..gateway.errors import GatewayError
+from ..gateway.gateway import Gateway
 from .errors import READ_AHEAD, error_response, read_body
 from .fleet_proxy import MAX_PROXIED_RESPONSE_BYTES, PROXY_TIMEOUT_S, forward_headers, read_capped
 from .sessions_api import CREATE_BODY_LIMIT, check_api_key, session_urls
 
-if TYPE_CHECKING:
-    from .fleet import Fleet
-
 log = logging.getLogger(__name__)
 
 
-async def place(request: web.Request, fleet: Fleet) -> web.Response | None:
+class PlacementHost(Protocol):
+    """What placement uses of the fleet (signaling/fleet.py's Fleet, which calls it): this gateway,
+    the directory, the HTTP client to the other gateways and the placement counter."""
+
+    gateway: Gateway
+    directory: Directory
+    placed: Counter
+
+    @property
+    def client(self) -> aiohttp.ClientSession: ...
+
+
+async def place(request: web.Request, fleet: PlacementHost) -> web.Response | None:
     """Make a new session on the gateway of the fleet with the most headroom, if that is not
     this one: that gateway's answer, with its URLs; None to make it here."""
     gw = fleet.gateway
@@ -69,7 +81,7 @@ async def place(request: web.Request, fleet: Fleet) -> web.Response | None:
     return web.json_response(made, status=201)
 
 
-async def settle_new_session(fleet: Fleet, response: web.StreamResponse) -> web.StreamResponse:
+async def settle_new_session(fleet: PlacementHost, response: web.StreamResponse) -> web.StreamResponse:
     """A new session's id reaches the caller only once the directory has it, so that
     the caller's next request may go to any gateway."""
     if response.status not in (200, 201) or not isinstance(response, web.Response) or not response.body:

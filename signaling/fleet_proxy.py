@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import aiohttp
 from aiohttp import WSMsgType, web
+from prometheus_client import Counter
 
 from ..gateway.errors import GatewayError
 from .errors import error_response
-
-if TYPE_CHECKING:
-    from .fleet import Fleet
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +31,18 @@ WS_HEARTBEAT_S = 20.0
 WS_CLOSE_CODES_NOT_SENDABLE = (None, 1005, 1006, 1015)
 
 
+class ProxyHost(Protocol):
+    """What proxying uses of the fleet (signaling/fleet.py's Fleet, which calls it): the HTTP client
+    to the other gateways, the outcome counter, the relayed sockets and their message cap."""
+
+    proxied: Counter
+    sockets: set[web.WebSocketResponse]
+    max_ws_message: int
+
+    @property
+    def client(self) -> aiohttp.ClientSession: ...
+
+
 def forward_headers(request: web.Request) -> dict[str, str]:
     headers = {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
     # The caller's Host: the holder's host and same-origin checks see what this gateway saw.
@@ -44,13 +54,13 @@ def forward_headers(request: web.Request) -> dict[str, str]:
     return headers
 
 
-def _unreachable(fleet: Fleet, label: str, owner: str, exc: BaseException) -> web.Response:
+def _unreachable(fleet: ProxyHost, label: str, owner: str, exc: BaseException) -> web.Response:
     fleet.proxied.labels(label, "owner_unreachable").inc()
     log.warning("gateway %s holding a session did not answer: %s", owner, type(exc).__name__)
     return error_response(GatewayError("owner_unreachable", "the gateway that holds this session did not answer; retry shortly", 502))
 
 
-async def proxy_http(request: web.Request, fleet: Fleet, owner: str, label: str, body: bytes) -> web.Response:
+async def proxy_http(request: web.Request, fleet: ProxyHost, owner: str, label: str, body: bytes) -> web.Response:
     try:
         async with fleet.client.request(
             request.method, owner + str(request.rel_url), data=body or None, headers=forward_headers(request),
@@ -80,7 +90,7 @@ async def read_capped(content: aiohttp.StreamReader, limit: int) -> bytes:
             raise aiohttp.ClientPayloadError(f"answer over {limit} bytes")
 
 
-async def proxy_ws(request: web.Request, fleet: Fleet, owner: str) -> web.StreamResponse:
+async def proxy_ws(request: web.Request, fleet: ProxyHost, owner: str) -> web.StreamResponse:
     downstream = web.WebSocketResponse(heartbeat=WS_HEARTBEAT_S, max_msg_size=fleet.max_ws_message, decode_text=False)
     if not downstream.can_prepare(request).ok:
         # Not an upgrade: no socket to the holder (it would take the session's

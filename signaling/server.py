@@ -361,7 +361,7 @@ async def serve(settings: Settings) -> None:
         log.info("listening on %s", url)
         log.log(*media_startup.media_line(settings))
         log.info("%s", _engine_line(settings, gw.engine.info))
-        log.info("%s", media_startup.fast_paths_line(settings, gw.engine.info, gw.fast_paths))
+        log.info("%s", media_startup.fast_paths_line(settings, gw.engine.info, gw.fast_paths, gw.compat))
         if settings.web:
             log.info("open %s/ in a browser", url)
         stop = asyncio.Event()

@@ -127,9 +127,14 @@ def rayservice_problems(doc: dict) -> list[str]:
         security = group["template"]["spec"].get("securityContext", {})
         if not security.get("runAsNonRoot") or security.get("runAsUser", 0) == 0:
             problems.append("Ray pods must run as a non-root user")
-    floor = re.search(r'"ray\[serve\]>=([0-9.]+)"', read("pyproject.toml"))
-    if floor and tuple(map(int, cluster.get("rayVersion", "0.0.0").split("."))) < tuple(map(int, floor.group(1).split("."))):
-        problems.append(f"rayVersion is older than the [scale] extra's ray[serve]>={floor.group(1)}")
+    # The [scale] extra pins Ray both ways (engine/ray_internals.py reads Serve's internals): the cluster's Ray within it.
+    pin = re.search(r'"ray\[serve\]>=([0-9.]+),<([0-9.]+)"', read("pyproject.toml"))
+    assert pin, "the [scale] extra pins ray[serve] as >=X,<Y"
+    version = tuple(map(int, cluster.get("rayVersion", "0.0.0").split(".")))
+    if version < tuple(map(int, pin.group(1).split("."))):
+        problems.append(f"rayVersion is older than the [scale] extra's ray[serve]>={pin.group(1)}")
+    if version >= tuple(map(int, pin.group(2).split("."))):
+        problems.append(f"rayVersion is past the [scale] extra's ray[serve]<{pin.group(2)}")
     return problems
 
 

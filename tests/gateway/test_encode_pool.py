@@ -42,7 +42,7 @@ async def test_without_threads_jobs_run_on_the_loop_and_never_inside_submit():
 
 async def test_without_threads_an_iteration_runs_jobs_for_the_budget_then_lets_the_loop_go_round(monkeypatch):
     # As when nothing else waits: the counting callback below would otherwise make encoding give way.
-    monkeypatch.setattr(pool_module, "_others_waiting", lambda loop: False)
+    monkeypatch.setattr(pool_module.loop_internals, "callbacks_waiting", lambda loop: False)
     pool = EncodePool(threads=0)
     loop = asyncio.get_running_loop()
     job_s = pool_module.LOOP_BUDGET_S / 2

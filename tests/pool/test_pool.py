@@ -81,7 +81,7 @@ async def test_a_replica_that_cannot_be_reached_falls_back_to_the_proxy(pool):
         assert pool.stats()["requests"] == before + 1  # synthesized once, through the proxy
         assert client.replicas == []
         # A replica that failed stays out for a while, even when the next listing names it.
-        client._drop_replica(live, "unreachable in this test")
+        client.drop_replica(live, "unreachable in this test")
         await client.refresh_replicas()
         assert client.replicas == []
         client._failed.clear()

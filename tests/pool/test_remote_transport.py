@@ -18,7 +18,8 @@ from voxgate.engine.remote_stream import RemoteTransport
 class NoStreams:
     """A client without the transports' streams: their request tasks end at once."""
 
-    _streams: dict = {}
+    def stream_of(self, sid: int) -> None:
+        return None
 
 
 async def test_a_queued_stream_follows_its_predecessor_until_that_one_is_done():

@@ -22,9 +22,10 @@ from sec_helpers import http_json
 def frames_went_late(gw, share: float) -> None:
     """The pacer's counters as admission samples them: a snapshot, then 1,000 frames, `share` of them late."""
     gw.admission.tick()
-    gw.metrics.late_frames.inc(1000 * share)
-    for _ in range(1000):
-        gw.metrics.jitter.observe(0.0)
+    pacer = gw.metrics.for_session("tone")  # what a session's pacer reports each frame to
+    late = int(1000 * share)
+    for i in range(1000):
+        pacer.frame_sent(0.020, 0.010 if i < late else 0.0)
 
 
 async def test_only_the_tenant_whose_work_made_frames_late_is_refused_and_its_watcher_is_shed():

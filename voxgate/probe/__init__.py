@@ -21,7 +21,7 @@ and its SVG plots) and `cli` (flags and the run).
 from .analysis import analyse, levenshtein
 from .cli import add_arguments, config_from, main
 from .config import ProbeConfig
-from .html_report import nice_ticks, render_html
+from .html_report import nice_ticks, render_html, write_html
 from .metrics import histogram_delta, parse_counter, parse_histogram
 from .report import ProbeReport
 from .results import ProbeProgress, SessionResult, UtteranceResult
@@ -30,5 +30,5 @@ from .runner import run_probe
 __all__ = [
     "ProbeConfig", "ProbeProgress", "ProbeReport", "SessionResult", "UtteranceResult",
     "add_arguments", "analyse", "config_from", "histogram_delta", "levenshtein", "main",
-    "nice_ticks", "parse_counter", "parse_histogram", "render_html", "run_probe",
+    "nice_ticks", "parse_counter", "parse_histogram", "render_html", "run_probe", "write_html",
 ]

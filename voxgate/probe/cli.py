@@ -6,6 +6,7 @@ import argparse
 import asyncio
 
 from .config import ProbeConfig
+from .html_report import write_html
 from .progress import TerminalProgress
 from .runner import run_probe
 
@@ -69,7 +70,7 @@ def main(args: argparse.Namespace) -> int:
         report.write_json(args.json_path)
         print(f"  JSON report: {args.json_path}")
     if args.html_path:
-        report.write_html(args.html_path)
+        write_html(report, args.html_path)
         print(f"  HTML report: {args.html_path}")
     figures = report.figures()
     return 1 if figures["sessions"]["failed"] else 0

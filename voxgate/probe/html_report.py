@@ -254,6 +254,12 @@ th { color: #57606a; font-weight: 600; } td.num { text-align: right; font-varian
 """
 
 
+def write_html(report: ProbeReport, path: str) -> None:
+    """The page for `report`, written to `path` (the page reads the report; the report knows nothing of pages)."""
+    with open(path, "w") as f:
+        f.write(render_html(report))
+
+
 def render_html(report: ProbeReport) -> str:
     f = report.figures()
     cfg = report.config

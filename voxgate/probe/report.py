@@ -9,7 +9,6 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from .config import FALLBACK_WORDS_PER_S, UNDERRUN_GAP_S, ProbeConfig
-from .html_report import render_html
 from .results import SessionResult, UtteranceResult, format_ms, percentile, summarize
 
 
@@ -97,10 +96,6 @@ class ProbeReport:
     def write_json(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump(self.to_dict(), f, indent=2)
-
-    def write_html(self, path: str) -> None:
-        with open(path, "w") as f:
-            f.write(render_html(self))
 
     def summary_text(self) -> str:
         f = self.figures()
