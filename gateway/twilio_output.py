@@ -143,7 +143,7 @@ class TwilioOutput:
                     await self._send({"event": "media", "streamSid": self.stream_sid,
                                       "media": {"payload": base64.b64encode(self._tones.popleft()).decode("ascii")}})
                     self.frames_sent += 1
-                    self.session.on_departure(now)
+                    self.session.output.on_departure(now)
                     continue
                 frame = playout.next_frame(now)
                 # Ends of utterances finished by this tick go out before its frame.
@@ -159,7 +159,7 @@ class TwilioOutput:
                         current.sent_frames % self.mark_every == 0 or current.sent_frames in current.chunk_ends
                     ):
                         await self._mark(f"{current.id}:{current.played_ms}")
-                self.session.on_departure(now)
+                self.session.output.on_departure(now)
         except asyncio.CancelledError:
             pass
         except (ConnectionError, RuntimeError) as exc:
