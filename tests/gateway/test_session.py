@@ -400,3 +400,28 @@ async def test_close_cancels_streams_runs_every_callback_and_happens_once():
     assert engine.streams[0].cancelled and session.closed and session.closed_event.is_set()
     assert closed == [session.id]  # the broken callback did not stop the next one
     assert [e["reason"] for e in events.of("session.closed")] == ["bye"]
+
+
+def test_the_sessions_parts_import_neither_the_session_nor_each_other_type_checking_included():
+    """The import contract (pyproject.toml) skips TYPE_CHECKING imports; this reads every import in
+    the files, those under `if TYPE_CHECKING:` too, so no cycle can hide behind one."""
+    import ast
+    import os
+
+    gateway = os.path.join(os.path.dirname(__file__), "..", "..", "gateway")
+
+    def imports(module: str) -> set[str]:
+        tree = ast.parse(open(os.path.join(gateway, module + ".py"), encoding="utf-8").read())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                found |= {node.module} if node.module else {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("voxgate.gateway."):
+                found.add(node.module.split(".")[2])
+        return found
+
+    parts = {"session_queue", "session_output", "caller_side"}
+    for part in parts:
+        assert not imports(part) & ({"session"} | parts - {part}), part
+    assert not imports("feeder") & ({"session"} | parts)
+    assert parts <= imports("session")
