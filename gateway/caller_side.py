@@ -173,6 +173,9 @@ class CallerSide:
         self._turn_over: str | None = None
         # Whether the caller's speech may interrupt the utterance playing (a relay's `interruptible`, gateway/relay.py).
         self.speech_interrupts = True
+        # Whether a key the caller presses interrupts the utterance playing (its id): a relay's `interruptible`.
+        # None: keys never interrupt (a backend that wants them to hears call.dtmf and sends cancel).
+        self.dtmf_interrupts: Callable[[str], bool] | None = None
 
     # Settings
     def update(self, msg: dict) -> None:
@@ -347,6 +350,14 @@ class CallerSide:
                     self.emit({"type": "speech.backchannel", "id": self._turn_over,
                                "speech_ms": self.vad.turn_voiced_ms, "at_ms": at_ms})
                 self._turn_over = None
+
+    def on_dtmf(self, digit: str, call_sid: str | None) -> None:
+        """A key the caller pressed on a phone call (signaling/twilio_stream.py): `call.dtmf` out, and
+        a barge-in where `dtmf_interrupts` says the utterance playing may be cut short by one."""
+        self.emit({"type": "call.dtmf", "digit": digit, "call_sid": call_sid})
+        current = self._playing()
+        if current is not None and self.dtmf_interrupts is not None and self.dtmf_interrupts(current):
+            self._interrupt("barge_in")
 
     def close(self) -> None:
         """Stop listening: the canceller's job, the recognizer and the endpointer."""

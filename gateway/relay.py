@@ -148,6 +148,8 @@ class RelayLink:
         self._digits_until = 0.0  # when the DTMF tones queued by sendDigits will have been sent (monotonic)
         if options.interrupt_sensitivity is not None:
             session.caller.update({"barge_in": {"min_interrupt_ms": SENSITIVITY_MS[options.interrupt_sensitivity]}})
+        # The caller side decides a barge-in (gateway/caller_side.py); the application's `interruptible` is its policy.
+        session.caller.dtmf_interrupts = lambda uid: self._may_interrupt(uid, "dtmf")
         if options.voice is not None and options.voice in gw.engine.info.get("voices", []):
             session.options.voice = options.voice
         elif options.tts_language or options.language:
@@ -188,9 +190,6 @@ class RelayLink:
             digit = str(event.get("digit"))
             if self.options.dtmf_detection:
                 self._send(wire.dtmf(digit))
-            current = self.session.playout.current
-            if current is not None and self._may_interrupt(current.id, "dtmf"):
-                self.session.interrupt("barge_in")
         elif kind == "error":
             if event.get("id") is not None:
                 self._settle(event.get("id"))

@@ -123,3 +123,20 @@ def test_a_callers_voice_on_the_microphone_starts_a_turn_and_interrupts_what_pla
     started = host.of("speech.started")
     assert len(started) == 1 and 500 < started[0]["at_ms"] < 500 + 500 + len(voice) / 16
     assert host.interrupts == ["barge_in"]
+
+
+def test_a_key_pressed_interrupts_only_where_the_policy_lets_it():
+    host = Host()
+    caller = host.caller()
+    host.playing = "greeting"
+    caller.on_dtmf("5", "CA1")  # no policy (no relay): keys never interrupt
+    assert host.interrupts == [] and host.of("call.dtmf") == [{"type": "call.dtmf", "digit": "5", "call_sid": "CA1"}]
+    caller.dtmf_interrupts = lambda uid: uid != "greeting"
+    caller.on_dtmf("6", "CA1")
+    assert host.interrupts == []
+    host.playing = "reply"
+    caller.on_dtmf("7", "CA1")
+    assert host.interrupts == ["barge_in"] and len(host.of("call.dtmf")) == 3
+    host.playing = None
+    caller.on_dtmf("8", "CA1")  # nothing playing: nothing to interrupt
+    assert host.interrupts == ["barge_in"]
