@@ -115,7 +115,7 @@ class BackendLink:
         self._on_event({**session.ready_event(), "role": role, "writer": session.writer})
         self._sender = asyncio.ensure_future(self._pump())
         if audio:
-            session.add_audio_tap(self.name, self._on_audio)
+            session.caller.add_audio_tap(self.name, self._on_audio)
         log.info("session %s: backend %s attached as %s%s", session.id, self.name, role, " with the caller's audio" if audio else "",
                  extra={"session_id": session.id})
 
@@ -147,7 +147,7 @@ class BackendLink:
     def _drop(self, why: str) -> None:
         log.warning("session %s: backend %s %s; disconnecting it", self.session.id, self.name, why,
                     extra={"session_id": self.session.id})
-        self.session.remove_audio_tap(self.name)
+        self.session.caller.remove_audio_tap(self.name)
         self._outbox.put_nowait(None)
         if self._abort is not None:
             self._abort()
@@ -210,7 +210,7 @@ class BackendLink:
         """The socket ended: the session forgets the backend; what is left to send is
         sent only when the session closed (its last events), briefly."""
         session = self.session
-        session.remove_audio_tap(self.name)
+        session.caller.remove_audio_tap(self.name)
         session.remove_listener(self.name)
         self.gw.admission.blame.forget(self)
         self.gw.registry.drop_backend(session.id, self.name)

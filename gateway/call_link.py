@@ -32,7 +32,7 @@ class CallLink:
         self.input = TwilioInput(session)
         registry.add_call(session.id, call)
         session.attach_output("pcmu")
-        self.output = TwilioOutput(session, stream_sid=stream_sid, send=send)
+        self.output = TwilioOutput(session.output, stream_sid=stream_sid, send=send)
         session.send_digits = self.output.send_digits  # a relay's sendDigits (gateway/relay.py)
         self._listener = f"telephony:{stream_sid}"
         session.add_listener(self._listener, self.output.on_event)

@@ -19,20 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import numpy as np
 
 from ..engine.errors import EngineCrashed, EngineStreamError, EngineUnavailable, public_engine_error
+from ..engine.stream import TTSStream
 from .encode_pool import FIRST, LATER, encode_pool
 from .encoder import FrameEncoder
 from .frames import FRAME_MS, FRAME_S, Framer
 from .playout import Playout, UtterancePlay
 from .resample import StreamResampler, held_back_s
 from .session_metrics import SessionMetrics
-
-if TYPE_CHECKING:
-    from .session import Utterance
 
 FIRST_SLICE_S = 0.06
 SLICE_S = 0.1
@@ -106,6 +104,15 @@ def listener_lag_s(engine_rate: int, wire_rate: int) -> float:
     return held_back_s(engine_rate, wire_rate) + FRAME_S / 2
 
 
+class Speech(Protocol):
+    """What the feeder reads and marks of an utterance (the utterance queue's `Utterance`)."""
+
+    id: str
+    stream: TTSStream
+    play: UtterancePlay
+    started_sent: bool
+
+
 class Feeder:
     """Feeds the session's utterances, oldest first, until stopped."""
 
@@ -114,9 +121,9 @@ class Feeder:
         encoder: FrameEncoder,
         playout: Playout,
         *,
-        next_utterance: Callable[[], "Utterance | None"],
+        next_utterance: Callable[[], Speech | None],
         emit: Callable[[dict], None],
-        metrics: "SessionMetrics",
+        metrics: SessionMetrics,
         on_words: Callable[[UtterancePlay, list], None] | None = None,
     ) -> None:
         self.encoder = encoder
@@ -147,7 +154,7 @@ class Feeder:
         except asyncio.CancelledError:
             pass
 
-    async def _feed(self, utt: "Utterance") -> None:
+    async def _feed(self, utt: Speech) -> None:
         play = utt.play
         if not utt.started_sent:
             utt.started_sent = True

@@ -30,7 +30,7 @@ from .relay import RelayLink
 from .relay_options import RelayOptions
 from .session import Session, SessionOptions
 from .vad import VadSettings
-from .barge_in import BargeInSettings
+from .caller_side import BargeInSettings
 from .endpoint import TurnSettings
 from .stt import SpeechToText
 
@@ -179,7 +179,7 @@ class Gateway:
             if ticks % 10 == 0:
                 self.admission.tick()
             self.metrics.sessions.set(len(self.sessions))
-            self.metrics.utterances_active.set(sum(len(s.utterances) for s in self.sessions.values()))
+            self.metrics.utterances_active.set(sum(len(s.queue.utterances) for s in self.sessions.values()))
             self.metrics.engine_streams.set(self.engine.active_streams)
 
     async def _reap_idle(self) -> None:
@@ -376,15 +376,15 @@ class Gateway:
         return {
             "session_id": session.id,
             "made_ahead": session.id in registry.made_ahead,
-            "codec": session.output_codec,
+            "codec": session.output.codec,
             "connected": {
                 "webrtc": self.peer_state(session.id),
                 "telephony": None if call is None else call.describe(),  # type: ignore[attr-defined]
             },
             "utterances": {
-                "queued": len(session.utterances),
+                "queued": len(session.queue.utterances),
                 "playing": playing.id if playing is not None and playing.started else None,
-                "ids": [u.id for u in session.utterances],
+                "ids": [u.id for u in session.queue.utterances],
             },
             "writer": session.writer,
             "relay": self.relays[session.id].describe() if session.id in self.relays else None,

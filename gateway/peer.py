@@ -148,14 +148,15 @@ class PeerConnection:
             # addTrack takes the offer's audio transceiver, so one m-line carries
             # our speech out and the peer's microphone in.
             self.track = SpeechTrack(self.session.playout)
-            self.track.on_departure = self.session.on_departure
-            self.track.pacer.on_frame = self.session.on_frame_paced
-            self.track.pacer.on_keepalive = self.session.on_keepalive
+            output = self.session.output
+            self.track.on_departure = output.on_departure
+            self.track.pacer.on_frame = output.on_frame_paced
+            self.track.pacer.on_keepalive = output.on_keepalive
             sender = self.pc.addTrack(self.track)
             if self.rtp_sender == "voxgate":
                 rtp_send.install(sender, self.track)
-            if not fec.watch_reports(sender, self.session.on_loss_report):
-                self.session.keep_fec()
+            if not fec.watch_reports(sender, output.on_loss_report):
+                output.keep_fec()
         try:
             answer = await self.pc.createAnswer()
             await self.pc.setLocalDescription(answer)
@@ -172,8 +173,9 @@ class PeerConnection:
             if codec not in SUPPORTED_CODECS:
                 raise GatewayError("no_common_codec", "the offer has no audio codec in common: offer Opus, PCMU or PCMA")
             self.session.attach_output(codec)
-            assert self.track is not None and self.session.encoder is not None
-            self.track.set_clock_rate(self.session.encoder.clock_rate)
+            encoder = self.session.output.encoder
+            assert self.track is not None and encoder is not None
+            self.track.set_clock_rate(encoder.clock_rate)
             opus_settings = self.session.options.opus
             self.track.dtx = codec == "opus" and (
                 opus_settings.dtx or (opus_settings.dtx_when_asked and asks_for_dtx(sdp, payload_type))
@@ -265,13 +267,13 @@ class PeerConnection:
             channel.on("open", opened)
 
     def _attach_mic(self, codec: str, payload_type: int) -> None:
-        session = self.session
+        session, caller = self.session, self.session.caller
         for transceiver in self.pc.getTransceivers():
             if transceiver.kind == "audio" and transceiver.currentDirection in ("sendrecv", "recvonly"):
                 self.mic = Microphone(
                     codec, payload_type,
-                    on_audio=session.on_inbound_audio, on_gap=session.on_inbound_gap,
-                    wanted=lambda: session.listening, whole=lambda: session.wants_every_frame,
+                    on_audio=caller.on_inbound_audio, on_gap=caller.on_inbound_gap,
+                    wanted=lambda: caller.listening, whole=lambda: caller.wants_every_frame,
                     clock=session.clock, max_packets_per_s=self.mic_max_packets_per_s, ssrcs=self.ssrcs,
                     on_drop=session.metrics.mic_dropped, ssrc=self.offered_ssrc,
                 )

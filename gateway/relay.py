@@ -167,8 +167,9 @@ class RelayLink:
         self._over = False  # failed or ended: nothing more is taken from the application
         self._digits_until = 0.0  # when the DTMF tones queued by sendDigits will have been sent (monotonic)
         if options.interrupt_sensitivity is not None:
-            session.options.barge_in.min_interrupt_ms = SENSITIVITY_MS[options.interrupt_sensitivity]
-            session.vad.interrupt_ms = session.options.barge_in.min_interrupt_ms
+            session.caller.update({"barge_in": {"min_interrupt_ms": SENSITIVITY_MS[options.interrupt_sensitivity]}})
+        # The caller side decides a barge-in (gateway/caller_side.py); the application's `interruptible` is its policy.
+        session.caller.dtmf_interrupts = lambda uid: self._may_interrupt(uid, "dtmf")
         if options.voice is not None and options.voice in gw.engine.info.get("voices", []):
             session.options.voice = options.voice
         elif options.tts_language or options.language:
@@ -195,7 +196,7 @@ class RelayLink:
             if text and (final or self.options.partial_prompts):
                 self._send(wire.prompt(text, self.options.prompt_language, final))
         elif kind == "utterance.started":
-            self.session.speech_interrupts = self._may_interrupt(event.get("id"), "speech")
+            self.session.caller.speech_interrupts = self._may_interrupt(event.get("id"), "speech")
         elif kind == "utterance.interrupted":
             uid = event.get("id")
             if uid == self._utterance:
@@ -209,9 +210,6 @@ class RelayLink:
             digit = str(event.get("digit"))
             if self.options.dtmf_detection:
                 self._send(wire.dtmf(digit))
-            current = self.session.playout.current
-            if current is not None and self._may_interrupt(current.id, "dtmf"):
-                self.session.interrupt("barge_in")
         elif kind == "error":
             if event.get("id") is not None:
                 self._settle(event.get("id"))
@@ -462,7 +460,7 @@ class RelayLink:
 
     async def _apologize(self, kind: str) -> None:
         session = self.session
-        if session.utterances:
+        if session.queue.utterances:
             session.interrupt("cancel")
         text = self.settings.relay_apology
         if text and session.has_output and not session.closed:

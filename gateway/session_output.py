@@ -1,9 +1,12 @@
-"""A session's speech output (gateway/session.py's `Session` is made of this and the
-utterance queue, gateway/session_queue.py): the wire codec and its encoder, the Opus
-signal policy the listener's loss reports drive (gateway/fec.py), the feeder that
-turns the engine's chunks into frames (gateway/feeder.py) and its supervision, and
-what the output and the playout report (frames paced, audio started, done,
-cancel-to-silence) into the session's metrics and events.
+"""A session's speech output: the wire codec and its encoder, the Opus signal policy the
+listener's loss reports drive (gateway/fec.py), the feeder that turns the engine's chunks
+into frames (gateway/feeder.py) and its supervision, the playout the track or call pulls
+frames from (gateway/playout.py), and what they report (frames paced, audio started,
+words, done, cancel-to-silence) into the session's metrics and events.
+
+`SpeechOutput` knows utterances only as the feeder does (feeder.Speech); it asks the
+utterance queue (gateway/session_queue.py) for the next one to feed, and tells it when one
+is done, through the callbacks it is made with.
 """
 
 from __future__ import annotations
@@ -11,50 +14,70 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Callable, Protocol
 
-from ..engine.client import EngineClient
-from .encoder import FrameEncoder, OpusEncoder, create_encoder
+from .clock import SessionClock
+from .echo import ReferenceTap
+from .encoder import FrameEncoder, OpusEncoder, OpusSettings, create_encoder
 from .fec import SignalPolicy
-from .feeder import Feeder, listener_lag_s
+from .feeder import Feeder, Speech
 from .playout import Playout, UtterancePlay
 from .session_metrics import SessionMetrics
-
-if TYPE_CHECKING:
-    from .clock import SessionClock
-    from .session import SessionOptions
-    from .session_queue import Utterance
 
 log = logging.getLogger("voxgate.gateway.session")
 
 
-class SessionOutput:
-    """The output half of a `Session` (a mixin: it shares the session's state)."""
+class OutputOptions(Protocol):
+    """The settings the output reads (the session's `SessionOptions` has them), live."""
 
-    id: str
-    engine: EngineClient
-    options: "SessionOptions"
-    metrics: SessionMetrics
-    playout: Playout
-    encoder: FrameEncoder | None
-    output_codec: str | None
-    signal_policy: SignalPolicy | None
-    utterances: "list[Utterance]"
-    stats: dict
-    _feeder: Feeder | None
-    _closed: bool
-    _pending_cancel_at: float | None
+    opus: OpusSettings
+    words: bool  # audio.words events
 
-    clock: "SessionClock"
 
-    if TYPE_CHECKING:  # the session's, named for the type checker only: a stub here would shadow them
-        def emit(self, event: dict, only: str | None = None) -> None: ...
-        def interrupt(self, reason: str) -> None: ...
-        def _configure_echo(self) -> None: ...
+class SpeechOutput:
+    """One session's speech out: encoder, feeder and playout, until closed.
 
-    def attach_output(self, codec: str) -> None:
+    Made with `emit` (events out), `next_utterance` (the queue's next utterance to feed, or
+    None), `on_done` (an utterance played to its end: the queue lets it go) and `interrupt`
+    (stop everything, with a reason: the audio path failed).
+    """
+
+    def __init__(
+        self,
+        session_id: str,
+        *,
+        options: OutputOptions,
+        clock: SessionClock,
+        metrics: SessionMetrics,
+        emit: Callable[[dict], None],
+        next_utterance: Callable[[], Speech | None],
+        on_done: Callable[[UtterancePlay], None],
+        interrupt: Callable[[str], None],
+    ) -> None:
+        self.session_id = session_id
+        self.options = options
+        self.clock = clock
+        self.metrics = metrics
+        self.emit = emit
+        self._next_utterance = next_utterance
+        self._on_finished = on_done
+        self._interrupt = interrupt
+        self.codec: str | None = None
+        self.encoder: FrameEncoder | None = None
+        self.playout = Playout(
+            b"", on_audio_started=self._on_audio_started, on_done=self._on_done, on_underrun=self._on_underrun
+        )
+        self.feeder: Feeder | None = None
+        self._closed = False
+        self._cancelled_at: float | None = None  # when a cancel emptied the playout, until the next frame out
+        # Which Opus signal the speech is coded as, from the listener's loss (gateway/fec.py).
+        # Without FEC, voice would cost more for nothing: auto is then music throughout.
+        opus = options.opus
+        self.signal_policy = SignalPolicy() if opus.signal == "auto" and opus.fec else None
+
+    def attach(self, codec: str) -> None:
         """Choose the wire codec ('opus', 'pcmu', 'pcma') once the output is known."""
-        self.output_codec = codec
+        self.codec = codec
         if codec != "opus":
             self.signal_policy = None  # G.711 or no audio: nothing to switch
         self.encoder = self._new_encoder(codec)
@@ -63,18 +86,26 @@ class SessionOutput:
         now = time.perf_counter()
         for play in self.playout.queue:
             play.ready_at = now
-        if self._feeder is None:
+        if self.feeder is None:
             self._start_feeder()
-        self._configure_echo()
 
-    def _listener_lag_s(self) -> float:
-        """What this session's feeder keeps back from the listener (feeder.listener_lag_s),
-        at the engine's rate and the wire's; before the output is attached, Opus's."""
-        engine_rate = self.engine.info.get("sample_rate")
-        if not isinstance(engine_rate, int) or engine_rate <= 0:
-            return 0.0
-        wire_rate = self.encoder.sample_rate if self.encoder is not None else self.options.opus.input_rate
-        return listener_lag_s(engine_rate, wire_rate)
+    @property
+    def has_output(self) -> bool:
+        """Whether an output (a WebRTC track, a phone call) is attached: only one may be."""
+        return self.encoder is not None
+
+    def wire_rate(self) -> int:
+        """The rate the feeder resamples the engine's audio to; before the output is attached, Opus's."""
+        return self.encoder.sample_rate if self.encoder is not None else self.options.opus.input_rate
+
+    def playing_id(self) -> str | None:
+        """The utterance the listener hears now."""
+        current = self.playout.current
+        return current.id if current is not None else None
+
+    def use_reference(self, tap: ReferenceTap | None) -> None:
+        """Copy every frame played to `tap` (the echo canceller's reference), or to nothing."""
+        self.playout.tap = tap
 
     def _new_encoder(self, codec: str) -> FrameEncoder:
         encoder = create_encoder(codec, self.options.opus)
@@ -90,8 +121,8 @@ class SessionOutput:
         before = self.signal_policy.signal
         signal = self.signal_policy.report(fraction_lost, time.monotonic())
         if signal != before:
-            log.info("session %s: listener lost %.1f %% of packets; Opus signal %s", self.id, 100 * fraction_lost,
-                     signal, extra={"session_id": self.id})
+            log.info("session %s: listener lost %.1f %% of packets; Opus signal %s", self.session_id,
+                     100 * fraction_lost, signal, extra={"session_id": self.session_id})
             self.metrics.opus_signal_switch(signal)
         if isinstance(self.encoder, OpusEncoder):
             self.encoder.use_signal(signal)
@@ -104,11 +135,6 @@ class SessionOutput:
         if isinstance(self.encoder, OpusEncoder):
             self.encoder.use_signal("voice")
 
-    @property
-    def has_output(self) -> bool:
-        """Whether an output (a WebRTC track, a phone call) is attached: only one may be."""
-        return self.encoder is not None
-
     def on_frame_paced(self, interval: float, lateness: float) -> None:
         """The output's pacer reports each frame's spacing and lateness."""
         self.metrics.frame_sent(interval, lateness)
@@ -119,40 +145,56 @@ class SessionOutput:
 
     def on_departure(self, now: float) -> None:
         """Called by the output after each frame; measures cancel-to-silence."""
-        if self._pending_cancel_at is not None:
-            self.metrics.cancel_to_silence(now - self._pending_cancel_at)
-            self._pending_cancel_at = None
+        if self._cancelled_at is not None:
+            self.metrics.cancel_to_silence(now - self._cancelled_at)
+            self._cancelled_at = None
 
-    def _restart_feeder(self) -> None:
-        if self._feeder is not None:
-            self._feeder.stop()
+    # The feeder
+    def wake(self) -> None:
+        """An utterance was queued, or one left the queue: the feeder looks again."""
+        if self.feeder is not None:
+            self.feeder.wake()
+
+    def restart(self, cancelled_at: float | None = None) -> None:
+        """After a cancel: a fresh encoder and feeder, and cancel-to-silence timed from `cancelled_at`
+        (the moment the playout was emptied of audio; None: nothing was playing)."""
+        if self.feeder is not None:
+            self.feeder.stop()
         if self.has_output and not self._closed:
             # A fresh encoder: the cancelled audio must not colour what comes next.
-            self.encoder = self._new_encoder(self.output_codec or "opus")
+            self.encoder = self._new_encoder(self.codec or "opus")
             self._start_feeder()
+        if cancelled_at is not None:
+            self._cancelled_at = cancelled_at
 
     def _start_feeder(self) -> None:
         assert self.encoder is not None
-        self._feeder = Feeder(
-            self.encoder, self.playout, next_utterance=self._next_to_feed, emit=self.emit, metrics=self.metrics,
+        self.feeder = Feeder(
+            self.encoder, self.playout, next_utterance=self._next_utterance, emit=self.emit, metrics=self.metrics,
             on_words=self._on_words,
         )
-        self._feeder.task.add_done_callback(self._feeder_done)
-
-    def _next_to_feed(self) -> Utterance | None:
-        return next((u for u in self.utterances if not u.play.input_done), None)
+        self.feeder.task.add_done_callback(self._feeder_done)
 
     def _feeder_done(self, task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is None:
             return
         # A bug in the audio path: report it, drop what was queued, keep the session.
-        log.error("session %s: feeder failed", self.id, exc_info=task.exception(), extra={"session_id": self.id})
+        log.error("session %s: feeder failed", self.session_id, exc_info=task.exception(),
+                  extra={"session_id": self.session_id})
         self.emit({"type": "error", "code": "internal", "message": "the audio path failed; queued speech was dropped"})
-        if not self._closed and self._feeder is not None and task is self._feeder.task:
-            self.interrupt("error")
+        if not self._closed and self.feeder is not None and task is self.feeder.task:
+            self._interrupt("error")
 
+    def close(self) -> None:
+        """Nothing more plays: the playout emptied, the feeder stopped."""
+        self._closed = True
+        self.playout.clear()
+        if self.feeder is not None:
+            self.feeder.stop()
+
+    # The playout's reports
     def _on_underrun(self) -> None:
-        self.metrics.underrun("webrtc" if self.output_codec == "opus" else "telephony")
+        self.metrics.underrun("webrtc" if self.codec == "opus" else "telephony")
 
     def _on_audio_started(self, play: UtterancePlay, at: float) -> None:
         ttfa = max(0.0, at - (play.ready_at or at))
@@ -181,6 +223,6 @@ class SessionOutput:
             {"word": text, "start_ms": round(base + start, 1), "end_ms": round(base + end, 1)} for text, start, end in words]})
 
     def _on_done(self, play: UtterancePlay) -> None:
-        self.utterances = [u for u in self.utterances if u.play is not play]
+        self._on_finished(play)
         self.metrics.utterance("done")
         self.emit({"type": "utterance.done", "id": play.id, "audio_ms": play.played_ms, "text": play.full_text()})

@@ -1,7 +1,11 @@
-"""A session's utterance queue (gateway/session.py's `Session` is made of this and its
-output, gateway/session_output.py): utterances opened, written and ended per source
-(the data channel, each backend), each with its engine stream and its place in the
-playout; and the interrupt (a cancel, a barge-in) that stops every part of them at once.
+"""A session's utterance queue: text in, per source (the data channel, each backend),
+each utterance with its engine stream and its place in the playout; the interrupt
+(a cancel, a barge-in) that stops every part of them at once and reports what the
+listener heard of each (`played_text`).
+
+`UtteranceQueue` shares the playout with the speech output (gateway/session_output.py),
+which plays what it queues; it reaches the output only through the callbacks it is made
+with (the wire's rate, wake the feeder, restart it after a cancel).
 """
 
 from __future__ import annotations
@@ -9,21 +13,18 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Callable, Protocol
 
 from ..engine.base import SynthesisOptions
 from ..engine.client import EngineClient
 from ..engine.errors import EngineUnavailable
 from ..engine.stream import TTSStream
+from .clock import SessionClock
 from .errors import GatewayError, checked_voice
-from .feeder import Feeder
+from .feeder import listener_lag_s
 from .playout import Playout, UtterancePlay
 from .session_metrics import SessionMetrics
 from .text_pump import TextPump
-
-if TYPE_CHECKING:
-    from .clock import SessionClock
-    from .session import SessionOptions
 
 
 @dataclass
@@ -37,26 +38,77 @@ class Utterance:
     started_sent: bool = False
 
 
+class QueueOptions(Protocol):
+    """The settings the queue reads (the session's `SessionOptions` has them), live."""
+
+    voice: str | None
+    rate: float
+    max_utterance_chars: int
+    max_queued_utterances: int
+
+
 class UtteranceQueue:
-    """The utterance half of a `Session` (a mixin: it shares the session's state)."""
+    """One session's utterances, oldest first: opened, written and ended by their source, fed to the
+    engine, played, interrupted.
 
-    engine: EngineClient
-    options: "SessionOptions"
-    metrics: SessionMetrics
-    playout: Playout
-    clock: "SessionClock"
-    utterances: list[Utterance]
-    stats: dict
-    _open_by_source: dict[str, str]
-    _interrupted_ids: set[tuple[str, str]]
-    _text: TextPump
-    _feeder: Feeder | None
-    _pending_cancel_at: float | None
+    Made with `emit` (events out), `wire_rate` (the rate the output plays at, for the engine's
+    deadlines), `on_queued` (an utterance was added or dropped: the feeder looks again) and
+    `on_cancelled` (everything was cancelled: the output starts afresh, told when the playout
+    was emptied of audio, or None).
+    """
 
-    if TYPE_CHECKING:  # the session's and its output's, named for the type checker only
-        def emit(self, event: dict, only: str | None = None) -> None: ...
-        def _listener_lag_s(self) -> float: ...
-        def _restart_feeder(self) -> None: ...
+    def __init__(
+        self,
+        engine: EngineClient,
+        *,
+        options: QueueOptions,
+        playout: Playout,
+        clock: SessionClock,
+        metrics: SessionMetrics,
+        emit: Callable[[dict], None],
+        wire_rate: Callable[[], int],
+        on_queued: Callable[[], None],
+        on_cancelled: Callable[[float | None], None],
+    ) -> None:
+        self.engine = engine
+        self.options = options
+        self.playout = playout
+        self.clock = clock
+        self.metrics = metrics
+        self.emit = emit
+        self._wire_rate = wire_rate
+        self._on_queued = on_queued
+        self._on_cancelled = on_cancelled
+        self.utterances: list[Utterance] = []
+        self.stats = {"utterances": 0, "interrupted": 0}
+        # Utterance ids are per source (the data channel, each backend): a source
+        # may write only to utterances it opened, so one sender can never
+        # append text to another's utterance.
+        self._open_by_source: dict[str, str] = {}
+        self._interrupted_ids: set[tuple[str, str]] = set()
+        # Text waiting to reach the engine streams, in arrival order, a slice per turn of the loop.
+        self._text = TextPump()
+
+    # Text in
+    def speak(self, source: str, uid: str | None, text: str, voice: str | None = None) -> None:
+        """A whole utterance (`speak`)."""
+        utt = self._utterance_for(uid, source, streaming=False, voice=voice)
+        self._push(utt, text)
+        self._end(utt)
+
+    def append(self, source: str, uid: str | None, text: str, voice: str | None = None) -> None:
+        """Text for `source`'s open utterance `uid` (`text.delta`; None: its open one, or a new one)."""
+        self._push(self._utterance_for(uid, source, streaming=True, voice=voice), text)
+
+    def end(self, source: str, uid: str | None) -> None:
+        """`source`'s utterance `uid` has all its text (`text.end`; None: its open one)."""
+        uid = uid or self._open_by_source.get(source)
+        found = self._find(uid, source)
+        if found is None:
+            if (source, uid) in self._interrupted_ids:
+                return  # ending an interrupted utterance is fine and does nothing
+            raise GatewayError("unknown_utterance", f"no open utterance {uid!r} to end", id=uid)
+        self._end(found)
 
     def _find(self, uid: str | None, source: str) -> Utterance | None:
         """This source's utterance `uid`; another source's is refused, never written to."""
@@ -112,9 +164,16 @@ class UtteranceQueue:
             self._open_by_source[source] = uid
         self.stats["utterances"] += 1
         self.emit({"type": "utterance.queued", "id": uid, "position": len(self.utterances) - 1})
-        if self._feeder is not None:
-            self._feeder.wake()
+        self._on_queued()
         return utt
+
+    def _listener_lag_s(self) -> float:
+        """What the output's feeder keeps back from the listener (feeder.listener_lag_s), at the
+        engine's rate and the wire's."""
+        engine_rate = self.engine.info.get("sample_rate")
+        if not isinstance(engine_rate, int) or engine_rate <= 0:
+            return 0.0
+        return listener_lag_s(engine_rate, self._wire_rate())
 
     def _push(self, utt: Utterance, text: str) -> None:
         if utt.chars + len(text) > self.options.max_utterance_chars:
@@ -154,11 +213,20 @@ class UtteranceQueue:
         self.metrics.utterance("interrupted")
         self.emit({"type": "utterance.interrupted", "id": utt.id, "reason": reason, "played_ms": 0,
                    "played_text": "", "at_ms": self.clock.at_ms()})
-        if self._feeder is not None:
-            self._feeder.wake()
+        self._on_queued()
+
+    # The output's side
+    def next_to_feed(self) -> Utterance | None:
+        """The oldest utterance whose audio the feeder has not finished."""
+        return next((u for u in self.utterances if not u.play.input_done), None)
+
+    def done(self, play: UtterancePlay) -> None:
+        """An utterance played to its end: it leaves the queue."""
+        self.utterances = [u for u in self.utterances if u.play is not play]
 
     # Barge-in and cancel
     def interrupt(self, reason: str) -> None:
+        """Stop everything queued and playing (`reason`: cancel, barge_in, error), and say what was heard of each."""
         t0 = time.perf_counter()
         self.metrics.interrupted(reason, t0)
         dropped = self.playout.clear()
@@ -172,9 +240,7 @@ class UtteranceQueue:
             self._interrupted_ids.add((utt.source, utt.id))
         if len(self._interrupted_ids) > 1000:
             self._interrupted_ids = set(list(self._interrupted_ids)[-500:])
-        self._restart_feeder()
-        if dropped:
-            self._pending_cancel_at = t0
+        self._on_cancelled(t0 if dropped else None)
         for play in dropped:
             self.stats["interrupted"] += 1
             self.metrics.utterance("interrupted")
@@ -188,3 +254,10 @@ class UtteranceQueue:
                     "at_ms": self.clock.at_ms(t0),
                 }
             )
+
+    def close(self) -> None:
+        """The session closes: every engine stream cancelled, nothing reported."""
+        self._text.clear()
+        for utt in reversed(self.utterances):  # newest first, as in interrupt()
+            utt.stream.cancel()
+        self.utterances = []

@@ -33,11 +33,11 @@ class TwilioInput:
         if not ulaw:
             return
         self._samples_in += len(ulaw)
-        if not self.session.listening:
+        if not self.session.caller.listening:
             self._upsampler = None
             return  # nothing is decoded while nobody listens: the VAD off, no backend taking the audio
         if self._upsampler is None:
             self._upsampler = Upsampler2x()
         pcm16k = self._upsampler.process(ulaw_decode(ulaw))
         end_ms = self._capture.end_ms(self._samples_in)
-        self.session.on_inbound_audio(pcm16k, end_ms - len(ulaw) / 8.0 - Upsampler2x.DELAY_S * 1000.0)
+        self.session.caller.on_inbound_audio(pcm16k, end_ms - len(ulaw) / 8.0 - Upsampler2x.DELAY_S * 1000.0)

@@ -26,7 +26,7 @@ from typing import Awaitable, Callable
 
 from . import dtmf
 from .pacer import Pacer
-from .session import Session
+from .session_output import SpeechOutput
 
 MARK_EVERY_FRAMES = 10  # a mark every 200 ms between chunk boundaries (see above)
 MAX_TONE_FRAMES = 500  # DTMF tones waiting to be sent (10 s); more digits are refused
@@ -37,8 +37,8 @@ Send = Callable[[dict], Awaitable[None]]
 
 
 class TwilioOutput:
-    def __init__(self, session: Session, *, stream_sid: str, send: Send, pacer: Pacer | None = None) -> None:
-        self.session = session
+    def __init__(self, output: SpeechOutput, *, stream_sid: str, send: Send, pacer: Pacer | None = None) -> None:
+        self.output = output  # the session's speech output: its playout, and each frame's departure
         self.stream_sid = stream_sid
         self._send_raw = send
         self.mark_every = MARK_EVERY_FRAMES
@@ -133,7 +133,7 @@ class TwilioOutput:
             self._clear_task = None
 
     async def _run(self) -> None:
-        playout = self.session.playout
+        playout = self.output.playout
         try:
             while True:
                 await self.pacer.wait()
@@ -143,7 +143,7 @@ class TwilioOutput:
                     await self._send({"event": "media", "streamSid": self.stream_sid,
                                       "media": {"payload": base64.b64encode(self._tones.popleft()).decode("ascii")}})
                     self.frames_sent += 1
-                    self.session.on_departure(now)
+                    self.output.on_departure(now)
                     continue
                 frame = playout.next_frame(now)
                 # Ends of utterances finished by this tick go out before its frame.
@@ -159,7 +159,7 @@ class TwilioOutput:
                         current.sent_frames % self.mark_every == 0 or current.sent_frames in current.chunk_ends
                     ):
                         await self._mark(f"{current.id}:{current.played_ms}")
-                self.session.on_departure(now)
+                self.output.on_departure(now)
         except asyncio.CancelledError:
             pass
         except (ConnectionError, RuntimeError) as exc:

@@ -7,7 +7,7 @@ frames within a short window, and stops after `hangover_ms` without any.
 
 A turn's voiced frames are counted from its start; once they reach
 `interrupt_ms` the detector says `speech.long` (the session's own event, never
-sent): the turn has been long enough to interrupt the bot (gateway/barge_in.py).
+sent): the turn has been long enough to interrupt the bot (gateway/caller_side.py).
 
 With `pause_ms` set (the session's shortest end-of-turn silence,
 gateway/endpoint.py), a turn that falls silent that long says `speech.paused`,

@@ -198,7 +198,7 @@ class TwilioCall:
             if not isinstance(digit, str) or len(digit) != 1 or digit not in "0123456789*#ABCDabcd":
                 raise GatewayError("invalid_message", "'dtmf' needs a one-character dtmf.digit (0-9, *, #, A-D)")
             self.dtmf.append(digit)
-            self.session.emit({"type": "call.dtmf", "digit": digit, "call_sid": self.call_sid})
+            self.session.caller.on_dtmf(digit, self.call_sid)
         elif event == "stop":
             raise GatewayError("stopped", "the call ended", fatal=True)
 

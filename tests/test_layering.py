@@ -4,9 +4,8 @@ scripts/lint.sh checks pyproject.toml's import contracts before the suite; this 
 property in the suite, on the package laid out as installed (as lint.sh lays it out: voxgate/ with
 signaling/, gateway/, engine/ and web/ inside), with grimp counting `if TYPE_CHECKING:` imports.
 
-The one exception is the acyclic contract's `ignore_imports`: the session's mixins (session,
-session_queue, session_output, feeder) name each other for the type checker until Session is built by
-composition (issue 55). The lead deletes those entries with that merge; nothing else may be listed.
+No exception: the acyclic contract ignores no import (the session's mixins, which named each other
+for the type checker, became parts that meet through callbacks and Protocols; issue 55).
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ else:  # pragma: no cover
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SUBPACKAGES = ("signaling", "gateway", "engine", "web")
-SESSION_CLUSTER = {f"voxgate.gateway.{m}" for m in ("session", "session_queue", "session_output", "feeder")}
 
 # Run in a child process, where `voxgate` resolves to the laid-out tree rather than the editable install.
 CYCLES = """
@@ -77,9 +75,8 @@ def test_the_contracts_count_type_checking_imports():
     assert _config()["exclude_type_checking_imports"] is False
 
 
-def test_the_only_exception_is_the_session_cluster():
-    ignored = _acyclic_ignores()
-    assert all(a in SESSION_CLUSTER and b in SESSION_CLUSTER for a, b in ignored), ignored
+def test_the_acyclic_contract_ignores_no_import():
+    assert _acyclic_ignores() == []
 
 
 def test_no_sibling_modules_import_each_other_round_a_loop(tmp_path):

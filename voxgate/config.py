@@ -48,7 +48,7 @@ RATE_RANGE = (0.25, 4.0)  # speaking rates a client (session.update) or `voxgate
 # --gc-young-threshold (gateway/heap.py): below 50 a young collection runs every few frames' worth of
 # objects; above 100,000 the young set, and so each pause, grows past anything measured.
 YOUNG_THRESHOLD_RANGE = (50, 100000)
-MIN_INTERRUPT_RANGE = (20, 5000)  # barge_in.min_interrupt_ms, by flag or session.update (gateway/barge_in.py)
+MIN_INTERRUPT_RANGE = (20, 5000)  # barge_in.min_interrupt_ms, by flag or session.update (gateway/caller_side.py)
 
 # Where `voxgate serve --help` lists a setting, in this order.
 LISTENING = "listening"

@@ -178,7 +178,7 @@ async def _drive(engine: EngineClient, script: list[tuple[str, object]]) -> tupl
         if kind == "msg":
             session.handle_message(arg, "peer")
         elif kind == "noise":
-            session.on_inbound_audio((rng.standard_normal(320 * arg) * 8000).astype(np.int16), session.clock.ms())
+            session.caller.on_inbound_audio((rng.standard_normal(320 * arg) * 8000).astype(np.int16), session.clock.ms())
         elif kind == "frames":
             await take(arg)
         else:
@@ -192,8 +192,8 @@ async def _drive(engine: EngineClient, script: list[tuple[str, object]]) -> tupl
         session.handle_message(_msg("text.end", id=uid), "peer")
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 15.0
-    while session.utterances or session.playout.queue:
-        assert loop.time() < deadline, f"utterances never finished: {[u.id for u in session.utterances]}"
+    while session.queue.utterances or session.playout.queue:
+        assert loop.time() < deadline, f"utterances never finished: {[u.id for u in session.queue.utterances]}"
         await take(20)
         await asyncio.sleep(0.001)
     await session.close("done")
@@ -211,7 +211,7 @@ def test_session_survives_any_message_sequence_and_ends_each_utterance_once(engi
     assert all(e["type"] != "error" or (e["code"] and e["message"]) for e in rec.events)
     assert rec.count("utterance.queued") == rec.terminal()
     assert rec.events[-1]["type"] == "session.closed"
-    assert session._feeder is None or session._feeder.task.done()
+    assert session.output.feeder is None or session.output.feeder.task.done()
     # Every engine stream the session opened was finished or cancelled.
     loop.run_until_complete(asyncio.sleep(0.05))
     assert engine.active_streams == 0

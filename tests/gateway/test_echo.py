@@ -294,11 +294,11 @@ async def test_a_session_with_the_vad_off_keeps_no_canceller_and_no_reference():
     async with in_process_gateway() as (app, url):
         async with RtcClient(url, mic=True) as client:
             session = app["gateway"].sessions[client.session_id]
-            assert session.echo is not None and session.playout.tap is not None
+            assert session.caller.echo is not None and session.playout.tap is not None
             for enabled in (False, True):
                 client.send({"type": "session.update", "vad": {"enabled": enabled}})
                 await client.wait_for("session.updated", timeout=10)
-                assert (session.echo is not None) is enabled
+                assert (session.caller.echo is not None) is enabled
                 assert (session.playout.tap is not None) is enabled
 
 
@@ -308,7 +308,7 @@ def test_at_debug_level_a_turn_started_over_the_bot_says_what_the_guard_saw(capl
     marked) for the session's log line. At info level nothing is kept."""
     import logging
 
-    from voxgate.gateway.session import _hear
+    from voxgate.gateway.caller_side import _hear
 
     packets = _joe_packets("The new plan costs twelve dollars a month and includes unlimited calls.")
     caller = corpus.espeak("Wait, hold on, I have a question.", "en-gb+f3", 16000).astype(np.float64)

@@ -125,13 +125,13 @@ async def test_without_a_place_to_watch_reports_the_session_keeps_fec():
     assert watch_reports(object(), lambda fraction: None) is False
     session, _, _, _ = make()
     session.attach_output("opus")
-    assert session.encoder.signal == "voice"
-    session.keep_fec()
-    assert session.encoder.signal == "voice"
+    assert session.output.encoder.signal == "voice"
+    session.output.keep_fec()
+    assert session.output.encoder.signal == "voice"
     for _ in range(5):
-        session.on_loss_report(0.0)  # the policy is pinned: no clean reports turn it to music
-    session._restart_feeder()  # a cancel makes a fresh encoder
-    assert session.encoder.signal == "voice"
+        session.output.on_loss_report(0.0)  # the policy is pinned: no clean reports turn it to music
+    session.output.restart()  # a cancel makes a fresh encoder
+    assert session.output.encoder.signal == "voice"
     await session.close("test")
 
 
@@ -140,21 +140,21 @@ async def test_the_policy_outlives_a_cancel_and_ignores_what_it_cannot_switch():
 
     session, _, _, _ = make()
     session.attach_output("opus")
-    session.on_loss_report(0.05)
-    assert session.encoder.signal == "voice"
-    session._restart_feeder()  # a cancel or barge-in: a fresh encoder takes the signal the policy holds
-    assert session.encoder.signal == "voice"
+    session.output.on_loss_report(0.05)
+    assert session.output.encoder.signal == "voice"
+    session.output.restart()  # a cancel or barge-in: a fresh encoder takes the signal the policy holds
+    assert session.output.encoder.signal == "voice"
     await session.close("test")
 
     for codec in ("pcmu", "none"):  # G.711 and the data-channel-only output have no Opus to switch
         session, _, _, samples = make()
         session.attach_output(codec)
-        session.on_loss_report(0.5)
-        assert session.signal_policy is None
+        session.output.on_loss_report(0.5)
+        assert session.output.signal_policy is None
         await session.close("test")
 
     session, _, _, _ = make(opus=OpusSettings(fec=False))  # auto without FEC: music throughout
     session.attach_output("opus")
-    session.on_loss_report(0.5)
-    assert session.encoder.signal == "music"
+    session.output.on_loss_report(0.5)
+    assert session.output.encoder.signal == "music"
     await session.close("test")

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from voxgate.gateway.protocol import Limits
-from voxgate.gateway.barge_in import BargeInSettings
+from voxgate.gateway.caller_side import BargeInSettings
 from voxgate.gateway.session import Session, SessionOptions
 from voxgate.gateway.session_metrics import SessionMetrics
 from voxgate.gateway.text_pump import TEXT_SLICE_CHARS
@@ -181,7 +181,7 @@ async def test_text_waits_for_an_output_then_plays_with_ttfa_and_its_parts():
     assert len(samples.ttfa_s) == 1 and len(samples.parts) == 1
     first, rest = samples.parts[0]
     assert first >= 0 and rest >= 0 and first + rest == pytest.approx(samples.ttfa_s[0], abs=1e-6)
-    assert not session.utterances
+    assert not session.queue.utterances
 
 
 async def test_the_engine_hears_when_each_utterance_is_needed_and_what_the_feeder_holds_back():
@@ -198,7 +198,7 @@ async def test_the_engine_hears_when_each_utterance_is_needed_and_what_the_feede
     await turns()
     first = engine.streams[0]
     assert first.start_in_s == 0.0 and first.after is None  # nothing ahead of it: its listener waits now
-    lag = listener_lag_s(RATE, session.encoder.sample_rate)
+    lag = listener_lag_s(RATE, session.output.encoder.sample_rate)
     assert first.held_s == pytest.approx(lag) and 0.01 < lag < 0.1
     first.say(["one", "two", "three"])  # 0.6 s
     for _ in range(200):
@@ -325,14 +325,14 @@ async def test_cancel_stops_everything_and_reports_what_was_heard():
 async def test_speech_on_the_microphone_interrupts_only_while_speaking():
     session, engine, events, samples = make()
     session.attach_output("opus")
-    session._vad_events(["speech.started"], 0)  # nothing playing: an event, no interrupt
+    session.caller.vad_events(["speech.started"], 0)  # nothing playing: an event, no interrupt
     assert events.of("speech.started") and samples.interrupts == []
     session.handle_message('{"type": "speak", "text": "hello", "id": "a"}')
     await turns()
     engine.streams[0].say(["hello"])
     await play_until(session, events, "audio.started")
     # The VAD says speech.long with speech.started when a turn needs no more speech to interrupt.
-    session._vad_events(["speech.started", "speech.long"], 0)
+    session.caller.vad_events(["speech.started", "speech.long"], 0)
     assert events.of("utterance.interrupted")[0]["reason"] == "barge_in"
     assert not events.of("speech.long")  # the session's own event, never sent
 
@@ -344,15 +344,15 @@ async def test_a_turn_too_short_to_interrupt_is_a_backchannel():
     await turns()
     engine.streams[0].say(["hello"])
     await play_until(session, events, "audio.started")
-    session.vad.turn_voiced_ms = 340
-    session._vad_events(["speech.started"], 100)
-    session._vad_events(["speech.stopped"], 900)
+    session.caller.vad.turn_voiced_ms = 340
+    session.caller.vad_events(["speech.started"], 100)
+    session.caller.vad_events(["speech.stopped"], 900)
     assert samples.interrupts == [] and not events.of("utterance.interrupted")
     assert events.of("speech.backchannel") == [{"type": "speech.backchannel", "id": "a", "speech_ms": 340, "at_ms": 900}]
     # A turn that began with the bot silent is no backchannel, however short.
     session.interrupt("cancel")
-    session._vad_events(["speech.started"], 1000)
-    session._vad_events(["speech.stopped"], 1500)
+    session.caller.vad_events(["speech.started"], 1000)
+    session.caller.vad_events(["speech.stopped"], 1500)
     assert len(events.of("speech.backchannel")) == 1
 
 
@@ -374,9 +374,9 @@ async def test_events_carry_at_ms_on_the_session_clock_and_speech_is_timed_by_it
             self.frames += 1
             return ["speech.started", "speech.long"] if self.frames == 3 else []
 
-    session.vad = VadAtThirdFrame()
+    session.caller.vad = VadAtThirdFrame()  # type: ignore[assignment]
     before = session.clock.ms()
-    session.on_inbound_audio(np.zeros(4 * 320, np.int16), 5000.0)  # captured from 5000 ms: frames at 5000, 5020, ...
+    session.caller.on_inbound_audio(np.zeros(4 * 320, np.int16), 5000.0)  # captured from 5000 ms: frames at 5000, 5020, ...
     assert events.of("speech.started")[0]["at_ms"] == 5060  # the end of the third frame
     interrupted = events.of("utterance.interrupted")[0]
     assert int(before) <= interrupted["at_ms"] <= session.clock.ms() and interrupted["at_ms"] >= started["at_ms"]
@@ -400,3 +400,28 @@ async def test_close_cancels_streams_runs_every_callback_and_happens_once():
     assert engine.streams[0].cancelled and session.closed and session.closed_event.is_set()
     assert closed == [session.id]  # the broken callback did not stop the next one
     assert [e["reason"] for e in events.of("session.closed")] == ["bye"]
+
+
+def test_the_sessions_parts_import_neither_the_session_nor_each_other_type_checking_included():
+    """The import contract (pyproject.toml) skips TYPE_CHECKING imports; this reads every import in
+    the files, those under `if TYPE_CHECKING:` too, so no cycle can hide behind one."""
+    import ast
+    import os
+
+    gateway = os.path.join(os.path.dirname(__file__), "..", "..", "gateway")
+
+    def imports(module: str) -> set[str]:
+        tree = ast.parse(open(os.path.join(gateway, module + ".py"), encoding="utf-8").read())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                found |= {node.module} if node.module else {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("voxgate.gateway."):
+                found.add(node.module.split(".")[2])
+        return found
+
+    parts = {"session_queue", "session_output", "caller_side"}
+    for part in parts:
+        assert not imports(part) & ({"session"} | parts - {part}), part
+    assert not imports("feeder") & ({"session"} | parts)
+    assert parts <= imports("session")

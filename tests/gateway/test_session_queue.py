@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from voxgate.client import VoxgateSession
 from voxgate.engine import tone
 from voxgate.rtc_client import RtcClient
@@ -69,3 +71,51 @@ async def test_a_data_channel_closed_mid_reply_ends_its_utterance(tone_server):
             assert ended["reason"] == "writer_gone"
             state = await backend.state()
             assert state["utterances"]["queued"] == 0
+
+
+async def test_the_queue_alone_feeds_the_engine_and_reports_what_a_cancel_stopped():
+    """`UtteranceQueue` without a Session or an output: text reaches the engine streams in order, the
+    feeder is woken per utterance, and an interrupt cancels every stream, says what the listener heard
+    of each, and has the output start afresh (timed from the cancel only when audio was dropped)."""
+    from dataclasses import dataclass
+
+    from tests.gateway.test_session import Events, FakeEngine, Samples
+    from voxgate.gateway.clock import SessionClock
+    from voxgate.gateway.errors import GatewayError
+    from voxgate.gateway.playout import Playout
+    from voxgate.gateway.session_queue import UtteranceQueue
+
+    @dataclass
+    class Options:
+        voice: str | None = None
+        rate: float = 1.0
+        max_utterance_chars: int = 100
+        max_queued_utterances: int = 3
+
+    engine, events, samples, playout = FakeEngine(), Events(), Samples(), Playout(b"\x00")
+    woken: list[int] = []
+    restarts: list[float | None] = []
+    queue = UtteranceQueue(engine, options=Options(), playout=playout, clock=SessionClock(), metrics=samples,  # type: ignore[arg-type]
+                           emit=events, wire_rate=lambda: 48000, on_queued=lambda: woken.append(1),
+                           on_cancelled=restarts.append)
+    queue.speak("peer", "a", "one two")
+    queue.append("peer", "b", "three ")
+    queue.append("peer", None, "four")  # the peer's open utterance
+    with pytest.raises(GatewayError) as refused:
+        queue.append("backend", "b", "theirs")
+    assert refused.value.code == "id_in_use"
+    for _ in range(5):
+        await asyncio.sleep(0)  # the text pump: a slice a turn
+    first, second = engine.streams
+    assert first.texts == ["one two"] and first.ended and second.texts == ["three ", "four"] and not second.ended
+    assert second.after is first and first.held_s > 0  # the output's lag, at the wire's rate
+    assert [e["id"] for e in events.of("utterance.queued")] == ["a", "b"] and len(woken) == 2
+    assert queue.next_to_feed() is queue.utterances[0]
+    queue.interrupt("cancel")
+    assert first.cancelled and second.cancelled and queue.utterances == [] and not playout.queue
+    assert [(e["id"], e["played_ms"], e["played_text"]) for e in events.of("utterance.interrupted")] == [
+        ("a", 0, ""), ("b", 0, "")]
+    assert len(restarts) == 1 and restarts[0] is not None  # queued audio was dropped: cancel-to-silence runs
+    queue.end("peer", "b")  # ending an interrupted utterance does nothing
+    queue.interrupt("cancel")  # nothing queued
+    assert restarts[1] is None and queue.stats == {"utterances": 2, "interrupted": 2}

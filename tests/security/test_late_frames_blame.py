@@ -34,7 +34,7 @@ async def test_only_the_tenant_whose_work_made_frames_late_is_refused_and_its_wa
         gw = app["gateway"]
         status, made, _ = await http_json("POST", url + "/v1/sessions", headers={"X-API-Key": "attacker"})
         watcher = await http.ws_connect(f"{url.replace('http', 'ws')}/v1/sessions/{made['session_id']}/ws?role=watcher&audio=pcm16")
-        [link] = [cb.__self__ for name, cb in gw.sessions[made["session_id"]].caller.taps.items()]
+        [link] = [cb.__self__ for name, cb in gw.sessions[made["session_id"]].caller.audio.taps.items()]
         frames_went_late(gw, 0.2)
         gw.admission.blame.charge("key:attacker", 6.0, link)  # 0.6 cores of its watcher's sends
         gw.admission._cpu0 -= 8.0  # the process spent 8 s meanwhile: the watcher's 6 are three quarters
@@ -50,7 +50,7 @@ async def test_only_the_tenant_whose_work_made_frames_late_is_refused_and_its_wa
         while message.type == aiohttp.WSMsgType.TEXT:
             message = await watcher.receive(timeout=5)
         assert message.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.CLOSING), message
-        assert not gw.sessions[made["session_id"]].caller.taps
+        assert not gw.sessions[made["session_id"]].caller.audio.taps
 
 
 async def test_with_nobody_to_blame_late_frames_refuse_everyone():

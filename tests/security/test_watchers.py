@@ -75,12 +75,12 @@ async def test_a_backend_that_takes_none_of_the_callers_audio_is_disconnected_no
         link = gw.attach_backend(session, socket, "watcher", True, abort=socket.aborted.set)
         frame = b"\0" * 644
         for _ in range(5):  # its 100 ms buffer
-            session.caller.taps[link.name](frame)
+            session.caller.audio.taps[link.name](frame)
         link._on_audio(frame)  # full: dropped, and behind from now
         assert not socket.aborted.is_set()
         link._behind_since -= 1.0  # as if it had stayed behind for a second
         link._on_audio(frame)
         await asyncio.wait_for(socket.aborted.wait(), 1)
-        assert link.name not in session.caller.taps  # no frame's work is spent on it any more
+        assert link.name not in session.caller.audio.taps  # no frame's work is spent on it any more
         await link.detach()
         await session.close("test over")

@@ -20,6 +20,8 @@ SILENCE = b"\xff" * 160
 
 
 class StandInSession:
+    """The session's speech output, as TwilioOutput sees it: a playout, and where departures go."""
+
     def __init__(self) -> None:
         self.playout = Playout(SILENCE)
         self.departures: list[float] = []
@@ -59,7 +61,7 @@ class Wire:
 
 def start(frames: list[bytes], chunk_ends: set[int] = frozenset()) -> tuple[TwilioOutput, StandInSession, Wire, UtterancePlay]:
     session, wire = StandInSession(), Wire()
-    output = TwilioOutput(session=session, stream_sid="MZ1", send=wire.send)
+    output = TwilioOutput(session, stream_sid="MZ1", send=wire.send)
     play = UtterancePlay(id="u", chunk_ends=set(chunk_ends))
     session.playout.add(play)
     session.playout.push(play, frames)
@@ -140,7 +142,7 @@ async def test_a_closed_connection_ends_the_output_quietly():
     async def broken(message: dict) -> None:
         raise ConnectionError("gone")
 
-    output = TwilioOutput(session=session, stream_sid="MZ2", send=broken)
+    output = TwilioOutput(session, stream_sid="MZ2", send=broken)
     play = UtterancePlay(id="u")
     session.playout.add(play)
     session.playout.push(play, [b"\x03" * 160] * 3)
