@@ -7,7 +7,9 @@ The link is the session's writer and one of its listeners, like a backend WebSoc
 (gateway/relay_messages.py): the session's transcripts go out as `prompt`, its barge-ins
 as `interrupt` (exactly what the caller heard), a phone's keys as `dtmf`; the application's
 `text` tokens stream into one utterance at a time through the session's own messages
-(`text.delta`, `text.end`), so every check and limit a backend meets applies here too.
+(`text.delta`, `text.end`), so every check and limit a backend meets applies here too. Its
+`play` is an utterance of fetched audio (gateway/relay_play.py); when the conversation ends,
+the session's status callback hears how (gateway/relay_status.py).
 
 The connection is bounded: a connect timeout, WebSocket pings for a dead peer, a size cap
 per message, a rate cap, and an address check (loopback and private ranges only with
