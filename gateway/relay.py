@@ -389,6 +389,8 @@ class RelayLink:
         except PlayRefused as exc:
             raise wire.RelayMessageError(f"play: {exc}") from None
         self._interruptible[uid] = msg["interruptible"]
+        if len(self._interruptible) > 256:
+            self._interruptible.pop(next(iter(self._interruptible)))
 
     def _report_end(self, reason: str, handoff: object) -> None:
         """The status callback (`action`), if the session has one: how and why the conversation ended."""
