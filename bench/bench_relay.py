@@ -10,7 +10,8 @@ an aiortc client over WebRTC) against one gateway process (`--engine piper --stt
 application on loopback that answers each final `prompt` with its reply as one `text` (`last: true`), and a
 session whose backend WebSocket answers each final `speech.transcript` with the same reply as `speak`.
 The turns go in blocks of --block, each block a new conversation per arm, the arms alternating which goes
-first; the figure is the ratio of the p50s (and p95s), relay over backend, from the same run. Turns whose
+first; the figures are the ratio of the p50s (and p95s), relay over backend, from the same run, and the median
+of the per-turn ratios (the same turn through both arms, so its own length and recognition time cancel). Turns whose
 final came before the caller finished (a pause taken for the end) are left out, as bench_conversation does.
 
 The default arm (`ttfa`), time to first audio after a `text`:
@@ -255,7 +256,14 @@ async def v2v_run(args, server_url: str) -> dict:
         await runner.cleanup()
     relay, backend = v2v_figures(rows["relay"]), v2v_figures(rows["backend"])
     ratio = {q: round(relay[q] / backend[q], 3) if relay[q] and backend[q] else None for q in ("p50", "p95")}
-    return {"relay": relay, "backend": backend, "ratio_p50": ratio["p50"], "ratio_p95": ratio["p95"]}
+    # The same turn (phrase and voice) through both arms, side by side: the turns' own spread (their length, the
+    # recognizer's time on them) cancels, which the two arms' separate percentiles leave in.
+    paired = [r["voice_to_voice_ms"] / b["voice_to_voice_ms"] for r, b in zip(rows["relay"], rows["backend"])
+              if r["voice_to_voice_ms"] and b["voice_to_voice_ms"] and not r["early"] and not b["early"]]
+    return {"relay": relay, "backend": backend, "ratio_p50": ratio["p50"], "ratio_p95": ratio["p95"],
+            "paired_ratio_median": round(percentile(paired, 50), 3) if paired else None,
+            "paired_ratio_ci": [round(x, 3) for x in bootstrap_ci(paired)] if len(paired) > 2 else None,
+            "paired_turns": len(paired)}
 
 
 def v2v_main(args) -> None:
@@ -276,7 +284,9 @@ def v2v_main(args) -> None:
         server.stop()
     print(f"relay p50 {results['relay']['p50']} ms p95 {results['relay']['p95']} ms (n {results['relay']['n']}); "
           f"backend p50 {results['backend']['p50']} ms p95 {results['backend']['p95']} ms (n {results['backend']['n']}); "
-          f"ratio p50 {results['ratio_p50']}, p95 {results['ratio_p95']}", flush=True)
+          f"ratio p50 {results['ratio_p50']}, p95 {results['ratio_p95']}; per turn, paired: median "
+          f"{results['paired_ratio_median']} (95 % interval {results['paired_ratio_ci']}, {results['paired_turns']} turns)",
+          flush=True)
     finish("relay-v2v", results, started, args.out)
 
 
