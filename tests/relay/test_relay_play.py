@@ -3,19 +3,22 @@ utterance of its own, in its place between the replies, its loops and its durati
 not allowed (another origin, a private address without --relay-allow-private), too big, endless,
 or not audio gets an `error` and the conversation goes on; `interruptible` holds for it as for text.
 
-The calls are Twilio Media Streams over a real WebSocket (tests/telephony/twilio_standin.py), the
-audio a WAV and an MP3 made here and served on loopback (tests/relay/audio_server.py)."""
+The calls are Twilio Media Streams over a real WebSocket (tests/telephony/twilio_standin.py), and one
+a real aiortc caller over WebRTC (Opus at 48 kHz); the audio a WAV and an MP3 made here and served on
+loopback (tests/relay/audio_server.py)."""
 
 from __future__ import annotations
 
 import re
 
+import aiohttp
 import numpy as np
 import pytest
 
 from voxgate.config import ConfigError, Settings
 from voxgate.gateway.encoder import ulaw_decode
 from voxgate.gateway.relay_play import PlayRefused, check_source, fetch
+from voxgate.rtc_client import RtcClient
 
 from tests.conftest import in_process_gateway
 from tests.relay.audio_server import TONE_HZ, AudioServer
@@ -155,3 +158,28 @@ async def test_the_fetch_passes_the_outbound_guard_and_only_allowed_origins(audi
     for origin in ("https://cdn.example/path", "ftp://cdn.example", "cdn.example", "https://u:p@cdn.example"):
         with pytest.raises(ConfigError, match="--relay-play-origin"):
             Settings(relay_play_origin=[origin]).check()
+
+
+async def test_a_play_is_heard_by_a_webrtc_caller(audio):
+    app = RelayApp(script=[{"type": "play", "source": audio.url + "/half.wav", "loop": 2}])
+    await app.start()
+    try:
+        async with in_process_gateway(relay_allow_private=True, relay_play_origin=[audio.url]) as (_, url):
+            async with aiohttp.ClientSession() as http:
+                async with http.post(url + "/v1/sessions", json={"relay": {"url": app.url}}) as resp:
+                    made = await resp.json()
+            caller = RtcClient(url, session_id=made["session_id"], token=made["client_token"])
+            try:
+                await caller.connect()
+                started = await caller.wait_for("utterance.started", id="p1")
+                frames = await caller.wait_frames_after(started, 45)
+                done = await caller.wait_for("utterance.done", id="p1")
+            finally:
+                await caller.close()
+    finally:
+        await app.stop()
+    pcm = np.concatenate(frames[5:45]).astype(np.float64)  # past Opus's first frames, within the second played
+    spectrum = np.abs(np.fft.rfft(pcm))
+    assert abs(np.argmax(spectrum) * 48000 / len(pcm) - TONE_HZ) < 5
+    assert np.sqrt(np.mean(pcm ** 2)) > 3000  # the tone (12,000 peak) heard, not a trace of it
+    assert done["audio_ms"] == 1000 and app.of_type("error") == []
