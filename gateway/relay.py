@@ -147,6 +147,7 @@ class RelayLink:
 
     def describe(self) -> dict:
         return {"url": shown_url(self.options.url), "connected": self._task is not None and not self._over,
+                "action": shown_url(self.options.action) if self.options.action else None,
                 "ignored": self.options.ignored}
 
     # Session events -> the application

@@ -76,6 +76,9 @@ async def test_the_end_reaches_the_status_callback_with_how_and_why(caplog):
                 async with http.post(url + "/v1/sessions", json={"relay": {
                         "url": app.url, "action": callbacks.url + "/ok", "authToken": "tok"}}) as resp:
                     made = await resp.json()
+            async with aiohttp.ClientSession() as http:
+                async with http.get(f"{url}/v1/sessions/{made['session_id']}") as resp:
+                    shown = (await resp.json())["relay"]
             phone = TwilioStandIn(url, call_sid="CAended")
             await phone.connect()
             await phone.start({"session_id": made["session_id"], "token": made["client_token"], "from": "+1555"})
@@ -104,6 +107,7 @@ async def test_the_end_reaches_the_status_callback_with_how_and_why(caplog):
     assert path == "/ok" and ended["SessionStatus"] == "ended" and ended["HandoffData"] == '{"queue": "billing"}'
     assert ended["CallSid"] == "CAended" and ended["SessionId"] == "VX" + made["session_id"]
     assert ended["From"] == "+1555" and ended["CallStatus"] == "completed" and ended["AccountSid"] == ""
+    assert shown["action"] == callbacks.url + "/ok"
     assert headers["X-Twilio-Signature"] == signature("tok", callbacks.url + "/ok", ended)
     assert failed["SessionStatus"] == "failed" and failed["ErrorMessage"].startswith("connect:")
     assert "HandoffData" not in failed and failed["CallSid"] == "CAfailed"
