@@ -1,6 +1,20 @@
-"""Time to first audio through a ConversationRelay application against the backend WebSocket.
+"""A ConversationRelay application against the backend WebSocket: time to first audio, and voice to voice.
 
     python bench/bench_relay.py [--engine piper] [--trials 20] [--quick] [--out bench/results/relay.json]
+    python bench/bench_relay.py --arm v2v [--turns 16] [--quick] [--out bench/results/relay-v2v.json]
+
+`--arm v2v`: the conversation loop of bench/bench_conversation.py (its caller turns, espeak-ng voices, half
+with a pause inside; its measure: from the caller's last voiced sample to the reply's first voiced frame at
+an aiortc client over WebRTC) against one gateway process (`--engine piper --stt whisper
+--relay-allow-private`), through two arms in the same run: a session relayed to a ConversationRelay
+application on loopback that answers each final `prompt` with its reply as one `text` (`last: true`), and a
+session whose backend WebSocket answers each final `speech.transcript` with the same reply as `speak`.
+The turns go in blocks of --block, each block a new conversation per arm, the arms alternating which goes
+first; the figures are the ratio of the p50s (and p95s), relay over backend, from the same run, and the median
+of the per-turn ratios (the same turn through both arms, so its own length and recognition time cancel). Turns whose
+final came before the caller finished (a pause taken for the end) are left out, as bench_conversation does.
+
+The default arm (`ttfa`), time to first audio after a `text`:
 
 The gateway runs as its own process (`voxgate serve --engine ENGINE --relay-allow-private`). Two phone
 calls (the Twilio Media Streams stand-in of tests/telephony) stay up for the whole run, with the same
@@ -25,10 +39,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import aiohttp  # noqa: E402
+import numpy as np  # noqa: E402
 from aiohttp import WSMsgType, web  # noqa: E402
 
 from _common import (  # noqa: E402
-    arg_parser, bootstrap_ci, finish, free_port, machine, percentile, print_machine, stop_server, summary_ms, wait_ready,
+    arg_parser, bootstrap_ci, finish, free_port, machine, percentile, print_machine, section, stop_server, summary_ms,
+    wait_ready,
 )
 from tests.telephony.twilio_standin import TwilioStandIn  # noqa: E402
 
@@ -120,13 +136,176 @@ async def run(args) -> dict:
     }
 
 
+class PromptApp:
+    """A relay application that answers each final `prompt` at once with the reply, as one `text`; it
+    notes when each final came (this process's clock: the backend arm's transcripts are timed the same)."""
+
+    def __init__(self, reply: str) -> None:
+        self.reply = reply
+        self.finals: list[float] = []
+
+    async def handle(self, request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        async for msg in ws:
+            if msg.type != WSMsgType.TEXT:
+                break
+            message = json.loads(msg.data)
+            if message.get("type") == "prompt" and message.get("last"):
+                self.finals.append(time.perf_counter())
+                await ws.send_str(json.dumps({"type": "text", "token": self.reply, "last": True}))
+        return ws
+
+
+async def talk(url: str, plan: list, session_id: str, token: str | None, finals: list[float]) -> list[dict]:
+    """bench_conversation's caller, turn by turn, on a session someone else answers; `finals` fills as they come."""
+    from bench_conversation import LEAD_S, VOICED, last_voiced_s
+
+    from tests.backend.test_transcripts import RecordingMic
+    from voxgate.rtc_client import RtcClient
+
+    client = RtcClient(url, mic=True, session_id=session_id, token=token)
+    client.mic = RecordingMic()
+    out = []
+    try:
+        await client.connect()
+        for phrase, voice, clip, paused in plan:
+            before = len(finals)
+            first = len(client.mic.sent)
+            client.mic.play(np.concatenate([np.zeros(int(LEAD_S * 48000), np.int16), clip]))
+            while len(client.mic.due) <= first:
+                await asyncio.sleep(0.01)
+            spoke_until = client.mic.due[first] + LEAD_S + last_voiced_s(clip)
+            deadline = time.perf_counter() + 15
+            reply_at = None
+            while time.perf_counter() < deadline:
+                await asyncio.sleep(0.05)
+                if len(finals) > before:
+                    reply_at = client.audio.first_sound_after(max(spoke_until, finals[before]), VOICED)
+                    if reply_at is not None and time.perf_counter() > reply_at + 2.0:
+                        break
+            await asyncio.sleep(0.8)  # the reply's end, and a breath
+            mine = finals[before:]
+            out.append({"phrase": phrase, "voice": voice, "paused": paused, "finals": len(mine),
+                        "early": bool(mine) and mine[0] < spoke_until,
+                        "voice_to_voice_ms": round((reply_at - spoke_until) * 1000, 1) if reply_at else None})
+    finally:
+        await client.close()
+    return out
+
+
+async def backend_arm(url: str, plan: list, reply: str) -> list[dict]:
+    from voxgate.client import VoxgateSession
+
+    backend = VoxgateSession(url)
+    await backend.open()
+    finals: list[float] = []
+
+    async def answer() -> None:
+        async for event in backend.events():
+            if event.get("type") == "speech.transcript" and event.get("final"):
+                finals.append(time.perf_counter())
+                await backend.send({"type": "speak", "text": reply})
+
+    answering = asyncio.ensure_future(answer())
+    try:
+        return await talk(url, plan, backend.session_id, backend.client_token, finals)
+    finally:
+        answering.cancel()
+        await backend.close()
+
+
+async def relay_arm(url: str, plan: list, app: PromptApp, app_url: str) -> list[dict]:
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url + "/v1/sessions", json={"relay": {"url": app_url}}) as resp:
+            made = await resp.json()
+    app.finals = []
+    return await talk(url, plan, made["session_id"], made["client_token"], app.finals)
+
+
+def v2v_figures(rows: list[dict]) -> dict:
+    v2v = [r["voice_to_voice_ms"] for r in rows if r["voice_to_voice_ms"] is not None and not r["early"]]
+    return {"p50": round(percentile(v2v, 50), 1) if v2v else None, "p95": round(percentile(v2v, 95), 1) if v2v else None,
+            "n": len(v2v), "turns": len(rows), "early": sum(r["early"] for r in rows),
+            "no_reply": sum(r["voice_to_voice_ms"] is None for r in rows),
+            "p50_ci_ms": [round(x, 1) for x in bootstrap_ci(v2v)] if len(v2v) > 2 else None, "rows": rows}
+
+
+async def v2v_run(args, server_url: str) -> dict:
+    from bench_conversation import REPLY, turns
+
+    app = PromptApp(REPLY)
+    web_app = web.Application()
+    web_app.router.add_get("/relay", app.handle)
+    runner = web.AppRunner(web_app)
+    await runner.setup()
+    app_port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", app_port).start()
+    plan = turns(args.turns)
+    rows: dict[str, list[dict]] = {"relay": [], "backend": []}
+    try:
+        for b, start in enumerate(range(0, len(plan), args.block)):
+            block = plan[start:start + args.block]
+            for arm in (("relay", "backend") if b % 2 == 0 else ("backend", "relay")):
+                got = (await relay_arm(server_url, block, app, f"ws://127.0.0.1:{app_port}/relay") if arm == "relay"
+                       else await backend_arm(server_url, block, REPLY))
+                rows[arm] += got
+                print(f"  block {b + 1} {arm}: " + ", ".join(f"{r['voice_to_voice_ms']}{'E' if r['early'] else ''}"
+                                                            for r in got), flush=True)
+    finally:
+        await runner.cleanup()
+    relay, backend = v2v_figures(rows["relay"]), v2v_figures(rows["backend"])
+    ratio = {q: round(relay[q] / backend[q], 3) if relay[q] and backend[q] else None for q in ("p50", "p95")}
+    # The same turn (phrase and voice) through both arms, side by side: the turns' own spread (their length, the
+    # recognizer's time on them) cancels, which the two arms' separate percentiles leave in.
+    paired = [r["voice_to_voice_ms"] / b["voice_to_voice_ms"] for r, b in zip(rows["relay"], rows["backend"])
+              if r["voice_to_voice_ms"] and b["voice_to_voice_ms"] and not r["early"] and not b["early"]]
+    return {"relay": relay, "backend": backend, "ratio_p50": ratio["p50"], "ratio_p95": ratio["p95"],
+            "paired_ratio_median": round(percentile(paired, 50), 3) if paired else None,
+            "paired_ratio_ci": [round(x, 3) for x in bootstrap_ci(paired)] if len(paired) > 2 else None,
+            "paired_turns": len(paired)}
+
+
+def v2v_main(args) -> None:
+    from tests.conftest import ServerProcess
+
+    started = time.perf_counter()
+    info = machine()
+    print_machine(info, "machine")
+    results: dict = {"machine": info, "args": vars(args), "label": (
+        "voice to voice over WebRTC, relay app vs backend WebSocket, same gateway process (--engine piper --stt "
+        f"whisper), same caller turns ({args.turns} per arm, blocks of {args.block}, arms alternating first), "
+        "normal priority; the uptime load at start and end is in machine/machine_end")}
+    server = ServerProcess("piper", ["--stt", "whisper", "--relay-allow-private"])
+    try:
+        section(f"voice to voice: {args.turns} turns per arm")
+        results.update(asyncio.run(v2v_run(args, server.url)))
+    finally:
+        server.stop()
+    print(f"relay p50 {results['relay']['p50']} ms p95 {results['relay']['p95']} ms (n {results['relay']['n']}); "
+          f"backend p50 {results['backend']['p50']} ms p95 {results['backend']['p95']} ms (n {results['backend']['n']}); "
+          f"ratio p50 {results['ratio_p50']}, p95 {results['ratio_p95']}; per turn, paired: median "
+          f"{results['paired_ratio_median']} (95 % interval {results['paired_ratio_ci']}, {results['paired_turns']} turns)",
+          flush=True)
+    finish("relay-v2v", results, started, args.out)
+
+
 def main() -> None:
     parser = arg_parser(__doc__)
-    parser.add_argument("--engine", default="piper", help="the gateway's engine (piper, tone)")
-    parser.add_argument("--trials", type=int, default=20, help="trials per arm")
+    parser.add_argument("--arm", choices=("ttfa", "v2v"), default="ttfa",
+                        help="ttfa: first audio after text (phone); v2v: voice to voice (WebRTC, --stt whisper)")
+    parser.add_argument("--engine", default="piper", help="the gateway's engine (piper, tone); ttfa")
+    parser.add_argument("--trials", type=int, default=20, help="trials per arm; ttfa")
+    parser.add_argument("--turns", type=int, default=16, help="caller turns per arm; v2v")
+    parser.add_argument("--block", type=int, default=4, help="turns per conversation before the arms swap; v2v")
     args = parser.parse_args()
     if args.quick:
         args.trials = min(args.trials, 6)
+        args.turns = min(args.turns, 4)
+        args.block = min(args.block, 2)
+    if args.arm == "v2v":
+        v2v_main(args)
+        return
     started = time.perf_counter()
     info = machine()
     print_machine(info, "machine")

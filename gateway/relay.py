@@ -7,7 +7,9 @@ The link is the session's writer and one of its listeners, like a backend WebSoc
 (gateway/relay_messages.py): the session's transcripts go out as `prompt`, its barge-ins
 as `interrupt` (exactly what the caller heard), a phone's keys as `dtmf`; the application's
 `text` tokens stream into one utterance at a time through the session's own messages
-(`text.delta`, `text.end`), so every check and limit a backend meets applies here too.
+(`text.delta`, `text.end`), so every check and limit a backend meets applies here too. Its
+`play` is an utterance of fetched audio (gateway/relay_play.py); when the conversation ends,
+the session's status callback hears how (gateway/relay_status.py).
 
 The connection is bounded: a connect timeout, WebSocket pings for a dead peer, a size cap
 per message, a rate cap, and an address check (loopback and private ranges only with
@@ -26,19 +28,19 @@ import itertools
 import json
 import logging
 import re
-import socket
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
-from aiohttp.abc import AbstractResolver, ResolveResult
-from aiohttp.resolver import DefaultResolver
 
 from . import dtmf
 from . import relay_messages as wire
 from .protocol import RateLimiter
-from .relay_options import SENSITIVITY_MS, RelayOptions, private_address
+from .outbound import PrivateAddress, guarded_http, private_refusal, refuse_private_host, shown_url
+from .relay_options import SENSITIVITY_MS, RelayOptions
+from .relay_play import PlayRefused, RelayPlayer
+from .relay_status import post_status, status_form
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -103,28 +105,6 @@ def recognizer_speaks(recognizer: str | None, tag: str) -> bool:
     return True
 
 
-class PrivateAddress(OSError):
-    """A relay URL's name resolved to an address allowed only with --relay-allow-private."""
-
-
-class GuardedResolver(AbstractResolver):
-    """The default resolver, refusing a name with any address outside the public Internet
-    unless private addresses are allowed: the check is on the addresses connected to."""
-
-    def __init__(self, allow_private: bool) -> None:
-        self._inner = DefaultResolver()
-        self._allow_private = allow_private
-
-    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
-        results = await self._inner.resolve(host, port, family)
-        if not self._allow_private and any(private_address(r["host"]) for r in results):
-            raise PrivateAddress(f"{host} resolves to a private address (allowed only with --relay-allow-private)")
-        return results
-
-    async def close(self) -> None:
-        await self._inner.close()
-
-
 class RelayHost(Protocol):
     """What a relay link uses of the gateway (gateway/gateway.py's Gateway, which makes the links):
     the settings, the metrics, the engine's voices and the speech recognizer's name."""
@@ -165,7 +145,14 @@ class RelayLink:
         self._waiting: dict[str, asyncio.Future] = {}  # utterance id -> done or interrupted
         self._settled = asyncio.Event()  # set whenever an utterance is done or interrupted
         self._over = False  # failed or ended: nothing more is taken from the application
+        self._failed = False  # failed: nothing more goes to it either
         self._digits_until = 0.0  # when the DTMF tones queued by sendDigits will have been sent (monotonic)
+        self._player = RelayPlayer(session, self.settings, self.name, lambda why: self._send(wire.error(why)))
+        self._play_ids = itertools.count(1)
+        # How the conversation ended, for the status callback: `completed` unless the application ended or failed it.
+        self._outcome: tuple[str, str | None] = ("completed", None)
+        self._started = time.monotonic()
+        self._from_to = ("", "")
         if options.interrupt_sensitivity is not None:
             session.caller.update({"barge_in": {"min_interrupt_ms": SENSITIVITY_MS[options.interrupt_sensitivity]}})
         # The caller side decides a barge-in (gateway/caller_side.py); the application's `interruptible` is its policy.
@@ -180,7 +167,8 @@ class RelayLink:
             self._begin()
 
     def describe(self) -> dict:
-        return {"url": _shown(self.options.url), "connected": self._task is not None and not self._over,
+        return {"url": shown_url(self.options.url), "connected": self._task is not None and not self._over,
+                "action": shown_url(self.options.action) if self.options.action else None,
                 "ignored": self.options.ignored}
 
     # Session events -> the application
@@ -210,6 +198,8 @@ class RelayLink:
             digit = str(event.get("digit"))
             if self.options.dtmf_detection:
                 self._send(wire.dtmf(digit))
+        elif kind == "session.closed":
+            self._report_end(str(event.get("reason") or ""), event.get("handoff_data"))
         elif kind == "error":
             if event.get("id") is not None:
                 self._settle(event.get("id"))
@@ -226,7 +216,8 @@ class RelayLink:
             waiter.set_result(None)
 
     def _send(self, message: dict) -> None:
-        if self._task is None or self._over:
+        # After `end` the application still hears of what happens while the queue drains (a play that fails).
+        if self._task is None or self._failed or self.session.closed:
             return
         try:
             self._outbox.put_nowait(message)
@@ -242,6 +233,7 @@ class RelayLink:
         params = {str(k): str(v) for k, v in (given if isinstance(given, dict) else {}).items()
                   if k not in ("session_id", "token", "relay_url")}
         params = {**params, **self.options.custom_parameters}
+        self._from_to = (params.get("from", ""), params.get("to", ""))
         self._task = asyncio.ensure_future(self._run())
         self._outbox.put_nowait(wire.setup(
             session_id="VX" + self.session.id, call_sid=str(call.get("call_sid") or ""),
@@ -255,11 +247,10 @@ class RelayLink:
         ws: aiohttp.ClientWebSocketResponse | None = None
         sender: asyncio.Task | None = None
         try:
-            http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
-                resolver=GuardedResolver(self.settings.relay_allow_private), limit=1))
+            http = guarded_http(self.settings.relay_allow_private)
             ws = await self._connect(http)
             self._outcomes.labels("connected").inc()
-            log.info("session %s: relay connected to %s", self.session.id, _shown(self.options.url),
+            log.info("session %s: relay connected to %s", self.session.id, shown_url(self.options.url),
                      extra={"session_id": self.session.id})
             sender = asyncio.ensure_future(self._pump(ws))
             await self._read(ws)
@@ -278,9 +269,10 @@ class RelayLink:
 
     async def _connect(self, http: aiohttp.ClientSession) -> Any:
         url = self.options.url
-        host = urlsplit(url).hostname or ""
-        if private_address(host) and not self.settings.relay_allow_private:
-            raise RelayFailure("private", f"{host} is a private address (allowed only with --relay-allow-private)")
+        try:
+            refuse_private_host(urlsplit(url).hostname or "", self.settings.relay_allow_private)
+        except PrivateAddress as exc:
+            raise RelayFailure("private", str(exc)) from None
         token = self.options.auth_token or self.settings.twilio_auth_token
         headers = {"X-Twilio-Signature": twilio_signature(token, url)} if token else {}
         timeout = self.settings.relay_connect_timeout_s
@@ -295,7 +287,7 @@ class RelayLink:
         except aiohttp.WSServerHandshakeError as exc:
             raise RelayFailure("connect", f"the application refused the WebSocket: HTTP {exc.status}") from None
         except aiohttp.ClientConnectorError as exc:
-            kind = "private" if isinstance(exc.os_error, PrivateAddress) else "connect"
+            kind = "private" if private_refusal(exc) is not None else "connect"
             raise RelayFailure(kind, f"could not connect: {_first_line(exc.os_error)}") from None
         except (aiohttp.ClientError, OSError) as exc:
             raise RelayFailure("connect", f"could not connect: {_first_line(exc)}") from None
@@ -370,7 +362,7 @@ class RelayLink:
         if kind == "text":
             self._text(msg)
         elif kind == "play":
-            raise wire.RelayMessageError("play is not supported by this server: it fetches no audio; send text")
+            self._play(msg)
         elif kind == "sendDigits":
             send = self.session.send_digits
             if send is None:
@@ -403,6 +395,33 @@ class RelayLink:
         if last and self._utterance == uid:
             self._utterance = None
             self._submit({"type": "text.end", "id": uid})
+
+    def _play(self, msg: dict) -> None:
+        """`play`: after whatever was said before it, as an utterance of its own (an open text utterance ends
+        here, as the vendors play in order). `preemptible` is taken as on `text`: ignored."""
+        if self._utterance is not None:
+            self._submit({"type": "text.end", "id": self._utterance})
+            self._utterance = None
+        uid = f"p{next(self._play_ids)}"
+        try:
+            self._player.play(uid, msg["source"], msg["loop"])
+        except PlayRefused as exc:
+            raise wire.RelayMessageError(f"play: {exc}") from None
+        self._interruptible[uid] = msg["interruptible"]
+        if len(self._interruptible) > 256:
+            self._interruptible.pop(next(iter(self._interruptible)))
+
+    def _report_end(self, reason: str, handoff: object) -> None:
+        """The status callback (`action`), if the session has one: how and why the conversation ended."""
+        url = self.options.action
+        if url is None:
+            return
+        status, error = self._outcome
+        call_sid = str((self._call or {}).get("call_sid") or "")
+        form = status_form(session_id="VX" + self.session.id, call_sid=call_sid, from_=self._from_to[0],
+                           to=self._from_to[1], status=status, started=self._started,
+                           handoff=handoff if isinstance(handoff, str) else None, error=error, reason=reason)
+        post_status(url, form, self.settings, self.options.auth_token or self.settings.twilio_auth_token, self.session.id)
 
     def _language(self, msg: dict) -> None:
         tts, stt = msg["ttsLanguage"], msg["transcriptionLanguage"]
@@ -446,13 +465,15 @@ class RelayLink:
         if self._digits_until > time.monotonic() and not session.closed:
             await asyncio.sleep(min(END_DRAIN_S, self._digits_until - time.monotonic()))
         self._outcomes.labels("ended").inc()
+        self._outcome = ("ended", None)
         log.info("session %s: the relay application ended the conversation", session.id, extra={"session_id": session.id})
         await session.close("ended by the relay application", handoff_data=handoff)
 
     def _give_up(self, failure: RelayFailure) -> None:
         if self._over or self.session.closed:
             return
-        self._over = True
+        self._over = self._failed = True
+        self._outcome = ("failed", f"{failure.kind}: {failure}")
         self._outcomes.labels(failure.kind).inc()
         log.warning("session %s: relay %s: %s; ending the conversation", self.session.id, failure.kind, failure,
                     extra={"session_id": self.session.id})
@@ -471,6 +492,7 @@ class RelayLink:
 
     async def _session_closed(self, session: Session) -> None:
         self._over = True
+        self._player.close()
         session.remove_listener(self.name)
         for waiter in self._waiting.values():
             waiter.cancel()
@@ -487,8 +509,3 @@ def _no_constant(name: str) -> Any:
 def _first_line(exc: BaseException | None) -> str:
     return (str(exc) or type(exc).__name__).splitlines()[0][:200] if exc is not None else "no detail"
 
-
-def _shown(url: str) -> str:
-    """A URL for the log: scheme, host and path, never its query (it may carry a secret)."""
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc.rsplit('@', 1)[-1]}{parts.path}"

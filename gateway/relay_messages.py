@@ -26,6 +26,8 @@ DTMF_DIGITS = "0123456789*#ABCDabcdw"
 MAX_DIGITS = 64
 MAX_LANGUAGE_CHARS = 35  # BCP 47 tags are short; anything longer is not one
 MAX_HANDOFF_CHARS = 16384
+MAX_SOURCE_CHARS = 2048
+MAX_LOOPS = 1000  # 0 plays until interrupted; --relay-play-max-s bounds every play, loops included
 
 
 class RelayMessageError(ValueError):
@@ -112,9 +114,14 @@ def check(msg: Any) -> dict:
                 "interruptible": _bool(msg, "interruptible", True), "preemptible": _bool(msg, "preemptible", False),
                 "lang": _language(msg, "lang")}
     if kind == "play":
-        if not isinstance(msg.get("source"), str):
-            raise RelayMessageError("Invalid message: 'play' needs a string 'source'")
-        return msg
+        source = msg.get("source")
+        if not isinstance(source, str) or not 0 < len(source) <= MAX_SOURCE_CHARS:
+            raise RelayMessageError(f"Invalid message: 'play' needs a string 'source' of at most {MAX_SOURCE_CHARS} characters")
+        loops = msg.get("loop", 1)
+        if isinstance(loops, bool) or not isinstance(loops, int) or not 0 <= loops <= MAX_LOOPS:
+            raise RelayMessageError(f"Invalid message: 'play.loop' must be an integer from 0 (until interrupted) to {MAX_LOOPS}")
+        return {"type": kind, "source": source, "loop": loops, "interruptible": _bool(msg, "interruptible", True),
+                "preemptible": _bool(msg, "preemptible", False), "lang": _language(msg, "lang")}
     if kind == "sendDigits":
         digits = msg.get("digits")
         if not isinstance(digits, str) or not 0 < len(digits) <= MAX_DIGITS or any(c not in DTMF_DIGITS for c in digits):

@@ -9,7 +9,6 @@ Those Voxgate acts on are fields here; those it takes and ignores are listed in 
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -44,6 +43,8 @@ class RelayOptions:
     dtmf_detection: bool = False
     partial_prompts: bool = False
     custom_parameters: dict[str, str] = field(default_factory=dict)
+    # `<Connect action>`: where the conversation's end is POSTed (gateway/relay_status.py); `statusCallback` too.
+    action: str | None = None
     ignored: dict[str, object] = field(default_factory=dict)  # taken, not acted on (GET shows them)
 
     @property
@@ -60,15 +61,13 @@ def check_url(url: object) -> str:
     return url
 
 
-def private_address(host: str) -> bool:
-    """Whether an IP address is one a relay may reach only with --relay-allow-private."""
-    try:
-        ip = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return not ip.is_global or ip.is_multicast
+def check_action_url(name: str, url: object) -> str:
+    if not isinstance(url, str) or len(url) > 2048:
+        raise GatewayError("invalid_field", f"'relay.{name}' must be an http:// or https:// URL")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise GatewayError("invalid_field", f"'relay.{name}' must be an http:// or https:// URL, not {url[:80]!r}")
+    return url
 
 
 def _flag(name: str, value: object) -> bool:
@@ -141,6 +140,8 @@ def parse_options(data: dict, *, default_url: str | None = None) -> RelayOptions
             opts.partial_prompts = _flag(name, value)
         elif name == "customParameters":
             opts.custom_parameters = _parameters(value)
+        elif name in ("action", "statusCallback"):
+            opts.action = check_action_url(name, value) if value else None
         elif name in IGNORED:
             opts.ignored[name] = value if isinstance(value, (str, bool, int, float)) else "(given)"
         else:
@@ -165,4 +166,5 @@ def options_from_parameters(params: dict, default_url: str | None) -> RelayOptio
 
 
 _ATTRIBUTES = ("welcomeGreeting", "welcomeGreetingInterruptible", "interruptible", "interruptSensitivity", "voice",
-               "language", "ttsLanguage", "transcriptionLanguage", "dtmfDetection", "partialPrompts")
+               "language", "ttsLanguage", "transcriptionLanguage", "dtmfDetection", "partialPrompts", "action",
+               "statusCallback")

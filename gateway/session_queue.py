@@ -110,6 +110,21 @@ class UtteranceQueue:
             raise GatewayError("unknown_utterance", f"no open utterance {uid!r} to end", id=uid)
         self._end(found)
 
+    def add_audio(self, source: str, uid: str, stream: TTSStream) -> UtterancePlay:
+        """Audio that is not synthesized (a relay's `play`: gateway/relay_play.py) as `source`'s
+        utterance `uid`, last in the queue and already ended; `stream` yields its chunks as an engine
+        stream would. GatewayError `queue_full` past --max-queued-utterances."""
+        if len(self.utterances) >= self.options.max_queued_utterances:
+            raise GatewayError("queue_full", f"{len(self.utterances)} utterances are queued; the limit is "
+                               f"{self.options.max_queued_utterances}", id=uid)
+        play = UtterancePlay(id=uid)  # no ready_at: a fetch is not synthesis, and TTFA leaves it out
+        self.utterances.append(Utterance(id=uid, stream=stream, play=play, source=source, ended=True))
+        self.playout.add(play)
+        self.stats["utterances"] += 1
+        self.emit({"type": "utterance.queued", "id": uid, "position": len(self.utterances) - 1})
+        self._on_queued()
+        return play
+
     def _find(self, uid: str | None, source: str) -> Utterance | None:
         """This source's utterance `uid`; another source's is refused, never written to."""
         for utt in self.utterances:

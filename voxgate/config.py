@@ -76,6 +76,24 @@ GROUPS = {
 SETTINGS_DOC = "docs/settings.md"
 
 
+def play_origin(url: str) -> str | None:
+    """The origin (scheme://host[:port], lower case, no default port) of an http(s) URL, or None if
+    it has none. --relay-play-origin must be exactly an origin; gateway/relay_play.py compares with it."""
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname or parts.username or parts.password:
+        return None
+    scheme = parts.scheme.lower()
+    host = parts.hostname.lower()
+    if ":" in host:
+        host = f"[{host}]"
+    default = 443 if scheme == "https" else 80
+    return f"{scheme}://{host}" + (f":{port}" if port is not None and port != default else "")
+
+
 def threads_or_every_core(threads: int | float | None = 0) -> int:
     """A thread count where 0 (or None) means every core: the one place that rule is resolved."""
     count = int(threads or 0)
@@ -167,6 +185,15 @@ class Settings:
                                               high=10000.0)
     relay_apology: str = setting("Sorry, something went wrong. Goodbye.", RELAY, "said when a relay app fails",
                                  shown="an apology", metavar="TEXT")
+    # A relay app's `play` (gateway/relay_play.py): audio fetched from these origins only, bounded.
+    relay_play_origin: list[str] = setting([], RELAY, "an origin relay `play` may fetch from (repeatable)",
+                                           shown="none", metavar="ORIGIN")
+    relay_play_max_bytes: int = setting(8388608, RELAY, "bytes one relay `play` may fetch",
+                                        low=65536, high=268435456)
+    relay_play_max_s: float = setting(120.0, RELAY, "seconds one relay `play` may last, loops included",
+                                      low=1.0, high=3600.0)
+    relay_play_timeout_s: float = setting(10.0, RELAY, "a relay `play` not fetched by then is refused",
+                                          low=0.5, high=120.0)
     # Sessions and limits
     max_sessions: int = setting(200, LIMITS, "sessions at once, in total; more get 503", low=1, high=100000)
     max_sessions_per_key: int = setting(50, LIMITS, "sessions at once per API key", low=1, high=100000)
@@ -345,6 +372,11 @@ class Settings:
             if parsed.scheme not in ("ws", "wss") or not parsed.hostname:
                 raise ConfigError(f"--relay-url {self.relay_url!r} is not a ws(s):// URL; give the application's "
                                   "WebSocket, e.g. wss://app.example/relay")
+        for origin in self.relay_play_origin:
+            parts = urlsplit(origin.strip())
+            if play_origin(origin) is None or parts.path not in ("", "/") or parts.query or parts.fragment:
+                raise ConfigError(f"--relay-play-origin {origin!r} is not an origin; give a scheme and host only, "
+                                  "e.g. https://cdn.example or http://127.0.0.1:8000")
         if len(self.relay_apology) > 2000:
             raise ConfigError("--relay-apology is over 2000 characters; a short sentence is what a caller needs")
         if self.engine_url is not None:

@@ -7,7 +7,8 @@ import pytest
 
 from voxgate.gateway.errors import GatewayError
 from voxgate.gateway.relay import recognizer_speaks, twilio_signature, voice_for_language
-from voxgate.gateway.relay_options import options_from_parameters, parse_options, private_address
+from voxgate.gateway.outbound import private_address
+from voxgate.gateway.relay_options import options_from_parameters, parse_options
 from voxgate.signaling.twilio_stream import twilio_signature as inbound_signature
 
 
@@ -39,6 +40,16 @@ def test_private_addresses():
         assert private_address(host), host
     for host in ("8.8.8.8", "2001:4860:4860::8888", "app.example"):
         assert not private_address(host), host  # a name is checked on what it resolves to
+
+
+def test_action_is_the_status_callback_url():
+    assert parse_options({"url": "ws://app/r", "action": "https://app/ended"}).action == "https://app/ended"
+    assert parse_options({"url": "ws://app/r", "statusCallback": "http://app/s"}).action == "http://app/s"
+    opts = options_from_parameters({"relay_url": "ws://app/r", "action": "https://app/ended", "customer": "42"}, None)
+    assert opts is not None and opts.action == "https://app/ended" and opts.custom_parameters == {"customer": "42"}
+    for bad in ("ftp://app/x", "wss://app/x", "/relative", 42):
+        with pytest.raises(GatewayError, match="relay.action"):
+            parse_options({"url": "ws://app/r", "action": bad})
 
 
 def test_the_handshake_is_signed_as_twilio_signs_and_checks():

@@ -27,7 +27,7 @@ SCRIPT = [
     {"type": "language", "ttsLanguage": "en-US"},
     {"type": "end", "handoffData": "{\"reason\": \"done\"}"},
 ]
-REFUSED = ["play is not supported", "does not take 'es-ES'", "unknown type 'foo'", "needs a string 'token'",
+REFUSED = ["this server fetches no audio (no --relay-play-origin)", "does not take 'es-ES'", "unknown type 'foo'", "needs a string 'token'",
            "has no field 'colour'", "'sendDigits.digits' must be", "'end.handoffData' must be a string"]
 
 
