@@ -45,6 +45,8 @@ status=0
 pytest_part -n "$workers" --dist loadgroup -m "not timing" "$@" || status=$?
 passed "$status" "$#" || echo "test.sh: the parallel part failed (pytest exit $status)" >&2
 serial=0
-pytest_part -m timing "$@" || serial=$?
+# Without arguments the serial part collects only the modules that hold timing tests (seconds, not a minute).
+if [ "$#" -eq 0 ]; then read -r -a serial_args <<<"$(python3 -m tests.timing)"; else serial_args=("$@"); fi
+pytest_part -m timing "${serial_args[@]}" || serial=$?
 passed "$serial" "$#" || echo "test.sh: the serial part failed (pytest exit $serial)" >&2
 passed "$status" "$#" && passed "$serial" "$#"

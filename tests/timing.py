@@ -89,3 +89,12 @@ def _covers(prefix: str, nodeid: str) -> bool:
     if prefix.endswith(("/", "_")):
         return nodeid.startswith(prefix)
     return nodeid == prefix or nodeid.startswith(prefix + "::") or nodeid.startswith(prefix + "[")
+
+
+def serial_paths() -> list[str]:
+    """The modules and folders that hold the serial tests: scripts/test.sh collects only these for them."""
+    return sorted({prefix.split("::", 1)[0] for prefix in SERIAL})
+
+
+if __name__ == "__main__":
+    print(" ".join(serial_paths()))
