@@ -3,7 +3,10 @@
 One worker process serves many streams (engine/stream.py). Messages are the
 typed records of engine/proto.py, framed by engine/codec.py. If the worker
 dies, every open stream ends with EngineCrashed and a new worker is started
-for the streams that follow.
+for the streams that follow. A worker that hangs with its pipe open (a deadlock, a
+stopped process) would stall every stream instead: a watchdog pings it, as
+LiveKit's supervised processes are pinged, and one that leaves a ping unanswered
+for `ping_timeout` is killed, which then counts as a crash.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import itertools
 import logging
 import multiprocessing
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -32,6 +36,8 @@ log = logging.getLogger(__name__)
 
 # Chunks a stream may have made but not yet consumed; bounds memory per stream.
 STREAM_WINDOW = 3
+# The watchdog pings at most this often (LiveKit's interval), and at least four times per bound.
+PING_INTERVAL_S = 2.5
 
 
 @dataclass(kw_only=True)
@@ -57,6 +63,8 @@ class EngineConfig:
     reader_setup: Callable[[], None] | None = None
     # The first unit is sent after this long even without a clause boundary.
     first_unit_timeout: float = FIRST_UNIT_TIMEOUT_S
+    # A worker that leaves a ping unanswered this long is killed and restarted; 0: no watchdog.
+    ping_timeout: float = Settings.engine_ping_timeout_s
 
 
 class EngineClient:
@@ -89,6 +97,13 @@ class EngineClient:
         # it has counted across restarts (each worker counts from 0).
         self.load: proto.Load | None = None
         self.underruns = 0
+        # The watchdog's unanswered ping (token, sent at, time.monotonic), or None; the reader
+        # thread clears it, so an answer counts when it arrives, however late the loop is.
+        self._watch_ping: tuple[int, float] | None = None
+        self._watchdog: asyncio.Future | None = None
+        self.slowest_ping_s = 0.0  # the longest a watchdog ping has waited for its answer
+        self.hung_kills = 0  # restarts that the watchdog began
+        self._lost = 0  # the last generation whose loss was handled
 
     # Lifecycle
     async def start(self) -> None:
@@ -129,9 +144,14 @@ class EngineClient:
             raise EngineUnavailable(
                 f"the {self.config.engine} engine worker did not start within {self.config.start_timeout:.0f} s"
             ) from None
+        if self.config.ping_timeout > 0:
+            self._watch_ping = None
+            self._watchdog = asyncio.ensure_future(self._watch(generation))
 
     async def close(self) -> None:
         self._closing = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         self._fail_all(EngineUnavailable("the engine is shutting down"))
         if self._conn is not None:
             self._send(proto.Shutdown())
@@ -245,6 +265,8 @@ class EngineClient:
                 _call_soon(loop, self._on_worker_lost, generation)
                 return
             message, pcm = codec.unpack(record)
+            if isinstance(message, proto.Pong):
+                self._answered(message.token)
             if not _call_soon(loop, self._on_message, message, pcm):
                 return
 
@@ -276,14 +298,56 @@ class EngineClient:
             if self._ready and not self._ready.done():
                 self._ready.set_exception(EngineUnavailable(message.message))
 
+    # The watchdog
+    async def _watch(self, generation: int) -> None:
+        """Ping the worker every PING_INTERVAL_S (or a quarter of the bound); kill it once a
+        ping has waited `ping_timeout`. The worker's scheduling loop answers between messages,
+        never inside a synthesis step (steps run on its pool's threads), so a busy worker
+        answers in milliseconds and only a stuck loop or a stopped process goes silent."""
+        timeout = self.config.ping_timeout
+        interval = min(PING_INTERVAL_S, timeout / 4)
+        while generation == self._generation and not self._closing:
+            pending = self._watch_ping
+            if pending is None:
+                token = next(self._ids)
+                self._watch_ping = (token, time.monotonic())
+                self._send(proto.Ping(token))
+                await asyncio.sleep(interval)
+                continue
+            left = pending[1] + timeout - time.monotonic()
+            if left > 0:
+                await asyncio.sleep(min(left, interval))
+                continue
+            await self._kill_hung(generation, timeout)
+            return
+
+    def _answered(self, token: int) -> None:
+        """In the reader thread: a Pong arrived (the watchdog's, or worker_stats')."""
+        pending = self._watch_ping
+        if pending is not None and pending[0] == token:
+            self.slowest_ping_s = max(self.slowest_ping_s, time.monotonic() - pending[1])
+            self._watch_ping = None
+
+    async def _kill_hung(self, generation: int, timeout: float) -> None:
+        process = self._process
+        log.error("engine worker %s answered no ping for %.1f s; killing it to restart it",
+                  process.pid if process else None, timeout)
+        self.hung_kills += 1
+        if process is not None:
+            process.kill()  # SIGKILL: a stopped process dies too
+            await asyncio.get_running_loop().run_in_executor(None, process.join, 5)
+        # Its pipe reads EOF too; whichever comes first restarts it, once.
+        self._on_worker_lost(generation)
+
     def _fail_all(self, error: Exception) -> None:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.on_error(error)
 
     def _on_worker_lost(self, generation: int) -> None:
-        if generation != self._generation or self._closing:
+        if generation != self._generation or generation == self._lost or self._closing:
             return
+        self._lost = generation
         if not self._started:
             if self._ready and not self._ready.done():
                 self._ready.set_exception(EngineUnavailable("the engine worker exited while starting"))

@@ -20,6 +20,8 @@ import urllib.request
 
 import pytest
 
+from tests.timing import group_of, is_serial
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARTIFACTS = os.path.join(ROOT, "artifacts")
 
@@ -155,6 +157,15 @@ def artifacts_dir() -> str:
     return ARTIFACTS
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (its loadgroup scheduling)
+def pytest_collection_modifyitems(config, items):
+    """`timing` on the tests that measure time (tests/timing.py); an xdist group on every test."""
+    for item in items:
+        if is_serial(item.nodeid):
+            item.add_marker(pytest.mark.timing)
+        item.add_marker(pytest.mark.xdist_group(group_of(item.nodeid)))
+
+
 # Under CI a skipped test is a failure: a missing browser or extra must not turn
 # a whole group of tests green by skipping it.
 def _ci() -> bool:
@@ -185,11 +196,23 @@ def pytest_make_collect_report(collector):
         _collection_skips.append(f"{collector.nodeid}: {reason}")
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    # Under xdist the workers collect: each sends its skipped modules back (pytest_sessionfinish).
+    for line in getattr(node, "workeroutput", {}).get("collection_skips", []):
+        if line not in _collection_skips:
+            _collection_skips.append(line)
+
+
 def pytest_terminal_summary(terminalreporter):
     for line in _collection_skips:
         terminalreporter.write_line(f"FAILED (skipped under CI=true) {line}", red=True)
 
 
 def pytest_sessionfinish(session, exitstatus):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: the controller reports and fails the run
+        workeroutput["collection_skips"] = list(_collection_skips)
+        return
     if _collection_skips and session.exitstatus == 0:
         session.exitstatus = 1

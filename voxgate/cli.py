@@ -79,7 +79,7 @@ async def _say_async(args: argparse.Namespace) -> int:
         EngineConfig(
             engine=args.engine, voice=args.voice, device=args.device, parallel=settings.parallel,
             threads=settings.threads, engine_options=settings.engine_options,
-            log_level=settings.log_level, log_json=settings.log_json,
+            log_level=settings.log_level, log_json=settings.log_json, ping_timeout=settings.engine_ping_timeout_s,
         )
     )
     t_start = time.perf_counter()

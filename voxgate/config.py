@@ -293,6 +293,9 @@ class Settings:
                                choices=SPIN_POLICIES)
     engine_prior_precision: str = setting("int8", TUNING, "piper on the CPU: the prior's precision",
                                           choices=PRIOR_PRECISIONS)
+    # The worker answers a ping from its scheduling loop; one silent this long is killed and restarted (engine/client.py).
+    engine_ping_timeout_s: float = setting(10.0, TUNING, "restart a worker silent to a ping this long",
+                                           low=0.5, high=600.0, zero="off")
     # Who builds the speech track's RTP packets (gateway/rtp_send.py).
     rtp_sender: str = setting("voxgate", TUNING, "who builds the speech RTP packets", choices=RTP_SENDERS)
     # How the OS schedules the event loop and the threads it waits on (gateway/priority.py).

@@ -3,6 +3,7 @@
 import asyncio
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -102,6 +103,37 @@ async def test_a_killed_worker_ends_streams_with_an_error_and_restarts(tone_clie
     assert await spoken(tone_client, "Back again.") == "Back again."
 
 
+async def test_a_hung_worker_is_killed_within_its_bound_and_restarts():
+    """A worker that hangs with its pipe open (SIGSTOP freezes it as a deadlock would: no EOF,
+    no answer) is killed once a ping waits the bound, and restarts as a crashed one does."""
+    bound = 1.0
+    client = EngineClient(EngineConfig(engine="tone", parallel=2, ping_timeout=bound))
+    await client.start()
+    try:
+        streams = [client.stream() for _ in range(2)]
+        for stream in streams:
+            stream.push_text("Before the hang. " * 30)
+            await stream.__anext__()
+        old_pid = client.worker_pid
+        os.kill(old_pid, signal.SIGSTOP)
+        hung_at = time.monotonic()
+        for stream in streams:
+            with pytest.raises(EngineCrashed):
+                await asyncio.wait_for(collect(stream), 4 * bound)
+        # Within the bound and one ping interval (a quarter of it), with room for a loaded machine.
+        assert time.monotonic() - hung_at < 3 * bound
+        assert client.hung_kills == 1 and client.restarts == 1
+        for _ in range(200):
+            if client.ready:
+                break
+            await asyncio.sleep(0.05)
+        assert client.ready and client.worker_pid != old_pid
+        assert await spoken(client, "Back again.") == "Back again."
+        assert client.hung_kills == 1  # the new worker answers its pings
+    finally:
+        await client.close()
+
+
 async def test_first_unit_goes_out_on_timeout_without_a_boundary():
     client = EngineClient(EngineConfig(engine="tone", parallel=1, first_unit_timeout=0.1))
     await client.start()
@@ -117,7 +149,8 @@ async def test_first_unit_goes_out_on_timeout_without_a_boundary():
 
 @pytest.mark.slow
 async def test_piper_worker_streams_the_real_voice_and_a_new_stream_is_not_starved():
-    client = EngineClient(EngineConfig(engine="piper", parallel=1, threads=1))
+    # The watchdog at its shortest bound: a worker busy with long steps still answers every ping.
+    client = EngineClient(EngineConfig(engine="piper", parallel=1, threads=1, ping_timeout=0.5))
     await client.start()
     try:
         assert client.info["sample_rate"] == 22050 and "joe" in client.info["voices"]
@@ -150,5 +183,6 @@ async def test_piper_worker_streams_the_real_voice_and_a_new_stream_is_not_starv
         # Every unit of the long stream, in order (a unit streams as several chunks).
         long_units = [i for kind, i in order if kind == "long"]
         assert long_units == sorted(long_units) and set(long_units) == set(range(12))
+        assert client.hung_kills == 0 and client.restarts == 0, client.slowest_ping_s
     finally:
         await client.close()
