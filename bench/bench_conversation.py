@@ -88,7 +88,7 @@ def last_voiced_s(clip: np.ndarray, rate: int = 48000) -> float:
     return float((np.flatnonzero(rms > VOICED)[-1] + 1) * hop) / rate
 
 
-async def conversation(url: str, plan: list, offset_s: float) -> list[dict]:
+async def conversation(url: str, plan: list, offset_s: float, server: ServerProcess | None = None) -> list[dict]:
     await asyncio.sleep(offset_s)
     backend = VoxgateSession(url)
     await backend.open()
@@ -130,6 +130,7 @@ async def conversation(url: str, plan: list, offset_s: float) -> list[dict]:
                         break
             await asyncio.sleep(0.8)  # the reply's end, and a breath
             mine = finals[before:]
+            ended = _turn_ended(server, mine[-1][1]) if mine and server is not None else {}
             out.append({
                 "phrase": phrase, "voice": voice, "paused": paused,
                 "text": " ".join(e["text"] for _, e in mine),
@@ -137,6 +138,11 @@ async def conversation(url: str, plan: list, offset_s: float) -> list[dict]:
                 "transcript_ms": round((mine[-1][0] - spoke_until) * 1000, 1) if mine else None,
                 "early": bool(mine) and mine[0][0] < spoke_until,
                 "voice_to_voice_ms": round((reply_at - spoke_until) * 1000, 1) if reply_at else None,
+                # From the final transcript to the reply's first voiced frame: the voice and the path.
+                "reply_ms": round((reply_at - mine[-1][0]) * 1000, 1) if reply_at and mine else None,
+                # The endpointer's own account (its debug log): the rule that ended the turn, its decode, the
+                # silence it waited from the last voiced frame the VAD heard.
+                "rule": ended.get("rule"), "decode_ms": ended.get("decode_ms"), "silence_ms": ended.get("silence_ms"),
                 "partials": sum(1 for t in partials if client.mic.due[first] <= t <= spoke_until),
                 "clip": clip,
             })
@@ -147,9 +153,19 @@ async def conversation(url: str, plan: list, offset_s: float) -> list[dict]:
     return out
 
 
+def _turn_ended(server: ServerProcess, final: dict) -> dict:
+    """The server's `turn ended` debug line for this final transcript (same end_ms)."""
+    for entry in reversed(server.log_entries()):
+        if entry.get("message") == "turn ended" and entry.get("end_ms") == final.get("end_ms"):
+            return entry
+    return {}
+
+
 def figures(rows: list[dict], offline: list[str]) -> dict:
     v2v = [r["voice_to_voice_ms"] for r in rows if r["voice_to_voice_ms"] is not None and not r["early"]]
     tr = [r["transcript_ms"] for r in rows if r["transcript_ms"] is not None and not r["early"]]
+    reply = [r["reply_ms"] for r in rows if r["reply_ms"] is not None and not r["early"]]
+    decode = [r["decode_ms"] for r in rows if r["decode_ms"] is not None]
     paused = [r for r in rows if r["paused"]]
     long_turns = [r for r in rows if len(r["clip"]) / 48000 > 1.5]
     return {
@@ -157,6 +173,9 @@ def figures(rows: list[dict], offline: list[str]) -> dict:
         "voice_to_voice_ms": {"p50": round(percentile(v2v, 50), 1), "p95": round(percentile(v2v, 95), 1),
                               "max": max(v2v) if v2v else None, "n": len(v2v)},
         "transcript_ms": {"p50": round(percentile(tr, 50), 1), "p95": round(percentile(tr, 95), 1)},
+        "reply_ms": {"p50": round(percentile(reply, 50), 1), "p95": round(percentile(reply, 95), 1)},
+        "decode_ms": {"p50": round(percentile(decode, 50), 1), "p95": round(percentile(decode, 95), 1)},
+        "rules": {rule: sum(r["rule"] == rule for r in rows) for rule in ("finished", "level", "unfinished", None)},
         "wer_live": round(corpus_wer([r["phrase"] for r in rows], [r["text"] for r in rows]), 3),
         "wer_offline_whole_turn": round(corpus_wer([r["phrase"] for r in rows], offline), 3),
         "paused_turns": len(paused), "answered_early": sum(r["early"] for r in paused),
@@ -167,10 +186,10 @@ def figures(rows: list[dict], offline: list[str]) -> dict:
     }
 
 
-async def run(url: str, plan: list, conversations: int) -> list:
+async def run(url: str, plan: list, conversations: int, server: ServerProcess | None = None) -> list:
     # Each conversation starts a little after the last, so their turns do not end in step. A conversation the
     # gateway refused (at_capacity on a loaded machine) is reported, not fatal.
-    return await asyncio.gather(*(conversation(url, plan, i * 1.3) for i in range(conversations)),
+    return await asyncio.gather(*(conversation(url, plan, i * 1.3, server) for i in range(conversations)),
                                 return_exceptions=True)
 
 
@@ -191,11 +210,11 @@ def main() -> None:
     whisper = Whisper()
     offline = [" ".join(whisper.recognize(soxr.resample(clip, 48000, 16000).astype(np.int16)).split())
                for _, _, clip, _ in plan]
-    server = ServerProcess("piper", ["--stt", "whisper"])
+    server = ServerProcess("piper", ["--stt", "whisper", "--log-json", "--log-level", "DEBUG"])
     try:
         for n in args.conversations:
             section(f"webrtc: {n} conversation(s), {len(plan)} turns each")
-            outcomes = asyncio.run(run(server.url, plan, n))
+            outcomes = asyncio.run(run(server.url, plan, n, server))
             failed = [f"{type(o).__name__}: {o}" for o in outcomes if isinstance(o, BaseException)]
             done = [o for o in outcomes if not isinstance(o, BaseException)]
             for why in failed:
@@ -207,11 +226,13 @@ def main() -> None:
             r = figures(flat, offline * len(done))
             r["conversations_failed"] = failed
             for row in r["rows"]:
-                print(f"  {row['voice']:18s} v2v {row['voice_to_voice_ms']} ms, transcript {row['transcript_ms']} ms"
+                print(f"  {row['voice']:18s} v2v {row['voice_to_voice_ms']} ms, transcript {row['transcript_ms']} ms "
+                      f"({row['rule']}, decode {row['decode_ms']}, silence {row['silence_ms']}), reply {row['reply_ms']}"
                       f"{' EARLY' if row['early'] else ''} {row['text']!r}", flush=True)
             results[f"webrtc_{n}"] = r
             print(f"{n} conversation(s): voice to voice p50 {r['voice_to_voice_ms']['p50']} ms "
                   f"p95 {r['voice_to_voice_ms']['p95']} ms; transcript p50 {r['transcript_ms']['p50']} ms; "
+                  f"reply p50 {r['reply_ms']['p50']} ms; decode p50 {r['decode_ms']['p50']} ms; rules {r['rules']}; "
                   f"WER {r['wer_live']} (offline {r['wer_offline_whole_turn']}); paused turns answered early "
                   f"{r['answered_early']}/{r['paused_turns']}; no reply {r['no_reply']}", flush=True)
     finally:

@@ -163,7 +163,7 @@ class Session(SessionOutput, UtteranceQueue):
         # recognizer that punctuates (Whisper); others' turns are the VAD's, speech.started to speech.stopped.
         self.endpointer = (Endpointer(self.transcriber, self.options.turn, self.emit, lambda: self.vad.speaking)
                            if stt is not None and self.transcriber is not None and Endpointer.suits(stt) else None)
-        self.vad.pause_ms = self.options.turn.min_silence_ms if self.endpointer is not None else 0
+        self.vad.pause_ms = self.options.turn.pause_ms if self.endpointer is not None else 0
         # The echo canceller (gateway/echo.py), while barge_in.echo_cancel is on and an output is attached;
         # microphone audio then waits here for it, and it runs as an encode-pool job (off the frame path).
         self.echo: EchoCanceller | None = None
@@ -295,7 +295,7 @@ class Session(SessionOutput, UtteranceQueue):
             except (ValueError, TypeError) as exc:
                 raise GatewayError("invalid_field", str(exc)) from None
             if self.endpointer is not None:
-                self.vad.pause_ms = self.options.turn.min_silence_ms
+                self.vad.pause_ms = self.options.turn.pause_ms
         self.emit({"type": "session.updated", **self.describe_options()})
 
     def _update_stt(self, data: dict) -> None:
