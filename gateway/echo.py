@@ -370,8 +370,17 @@ class EchoCanceller:
 
     def _teaches(self, hop: int) -> bool:
         """Whether a quiet frame at `hop` says anything about the echo: only once the bot has been
-        talking for longer than any echo's delay. Before that, its echo may just not be back yet."""
-        return hop - self._talk_start_hop >= _MAX_LAG_HOPS
+        talking for longer than any echo's delay (before that, its echo may just not be back yet),
+        and only while it still talks (`_talking`)."""
+        return hop - self._talk_start_hop >= _MAX_LAG_HOPS and self._talking(hop)
+
+    def _talking(self, hop: int) -> bool:
+        """The bot talks at `hop`, or stopped within the room's tail. After that, what the microphone
+        hears may be the caller answering, and the guard (cold after a short reply: the bot's own
+        level) holds their first words under it, so the VAD calls them quiet: taught as echo, they
+        raised the guard of the next reply over the caller's voice (a caller with no echo at all
+        could no longer interrupt; tests/gateway/test_echo.py)."""
+        return hop <= self._last_active_hop + TAIL_MS // 10
 
     def _bot_silent(self, hop: int) -> bool:
         """The bot silent for longer than any echo lasts: nothing to take out."""
@@ -430,7 +439,7 @@ class EchoCanceller:
                 guard = heard_db + GUARD_MARGIN_DB
         if self._teaches(hop):
             self._last = learn
-        elif level_db > floor_db + AUDIBLE_DB:
+        elif level_db > floor_db + AUDIBLE_DB and self._talking(hop):
             # Before the bot has talked for the longest delay, a quiet microphone proves nothing (its
             # echo may not be back yet), but a loud one is its echo (or the caller, as the VAD will
             # say): the guard for any delay learns it. Otherwise a pause could be all it learnt: the

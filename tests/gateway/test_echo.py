@@ -95,6 +95,39 @@ async def test_a_backchannel_shorter_than_min_interrupt_ms_is_reported_not_obeye
     assert 0 < backchannels[0]["speech_ms"] < 800
 
 
+async def test_a_caller_with_no_echo_who_answered_a_short_reply_can_interrupt_the_next(tone_server):
+    # The bot says "Hello." (shorter than any echo's delay), the caller answers into the silence after it, then
+    # talks over the next reply. The canceller once took the answer (in the short reply's echo tail, held
+    # under the cold guard) for echo, and the next reply's guard then stood over the caller's voice.
+    from voxgate.client import VoxgateSession
+    from voxgate.rtc_client import RtcClient
+
+    def turn(phrase: str) -> np.ndarray:
+        return np.concatenate([np.zeros(9600, np.int16), corpus.espeak(phrase, "en-us+klatt", 48000),
+                               np.zeros(38400, np.int16)])
+
+    backend = VoxgateSession(tone_server.url)
+    await backend.open()
+    caller = RtcClient(tone_server.url, mic=True, session_id=backend.session_id, token=backend.client_token)
+    try:
+        await caller.connect()
+        await backend.send({"type": "speak", "text": "Hello.", "id": "hello"})
+        await caller.wait_for("utterance.done", id="hello", timeout=10)
+        caller.mic.play(turn("When do you open?"))
+        await caller.wait_for("speech.stopped", timeout=10)
+        await backend.send({"type": "speak", "text": "Our store opens at nine tomorrow and closes at six in the evening "
+                            "every day of the week except on public holidays.", "id": "reply"})
+        started = await caller.wait_for("audio.started", id="reply", timeout=10)
+        await caller.wait_frames_after(started, 40)
+        assert not [e for _, e in caller.event_log if e["type"] == "utterance.interrupted"]
+        caller.mic.play(turn("Actually, never mind."))
+        end = await caller.wait_for_any(("utterance.done", "utterance.interrupted"), timeout=20)
+    finally:
+        await caller.close()
+        await backend.close()
+    assert end["type"] == "utterance.interrupted" and end["reason"] == "barge_in", end
+
+
 def _joe_packets(text: str) -> list[bytes]:
     pcm = corpus.espeak(text, "en-us")  # any speech will do for the module on its own
     encoder = opus.Encoder(48000, 32000, 0, True, 10, False)
