@@ -39,7 +39,16 @@ microphone before the VAD hears it:
    in the reference.
 
 While the bot has been silent for longer than any echo lasts, none of this
-runs: the microphone goes to the VAD as it is. See docs/barge-in.md for how
+runs: the microphone goes to the VAD as it is.
+
+6. Only where there is echo (`needed`, a cheap check on the session's loop):
+   browsers cancel their own echo (AEC3), so a WebRTC caller's microphone is
+   quiet while the bot talks. Once it has been, over DORMANT_AFTER_FRAMES of
+   the bot's talk with no echo delay found, the canceller sleeps: the
+   microphone goes to the VAD as it is, nothing is decoded, no job is queued.
+   A frame audible over the room while the bot talks (or within any echo's
+   delay after) wakes it, with what it had learnt. A phone leg's canceller,
+   and one that has found an echo, never sleep. See docs/barge-in.md for how
 this was chosen, with figures.
 """
 
@@ -109,6 +118,8 @@ TRACE_FRAMES = 25  # frames describe() shows (500 ms): more than the VAD's windo
 RING = 1 << 15  # reference samples kept (2 s at 16 kHz)
 MAX_TAPPED = 150  # departed frames waiting to be decoded (3 s): a session that stops listening cannot grow it
 MAX_MISSING_FRAMES = 50  # before the microphone's first packet, at most this much counts as quiet
+DORMANT_AFTER_FRAMES = 150  # 3 s of the bot talking over a quiet microphone, with no echo found: the canceller sleeps
+ECHO_SPAN_S = (MAX_DELAY_MS + FILTER_MS + TAIL_MS) / 1000  # after the bot's last sound, its echo may still come
 _LOG_FLOOR = 1e2  # hop energies under this are the floor (silence), in int16 units squared
 _MAX_LAG_HOPS = MAX_DELAY_MS // 10
 _WINDOW_HOPS = ESTIMATE_WINDOW_MS // 10
@@ -146,9 +157,12 @@ class ReferenceTap:
 
     def __init__(self) -> None:
         self.frames: deque = deque(maxlen=MAX_TAPPED)
+        self.sound_at = float("-inf")  # when the last frame with sound left
 
     def __call__(self, payload: bytes | None, sent_at: float) -> None:
         self.frames.append((sent_at, payload or None))
+        if payload:
+            self.sound_at = sent_at
 
 
 class EchoGain:
@@ -236,6 +250,32 @@ class EchoCanceller:
         self._estimates: deque = deque(maxlen=TRACE_FRAMES // 3)  # (hop, best lag, its correlation)
         self._raw_db = 0.0  # the last frame's level before the canceller
         self.started_trace: str | None = None  # describe() where the VAD's last turn started over the guard
+        self.dormant = False  # asleep: no echo heard over DORMANT_AFTER_FRAMES of the bot's talk (`needed`)
+        self._quiet_talk = 0  # frames of the bot's talk (and its echo's span) with the microphone quiet, in a row
+        self.woken = 0
+
+    def needed(self, pcm: np.ndarray | None, level_db: float | None, floor_db: float, now: float) -> bool:
+        """Whether a microphone frame (None: not decoded, `level_db` its level if known) must go through
+        the canceller; the session's loop asks, with no job of the canceller's running. A few µs: asleep,
+        a frame costs this and the VAD alone. Phone legs, and a canceller that found an echo, always."""
+        if self._law is not None or self.delay_hops is not None:
+            return True
+        if now - self.tap.sound_at > ECHO_SPAN_S:
+            return not self.dormant  # no echo can be in it: asleep or awake, it stays so
+        if pcm is not None:
+            samples = pcm.astype(np.float64)
+            level = _db(float(np.dot(samples, samples)) / max(1, len(samples)))
+        else:
+            level = QUIET_DB if level_db is None else level_db
+        if level > floor_db + AUDIBLE_DB:
+            self._quiet_talk = 0  # the caller, or an echo: awake until the bot has talked over quiet again
+            if self.dormant:
+                self.dormant = False
+                self.woken += 1
+        elif not self.dormant:
+            self._quiet_talk += 1
+            self.dormant = self._quiet_talk >= DORMANT_AFTER_FRAMES
+        return not self.dormant
 
     # Positions: samples at 16 kHz since `epoch`, on the session's clock (perf_counter).
     def _position(self, t: float) -> int:

@@ -372,7 +372,8 @@ class Session(SessionOutput, UtteranceQueue):
             self.transcriber.frame(pcm, capture_ms)
         if self.endpointer is not None:
             self.endpointer.frame(capture_ms)
-        if self.echo is not None:
+        if self.echo is not None and (self._listen_job is not None
+                                      or self.echo.needed(pcm, level_db, self.vad.floor_db, time.perf_counter())):
             self._listen((pcm, capture_ms, level_db))
             return
         events = self.vad.process(pcm) if pcm is not None else self.vad.skip(1, level_db)

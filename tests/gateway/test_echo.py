@@ -17,7 +17,7 @@ import soxr
 
 from tests import listening_corpus as corpus
 from voxgate.gateway import opus
-from voxgate.gateway.echo import ReferenceTap, EchoCanceller
+from voxgate.gateway.echo import DORMANT_AFTER_FRAMES, EchoCanceller, ReferenceTap
 from voxgate.gateway.encoder import ulaw_decode, ulaw_encode
 from voxgate.gateway.resample import Upsampler2x
 from voxgate.gateway.vad import VadSettings, VoiceActivityDetector
@@ -189,6 +189,44 @@ def test_the_echo_delay_is_found_and_its_echo_kept_under_the_guard():
     assert echo.delay_hops is not None and abs(echo.delay_hops - 23) <= 2, echo.delay_hops
     assert echo.cancelled > 0
     assert voiced == 0
+
+
+def _needed_over(codec: str, packets: list, mic: np.ndarray) -> tuple[EchoCanceller, list[bool]]:
+    """Each microphone frame's `needed` as the session's loop asks it (frames that need the canceller go
+    through it, the others to the VAD alone), the reference leaving every 20 ms: the canceller, the answers."""
+    tap = ReferenceTap()
+    echo = EchoCanceller(codec, tap, epoch=0.0)
+    vad = VoiceActivityDetector(VadSettings())
+    answers = []
+    for j in range(len(mic) // 320):
+        tap(packets[j % len(packets)], j * 0.02)
+        frame = mic[j * 320 : (j + 1) * 320]
+        answers.append(echo.needed(frame, None, vad.floor_db, (j + 1) * 0.02))
+        if answers[-1]:
+            for out, guard in echo.process(frame, (j + 1) * 0.02, vad.floor_db):
+                vad.frame(out, guard)
+                echo.learn(caller_quiet=vad.quiet)
+        else:
+            vad.process(frame)
+    return echo, answers
+
+
+def test_a_browsers_quiet_microphone_puts_the_canceller_to_sleep_and_sound_wakes_it():
+    # A browser cancels its own echo: its microphone is the room while the bot talks.
+    packets = _joe_packets("The new plan costs twelve dollars a month and includes unlimited calls.")
+    rng = np.random.default_rng(1)
+    quiet = (rng.standard_normal(16000 * 5) * 30).astype(np.int16)
+    echo, answers = _needed_over("opus", packets, quiet)
+    asleep_at = answers.index(False)
+    assert asleep_at == DORMANT_AFTER_FRAMES - 1 and not any(answers[asleep_at:]), asleep_at
+    # The caller talks over the bot (or an echo appears): the canceller wakes for that frame on.
+    caller = np.concatenate([quiet, corpus.espeak("Wait, hold on.", "en-gb+f3", 16000)])
+    echo, answers = _needed_over("opus", packets, caller)
+    assert echo.woken == 1 and answers[-20:].count(True) >= 10, answers[-40:]
+    # A phone leg keeps its canceller, quiet or not.
+    law = [ulaw_encode(np.zeros(160, np.int16))] * 10
+    _, answers = _needed_over("pcmu", law, quiet)
+    assert all(answers)
 
 
 def test_a_phone_calls_short_echo_is_found_behind_its_reference():
