@@ -46,9 +46,12 @@ runs: the microphone goes to the VAD as it is.
    quiet while the bot talks. Once it has been, over DORMANT_AFTER_FRAMES of
    the bot's talk with no echo delay found, the canceller sleeps: the
    microphone goes to the VAD as it is, nothing is decoded, no job is queued.
-   A frame audible over the room while the bot talks (or within any echo's
-   delay after) wakes it, with what it had learnt. A phone leg's canceller,
-   and one that has found an echo, never sleep. See docs/barge-in.md for how
+   A frame audible over the room while the bot talks wakes it, with what it
+   had learnt (one after its last sound is most likely the caller answering:
+   an echo is heard during the talk too). While the bot has been
+   silent longer than any echo lasts it is not asked at all (its frames would
+   pass through it as they are). A phone leg's canceller, and one that has
+   found an echo, never sleep. See docs/barge-in.md for how
 this was chosen, with figures.
 """
 
@@ -118,8 +121,12 @@ TRACE_FRAMES = 25  # frames describe() shows (500 ms): more than the VAD's windo
 RING = 1 << 15  # reference samples kept (2 s at 16 kHz)
 MAX_TAPPED = 150  # departed frames waiting to be decoded (3 s): a session that stops listening cannot grow it
 MAX_MISSING_FRAMES = 50  # before the microphone's first packet, at most this much counts as quiet
-DORMANT_AFTER_FRAMES = 150  # 3 s of the bot talking over a quiet microphone, with no echo found: the canceller sleeps
+# 1 s of the bot talking (longer than any echo's delay) over a microphone never audible (AUDIBLE_DB over the
+# room: the VAD's own margin, under which no frame is voiced), with no echo found: the canceller sleeps. An
+# echo under that could never start a turn; one over it wakes the canceller at its first frame.
+DORMANT_AFTER_FRAMES = 50
 ECHO_SPAN_S = (MAX_DELAY_MS + FILTER_MS + TAIL_MS) / 1000  # after the bot's last sound, its echo may still come
+TALKING_S = 0.1  # the bot's last sound this recent: it is talking (its frames leave every 20 ms)
 _LOG_FLOOR = 1e2  # hop energies under this are the floor (silence), in int16 units squared
 _MAX_LAG_HOPS = MAX_DELAY_MS // 10
 _WINDOW_HOPS = ESTIMATE_WINDOW_MS // 10
@@ -261,13 +268,15 @@ class EchoCanceller:
         if self._law is not None or self.delay_hops is not None:
             return True
         if now - self.tap.sound_at > ECHO_SPAN_S:
-            return not self.dormant  # no echo can be in it: asleep or awake, it stays so
+            return False  # no echo can be in it: the VAD alone, as process() would hand it on (_bot_silent)
         if pcm is not None:
             samples = pcm.astype(np.float64)
             level = _db(float(np.dot(samples, samples)) / max(1, len(samples)))
         else:
             level = QUIET_DB if level_db is None else level_db
         if level > floor_db + AUDIBLE_DB:
+            if self.dormant and now - self.tap.sound_at > TALKING_S:
+                return False  # after the bot's last sound: the caller answering, most likely; an echo shows in the talk
             self._quiet_talk = 0  # the caller, or an echo: awake until the bot has talked over quiet again
             if self.dormant:
                 self.dormant = False
@@ -406,6 +415,10 @@ class EchoCanceller:
             self._mic_first_hop = -(-start // HOP)
             self._quiet(missing, QUIET_DB, True, floor_db)
         elif abs(start - self._mic_end) > 2 * FRAME_SAMPLES:
+            if start > self._mic_end:
+                # Frames that went to the VAD alone (`needed`): quiet, for the delay estimate, as a gap is.
+                hops = np.arange(max(self._mic_end // HOP, start // HOP - _ENV_RING), start // HOP)
+                self._mic_env[hops % _ENV_RING] = _LOG_FLOOR
             self._mic_end = start
 
     def _teaches(self, hop: int) -> bool:
