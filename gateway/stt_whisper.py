@@ -78,11 +78,13 @@ def _plain(word: str) -> str:
 
 def cut_restart(text: str) -> str:
     """The text without a trailing restart of one of its sentences ("I lost my password. I lost my"): a loop
-    the token cap cut short, in the silence after the turn. The restart begins after `. ? ! ,`, is 2 words or
-    more, and is a strict prefix of the sentence it repeats, so a real repeat ("no, no", "thank you, thank
-    you") stays. The text then ends where the loop began, a comma read as the sentence's end."""
+    the token cap cut short, in the silence after the turn. The restart begins after `. ? ! ,` and is a strict
+    prefix of the sentence it repeats (one word only of a sentence of 3 or more), so a real repeat ("no, no",
+    "thank you, thank you") stays; or it is one capitalized word, with no sentence end before it, said earlier
+    in the text in lower case ("... was never delivered to my house Never"; a name keeps its capital). The text then ends where the loop began, a comma read as the
+    sentence's end."""
     words = text.split()
-    for p in range(len(words) - 2, 0, -1):
+    for p in range(len(words) - 1, 0, -1):
         if not words[p - 1].endswith(_ENDS):
             continue
         tail = [_plain(w) for w in words[p:]]
@@ -91,10 +93,18 @@ def cut_restart(text: str) -> str:
             sentence = [_plain(w) for w in words[s:p]]
             head = sentence[: len(tail)]
             # The cap may cut the restart inside a word ("never-form"): its last word need only begin the same.
-            if len(tail) < len(sentence) and head[:-1] == tail[:-1] and head[-1].startswith(tail[-1]):
-                kept = " ".join(words[:p])
-                return kept[:-1] + "." if kept.endswith(",") else kept
+            if (len(tail) < len(sentence) and (len(tail) > 1 or len(sentence) >= 3) and head[:-1] == tail[:-1]
+                    and head[-1].startswith(tail[-1])):
+                return _ended(" ".join(words[:p]))
+    last = words[-1] if words else ""
+    if (len(words) >= 4 and last[:1].isupper() and _plain(last) not in ("i", "i'm", "i'd", "i'll")
+            and not words[-2].endswith(_ENDS) and _plain(last) in {_plain(w) for w in words[:-1] if w[:1].islower()}):
+        return _ended(" ".join(words[:-1]))
     return text
+
+
+def _ended(kept: str) -> str:
+    return kept[:-1] + "." if kept.endswith(",") else kept if kept.endswith((".", "?", "!")) else kept + "."
 
 
 class Whisper:

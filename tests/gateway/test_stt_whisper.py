@@ -95,9 +95,11 @@ def test_cut_restart_drops_a_sentence_begun_again_and_cut_short():
         "Can you tell me? When the store opens tomorrow."
     assert cut_restart("His never-formative near the train station, his never-form") == \
         "His never-formative near the train station."
-    # Real repeats stay: a whole sentence said again, one word again, or a new sentence.
+    assert cut_restart("His never-formative near the train station, his") == "His never-formative near the train station."
+    assert cut_restart("My order was never delivered to my house Never") == "My order was never delivered to my house."
+    # Real repeats stay: a whole sentence said again, one word again, or a new sentence; a name.
     for kept in ("No, no", "Thank you, thank you", "Please remind me, please remind me", "I want to go, I want to go home",
-                 "Hello. How are you", "I see. I"):
+                 "Hello. How are you", "I see. I", "Hello there, hello", "I love Paris and Paris", "I went to Paris"):
         assert cut_restart(kept) == kept, kept
 
 
