@@ -24,8 +24,14 @@ its frame was due at the microphone):
   and the same recognizer offline on the whole turn as the microphone had it
   (before Opus): the reference for what the path loses.
 Run at 1 and at 4 conversations at once (each its own client and backend, the
-turns in the same order, offset). Figures go to stdout and to
-artifacts/bench-conversation.json (--out).
+turns in the same order, offset), and over the phone path (--phone): a Twilio
+media stream (tests/telephony/twilio_standin.py) says the same turns as μ-law
+at 8 kHz in real time, then streams silence as a call does; its WER is
+against the recognizer offline on each whole turn as the phone sent it (μ-law,
+raised to 16 kHz), and voice to voice ends at the reply's first voiced μ-law
+frame as it reached the stand-in. Per turn the server's debug log adds the rule
+that ended it (gateway/endpoint.py), its decode and the silence waited.
+Figures go to stdout and to artifacts/bench-conversation.json (--out).
 """
 
 from __future__ import annotations
@@ -88,7 +94,7 @@ def last_voiced_s(clip: np.ndarray, rate: int = 48000) -> float:
     return float((np.flatnonzero(rms > VOICED)[-1] + 1) * hop) / rate
 
 
-async def conversation(url: str, plan: list, offset_s: float) -> list[dict]:
+async def conversation(url: str, plan: list, offset_s: float, server: ServerProcess | None = None) -> list[dict]:
     await asyncio.sleep(offset_s)
     backend = VoxgateSession(url)
     await backend.open()
@@ -130,6 +136,7 @@ async def conversation(url: str, plan: list, offset_s: float) -> list[dict]:
                         break
             await asyncio.sleep(0.8)  # the reply's end, and a breath
             mine = finals[before:]
+            ended = _turn_ended(server, mine[-1][1]) if mine and server is not None else {}
             out.append({
                 "phrase": phrase, "voice": voice, "paused": paused,
                 "text": " ".join(e["text"] for _, e in mine),
@@ -137,6 +144,11 @@ async def conversation(url: str, plan: list, offset_s: float) -> list[dict]:
                 "transcript_ms": round((mine[-1][0] - spoke_until) * 1000, 1) if mine else None,
                 "early": bool(mine) and mine[0][0] < spoke_until,
                 "voice_to_voice_ms": round((reply_at - spoke_until) * 1000, 1) if reply_at else None,
+                # From the final transcript to the reply's first voiced frame: the voice and the path.
+                "reply_ms": round((reply_at - mine[-1][0]) * 1000, 1) if reply_at and mine else None,
+                # The endpointer's own account (its debug log): the rule that ended the turn, its decode, the
+                # silence it waited from the last voiced frame the VAD heard.
+                "rule": ended.get("rule"), "decode_ms": ended.get("decode_ms"), "silence_ms": ended.get("silence_ms"),
                 "partials": sum(1 for t in partials if client.mic.due[first] <= t <= spoke_until),
                 "clip": clip,
             })
@@ -147,9 +159,19 @@ async def conversation(url: str, plan: list, offset_s: float) -> list[dict]:
     return out
 
 
+def _turn_ended(server: ServerProcess, final: dict) -> dict:
+    """The server's `turn ended` debug line for this final transcript (same end_ms)."""
+    for entry in reversed(server.log_entries()):
+        if entry.get("message") == "turn ended" and entry.get("end_ms") == final.get("end_ms"):
+            return entry
+    return {}
+
+
 def figures(rows: list[dict], offline: list[str]) -> dict:
     v2v = [r["voice_to_voice_ms"] for r in rows if r["voice_to_voice_ms"] is not None and not r["early"]]
     tr = [r["transcript_ms"] for r in rows if r["transcript_ms"] is not None and not r["early"]]
+    reply = [r["reply_ms"] for r in rows if r["reply_ms"] is not None and not r["early"]]
+    decode = [r["decode_ms"] for r in rows if r["decode_ms"] is not None]
     paused = [r for r in rows if r["paused"]]
     long_turns = [r for r in rows if len(r["clip"]) / 48000 > 1.5]
     return {
@@ -157,6 +179,9 @@ def figures(rows: list[dict], offline: list[str]) -> dict:
         "voice_to_voice_ms": {"p50": round(percentile(v2v, 50), 1), "p95": round(percentile(v2v, 95), 1),
                               "max": max(v2v) if v2v else None, "n": len(v2v)},
         "transcript_ms": {"p50": round(percentile(tr, 50), 1), "p95": round(percentile(tr, 95), 1)},
+        "reply_ms": {"p50": round(percentile(reply, 50), 1), "p95": round(percentile(reply, 95), 1)},
+        "decode_ms": {"p50": round(percentile(decode, 50), 1), "p95": round(percentile(decode, 95), 1)},
+        "rules": {rule: sum(r["rule"] == rule for r in rows) for rule in ("finished", "level", "unfinished", None)},
         "wer_live": round(corpus_wer([r["phrase"] for r in rows], [r["text"] for r in rows]), 3),
         "wer_offline_whole_turn": round(corpus_wer([r["phrase"] for r in rows], offline), 3),
         "paused_turns": len(paused), "answered_early": sum(r["early"] for r in paused),
@@ -167,10 +192,86 @@ def figures(rows: list[dict], offline: list[str]) -> dict:
     }
 
 
-async def run(url: str, plan: list, conversations: int) -> list:
+PHONE_TAIL_S = 2.5  # silence the phone streams after a turn (a call's media never stops), in which the turn ends
+
+
+async def phone_conversation(url: str, plan: list, offset_s: float, server: ServerProcess | None = None) -> list[dict]:
+    """The same turns said by a phone call: a Twilio media stream (μ-law, 8 kHz, 20 ms frames, real time)."""
+    import soxr as _soxr
+
+    from tests.telephony.twilio_standin import TwilioStandIn
+    from voxgate.gateway.encoder import ulaw_decode
+
+    await asyncio.sleep(offset_s)
+    backend = VoxgateSession(url)
+    await backend.open()
+    finals: list[tuple[float, dict]] = []
+
+    async def answer() -> None:
+        async for event in backend.events():
+            if event.get("type") == "speech.transcript" and event.get("final"):
+                finals.append((time.perf_counter(), event))
+                await backend.send({"type": "speak", "text": REPLY})
+
+    answering = asyncio.ensure_future(answer())
+    phone = TwilioStandIn(url)
+    out = []
+    try:
+        await phone.connect()
+        await phone.start({"session_id": backend.session_id, "token": backend.client_token})
+        for phrase, voice, clip, paused in plan:
+            before = len(finals)
+            clip8 = _soxr.resample(clip.astype(np.float32), 48000, 8000).astype(np.int16)
+            first: list[float] = []
+            audio = np.concatenate([np.zeros(int(LEAD_S * 8000), np.int16), clip8,
+                                    np.zeros(int(PHONE_TAIL_S * 8000), np.int16)])
+            await phone.send_audio(audio, on_first=lambda: first.append(time.perf_counter()))
+            spoke_until = first[0] + LEAD_S + last_voiced_s(clip)
+            mine = finals[before:]
+            reply_at = None
+            if mine:
+                for t, payload in phone.received.media:
+                    if t >= max(spoke_until, mine[0][0]) and np.sqrt(np.mean(ulaw_decode(payload).astype(np.float64) ** 2)) > VOICED:
+                        reply_at = t
+                        break
+            ended = _turn_ended(server, mine[-1][1]) if mine and server is not None else {}
+            out.append({
+                "phrase": phrase, "voice": voice, "paused": paused,
+                "text": " ".join(e["text"] for _, e in mine), "finals": len(mine),
+                "transcript_ms": round((mine[-1][0] - spoke_until) * 1000, 1) if mine else None,
+                "early": bool(mine) and mine[0][0] < spoke_until,
+                "voice_to_voice_ms": round((reply_at - spoke_until) * 1000, 1) if reply_at else None,
+                "reply_ms": round((reply_at - mine[-1][0]) * 1000, 1) if reply_at and mine else None,
+                "rule": ended.get("rule"), "decode_ms": ended.get("decode_ms"), "silence_ms": ended.get("silence_ms"),
+                "partials": 0, "clip": clip,
+            })
+    finally:
+        answering.cancel()
+        await phone.close()
+        await backend.close()
+    return out
+
+
+def offline_phone(whisper, plan: list) -> list[str]:
+    """The recognizer offline on each whole turn as the phone sent it: μ-law at 8 kHz, raised to 16 kHz."""
+    from voxgate.gateway.encoder import ulaw_decode, ulaw_encode
+
+    texts = []
+    for _, _, clip, _ in plan:
+        sent = ulaw_decode(ulaw_encode(soxr.resample(clip.astype(np.float32), 48000, 8000).astype(np.int16)))
+        texts.append(" ".join(whisper.recognize(soxr.resample(sent, 8000, 16000).astype(np.int16)).split()))
+    return texts
+
+
+async def run_phone(url: str, plan: list, conversations: int, server: ServerProcess | None = None) -> list:
+    return await asyncio.gather(*(phone_conversation(url, plan, i * 1.3, server) for i in range(conversations)),
+                                return_exceptions=True)
+
+
+async def run(url: str, plan: list, conversations: int, server: ServerProcess | None = None) -> list:
     # Each conversation starts a little after the last, so their turns do not end in step. A conversation the
     # gateway refused (at_capacity on a loaded machine) is reported, not fatal.
-    return await asyncio.gather(*(conversation(url, plan, i * 1.3) for i in range(conversations)),
+    return await asyncio.gather(*(conversation(url, plan, i * 1.3, server) for i in range(conversations)),
                                 return_exceptions=True)
 
 
@@ -178,6 +279,10 @@ def main() -> None:
     parser = arg_parser(__doc__)
     parser.add_argument("--turns", type=int, default=20, help="turns per conversation (half with a pause)")
     parser.add_argument("--conversations", type=int, nargs="*", default=[1, 4])
+    parser.add_argument("--phone", type=int, nargs="*", default=[1],
+                        help="conversations at once over the Twilio media-stream path (none: skip it)")
+    parser.add_argument("--before-tree", default=None,
+                        help="a git worktree of the code before a change: its server runs the WebRTC arms too, same run")
     args = parser.parse_args()
     plan = turns(6 if args.quick else args.turns)
     started = time.perf_counter()
@@ -191,31 +296,48 @@ def main() -> None:
     whisper = Whisper()
     offline = [" ".join(whisper.recognize(soxr.resample(clip, 48000, 16000).astype(np.int16)).split())
                for _, _, clip, _ in plan]
-    server = ServerProcess("piper", ["--stt", "whisper"])
-    try:
-        for n in args.conversations:
-            section(f"webrtc: {n} conversation(s), {len(plan)} turns each")
-            outcomes = asyncio.run(run(server.url, plan, n))
-            failed = [f"{type(o).__name__}: {o}" for o in outcomes if isinstance(o, BaseException)]
-            done = [o for o in outcomes if not isinstance(o, BaseException)]
-            for why in failed:
-                print(f"  a conversation failed: {why}", flush=True)
-            if not done:
-                results[f"webrtc_{n}"] = {"failed": failed}
-                continue
-            flat = [r for conv in done for r in conv]
-            r = figures(flat, offline * len(done))
-            r["conversations_failed"] = failed
-            for row in r["rows"]:
-                print(f"  {row['voice']:18s} v2v {row['voice_to_voice_ms']} ms, transcript {row['transcript_ms']} ms"
-                      f"{' EARLY' if row['early'] else ''} {row['text']!r}", flush=True)
-            results[f"webrtc_{n}"] = r
-            print(f"{n} conversation(s): voice to voice p50 {r['voice_to_voice_ms']['p50']} ms "
-                  f"p95 {r['voice_to_voice_ms']['p95']} ms; transcript p50 {r['transcript_ms']['p50']} ms; "
-                  f"WER {r['wer_live']} (offline {r['wer_offline_whole_turn']}); paused turns answered early "
-                  f"{r['answered_early']}/{r['paused_turns']}; no reply {r['no_reply']}", flush=True)
-    finally:
-        server.stop()
+    serve = ["--stt", "whisper", "--log-json", "--log-level", "DEBUG"]
+    phone_reference = offline_phone(whisper, plan) if args.phone else []
+    # (label, server's env, arms): this code; then, with --before-tree, the code before, over WebRTC, same run.
+    servers: list = [("", None, [("webrtc", n, run, offline) for n in args.conversations]
+                      + [("phone", n, run_phone, phone_reference) for n in args.phone])]
+    if args.before_tree:
+        servers.append(("before_", {"PYTHONPATH": os.path.join(os.path.dirname(os.path.abspath(__file__)), "before"),
+                                    "VOXGATE_BEFORE_TREE": os.path.abspath(args.before_tree)},
+                        [("webrtc", n, run, offline) for n in args.conversations]))
+    for label, env, arms in servers:
+        try:
+            server = ServerProcess("piper", serve, env=env)
+        except RuntimeError as exc:  # recorded, not fatal: the other server's figures stand
+            print(f"  the {label or 'current'} server did not start: {str(exc)[-300:]}", flush=True)
+            results[f"{label}server_failed"] = str(exc)[-300:]
+            continue
+        try:
+            for path, n, runner, reference in arms:
+                section(f"{label}{path}: {n} conversation(s), {len(plan)} turns each")
+                outcomes = asyncio.run(runner(server.url, plan, n, server))
+                failed = [f"{type(o).__name__}: {o}" for o in outcomes if isinstance(o, BaseException)]
+                done = [o for o in outcomes if not isinstance(o, BaseException)]
+                for why in failed:
+                    print(f"  a conversation failed: {why}", flush=True)
+                if not done:
+                    results[f"{label}{path}_{n}"] = {"failed": failed}
+                    continue
+                flat = [r for conv in done for r in conv]
+                r = figures(flat, reference * len(done))
+                r["conversations_failed"] = failed
+                for row in r["rows"]:
+                    print(f"  {row['voice']:18s} v2v {row['voice_to_voice_ms']} ms, transcript {row['transcript_ms']} ms "
+                          f"({row['rule']}, decode {row['decode_ms']}, silence {row['silence_ms']}), reply {row['reply_ms']}"
+                          f"{' EARLY' if row['early'] else ''} {row['text']!r}", flush=True)
+                results[f"{label}{path}_{n}"] = r
+                print(f"{label}{path} {n} conversation(s): voice to voice p50 {r['voice_to_voice_ms']['p50']} ms "
+                      f"p95 {r['voice_to_voice_ms']['p95']} ms; transcript p50 {r['transcript_ms']['p50']} ms; "
+                      f"reply p50 {r['reply_ms']['p50']} ms; decode p50 {r['decode_ms']['p50']} ms; rules {r['rules']}; "
+                      f"WER {r['wer_live']} (offline {r['wer_offline_whole_turn']}); paused turns answered early "
+                      f"{r['answered_early']}/{r['paused_turns']}; no reply {r['no_reply']}", flush=True)
+        finally:
+            server.stop()
     finish("conversation", results, started, args.out)
 
 

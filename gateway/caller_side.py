@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -161,7 +162,7 @@ class CallerSide:
         # recognizer that punctuates (Whisper); others' turns are the VAD's, speech.started to speech.stopped.
         self.endpointer = (Endpointer(self.transcriber, options.turn, emit, lambda: self.vad.speaking)
                            if stt is not None and self.transcriber is not None and Endpointer.suits(stt) else None)
-        self.vad.pause_ms = options.turn.min_silence_ms if self.endpointer is not None else 0
+        self.vad.pause_ms = options.turn.pause_ms if self.endpointer is not None else 0
         # The echo canceller (gateway/echo.py), while barge_in.echo_cancel is on and an output is attached;
         # microphone audio then waits here for it, and it runs as an encode-pool job (off the frame path).
         self.echo: EchoCanceller | None = None
@@ -201,7 +202,7 @@ class CallerSide:
             except (ValueError, TypeError) as exc:
                 raise GatewayError("invalid_field", str(exc)) from None
             if self.endpointer is not None:
-                self.vad.pause_ms = self.options.turn.min_silence_ms
+                self.vad.pause_ms = self.options.turn.pause_ms
 
     def _update_stt(self, data: dict) -> None:
         if set(data) - {"enabled"} or not isinstance(data.get("enabled", False), bool):
@@ -279,7 +280,8 @@ class CallerSide:
             self.transcriber.frame(pcm, capture_ms)
         if self.endpointer is not None:
             self.endpointer.frame(capture_ms)
-        if self.echo is not None:
+        if self.echo is not None and (self._listen_job is not None
+                                      or self.echo.needed(pcm, level_db, self.vad.floor_db, time.perf_counter())):
             self._listen((pcm, capture_ms, level_db))
             return
         events = self.vad.process(pcm) if pcm is not None else self.vad.skip(1, level_db)

@@ -39,7 +39,19 @@ microphone before the VAD hears it:
    in the reference.
 
 While the bot has been silent for longer than any echo lasts, none of this
-runs: the microphone goes to the VAD as it is. See docs/barge-in.md for how
+runs: the microphone goes to the VAD as it is.
+
+6. Only where there is echo (`needed`, a cheap check on the session's loop):
+   browsers cancel their own echo (AEC3), so a WebRTC caller's microphone is
+   quiet while the bot talks. Once it has been, over DORMANT_AFTER_FRAMES of
+   the bot's talk with no echo delay found, the canceller sleeps: the
+   microphone goes to the VAD as it is, nothing is decoded, no job is queued.
+   A frame audible over the room while the bot talks wakes it, with what it
+   had learnt (one after its last sound is most likely the caller answering:
+   an echo is heard during the talk too). While the bot has been
+   silent longer than any echo lasts it is not asked at all (its frames would
+   pass through it as they are). A phone leg's canceller, and one that has
+   found an echo, never sleep. See docs/barge-in.md for how
 this was chosen, with figures.
 """
 
@@ -109,6 +121,12 @@ TRACE_FRAMES = 25  # frames describe() shows (500 ms): more than the VAD's windo
 RING = 1 << 15  # reference samples kept (2 s at 16 kHz)
 MAX_TAPPED = 150  # departed frames waiting to be decoded (3 s): a session that stops listening cannot grow it
 MAX_MISSING_FRAMES = 50  # before the microphone's first packet, at most this much counts as quiet
+# 1 s of the bot talking (longer than any echo's delay) over a microphone never audible (AUDIBLE_DB over the
+# room: the VAD's own margin, under which no frame is voiced), with no echo found: the canceller sleeps. An
+# echo under that could never start a turn; one over it wakes the canceller at its first frame.
+DORMANT_AFTER_FRAMES = 50
+ECHO_SPAN_S = (MAX_DELAY_MS + FILTER_MS + TAIL_MS) / 1000  # after the bot's last sound, its echo may still come
+TALKING_S = 0.1  # the bot's last sound this recent: it is talking (its frames leave every 20 ms)
 _LOG_FLOOR = 1e2  # hop energies under this are the floor (silence), in int16 units squared
 _MAX_LAG_HOPS = MAX_DELAY_MS // 10
 _WINDOW_HOPS = ESTIMATE_WINDOW_MS // 10
@@ -146,9 +164,12 @@ class ReferenceTap:
 
     def __init__(self) -> None:
         self.frames: deque = deque(maxlen=MAX_TAPPED)
+        self.sound_at = float("-inf")  # when the last frame with sound left
 
     def __call__(self, payload: bytes | None, sent_at: float) -> None:
         self.frames.append((sent_at, payload or None))
+        if payload:
+            self.sound_at = sent_at
 
 
 class EchoGain:
@@ -236,6 +257,34 @@ class EchoCanceller:
         self._estimates: deque = deque(maxlen=TRACE_FRAMES // 3)  # (hop, best lag, its correlation)
         self._raw_db = 0.0  # the last frame's level before the canceller
         self.started_trace: str | None = None  # describe() where the VAD's last turn started over the guard
+        self.dormant = False  # asleep: no echo heard over DORMANT_AFTER_FRAMES of the bot's talk (`needed`)
+        self._quiet_talk = 0  # frames of the bot's talk (and its echo's span) with the microphone quiet, in a row
+        self.woken = 0
+
+    def needed(self, pcm: np.ndarray | None, level_db: float | None, floor_db: float, now: float) -> bool:
+        """Whether a microphone frame (None: not decoded, `level_db` its level if known) must go through
+        the canceller; the session's loop asks, with no job of the canceller's running. A few µs: asleep,
+        a frame costs this and the VAD alone. Phone legs, and a canceller that found an echo, always."""
+        if self._law is not None or self.delay_hops is not None:
+            return True
+        if now - self.tap.sound_at > ECHO_SPAN_S:
+            return False  # no echo can be in it: the VAD alone, as process() would hand it on (_bot_silent)
+        if pcm is not None:
+            samples = pcm.astype(np.float64)
+            level = _db(float(np.dot(samples, samples)) / max(1, len(samples)))
+        else:
+            level = QUIET_DB if level_db is None else level_db
+        if level > floor_db + AUDIBLE_DB:
+            if self.dormant and now - self.tap.sound_at > TALKING_S:
+                return False  # after the bot's last sound: the caller answering, most likely; an echo shows in the talk
+            self._quiet_talk = 0  # the caller, or an echo: awake until the bot has talked over quiet again
+            if self.dormant:
+                self.dormant = False
+                self.woken += 1
+        elif not self.dormant:
+            self._quiet_talk += 1
+            self.dormant = self._quiet_talk >= DORMANT_AFTER_FRAMES
+        return not self.dormant
 
     # Positions: samples at 16 kHz since `epoch`, on the session's clock (perf_counter).
     def _position(self, t: float) -> int:
@@ -366,12 +415,25 @@ class EchoCanceller:
             self._mic_first_hop = -(-start // HOP)
             self._quiet(missing, QUIET_DB, True, floor_db)
         elif abs(start - self._mic_end) > 2 * FRAME_SAMPLES:
+            if start > self._mic_end:
+                # Frames that went to the VAD alone (`needed`): quiet, for the delay estimate, as a gap is.
+                hops = np.arange(max(self._mic_end // HOP, start // HOP - _ENV_RING), start // HOP)
+                self._mic_env[hops % _ENV_RING] = _LOG_FLOOR
             self._mic_end = start
 
     def _teaches(self, hop: int) -> bool:
         """Whether a quiet frame at `hop` says anything about the echo: only once the bot has been
-        talking for longer than any echo's delay. Before that, its echo may just not be back yet."""
-        return hop - self._talk_start_hop >= _MAX_LAG_HOPS
+        talking for longer than any echo's delay (before that, its echo may just not be back yet),
+        and only while it still talks (`_talking`)."""
+        return hop - self._talk_start_hop >= _MAX_LAG_HOPS and self._talking(hop)
+
+    def _talking(self, hop: int) -> bool:
+        """The bot talks at `hop`, or stopped within the room's tail. After that, what the microphone
+        hears may be the caller answering, and the guard (cold after a short reply: the bot's own
+        level) holds their first words under it, so the VAD calls them quiet: taught as echo, they
+        raised the guard of the next reply over the caller's voice (a caller with no echo at all
+        could no longer interrupt; tests/gateway/test_echo.py)."""
+        return hop <= self._last_active_hop + TAIL_MS // 10
 
     def _bot_silent(self, hop: int) -> bool:
         """The bot silent for longer than any echo lasts: nothing to take out."""
@@ -430,7 +492,7 @@ class EchoCanceller:
                 guard = heard_db + GUARD_MARGIN_DB
         if self._teaches(hop):
             self._last = learn
-        elif level_db > floor_db + AUDIBLE_DB:
+        elif level_db > floor_db + AUDIBLE_DB and self._talking(hop):
             # Before the bot has talked for the longest delay, a quiet microphone proves nothing (its
             # echo may not be back yet), but a loud one is its echo (or the caller, as the VAD will
             # say): the guard for any delay learns it. Otherwise a pause could be all it learnt: the

@@ -5,15 +5,16 @@ who pauses mid-sentence is answered before they finish). Here a turn ends
 after a short silence (`min_silence_ms`) when what the caller said reads as
 finished, and after a long one (`max_silence_ms`) when it does not:
 
-1. At the turn's first silence of `min_silence_ms` (the VAD's `speech.paused`),
-   the turn so far is recognized at once.
+1. At the turn's first silence of `pause_ms` (the VAD's `speech.paused`:
+   SPECULATE_MS, or `min_silence_ms` if shorter), the turn so far is recognized
+   at once, speculatively: the decode overlaps the rest of the short silence.
 2. If the caller goes on (`speech.resumed`, or a new `speech.started` within
    `max_silence_ms`), that result is thrown away and the turn goes on.
 3. Otherwise, when the text reads as finished (`reads_finished`: Whisper's
    closing punctuation, and no trailing "and", "so", "um", "because", "to"...),
-   it is the turn's final `speech.transcript`, sent as soon as it is ready:
-   the decode ran during the silence, so the final is there almost as the turn
-   ends. When it does not, the turn waits until `max_silence_ms` of silence and
+   it is the turn's final `speech.transcript`, sent once `min_silence_ms` of
+   silence have passed (or the decode is done, if later): the decode ran during
+   the silence, so the final is there as the short silence ends. When it does not, the turn waits until `max_silence_ms` of silence and
    then sends the same text.
 
 While the caller speaks, `partial_ms` paces partial transcripts
@@ -28,6 +29,7 @@ its LLM on a partial and throw the result away if the final differs.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -39,6 +41,12 @@ from ..config_fields import bounds
 from .errors import SttError
 from .frames import FRAME_MS
 from .stt import SpeechToText, TurnTranscriber
+
+log = logging.getLogger(__name__)
+
+# Silence after which the turn so far is recognized, ahead of the decision at min_silence_ms: a decode of a
+# 2-3 s turn takes 60-100 ms on one thread here, so it is done by then (measured: bench/bench_conversation.py).
+SPECULATE_MS = 150
 
 # A turn whose last word is one of these is not finished: conjunctions, fillers, articles,
 # prepositions, auxiliaries and pronouns that need more after them.
@@ -61,6 +69,27 @@ def reads_finished(text: str, punctuated: bool = True) -> bool:
         return False
     words = _WORD.findall(text.lower())
     return bool(words) and words[-1] not in UNFINISHED
+
+
+MODALS = frozenset("can could would will may shall".split())
+SHORT_WORDS = 5  # a sentence this short may be the start of a longer one: "I need to change." "Could you send?"
+
+
+def judge(text: str, punctuated: bool = True) -> str:
+    """How a turn's text reads: `finished`; `unfinished` (wait the longest silence); `short`, a request of
+    SHORT_WORDS - 1 words or fewer with nothing after its verb ("Could you send?", "Can you tell me?": wait
+    halfway); or `pitch`, a statement of SHORT_WORDS or fewer, finished if its pitch fell at its end and
+    otherwise waits halfway ("I need to change." ... "the address"). Longer sentences read as finished."""
+    if not reads_finished(text, punctuated):
+        return "unfinished"
+    if not punctuated:
+        return "finished"
+    last = _WORD.findall(re.split(r"[.?!]\s", text.strip())[-1].lower())
+    if text.rstrip().endswith("?") and len(last) < SHORT_WORDS and last and last[0] in MODALS:
+        return "short"
+    if text.rstrip().endswith(".") and len(last) <= SHORT_WORDS:
+        return "pitch"
+    return "finished"
 
 
 RATE = 16000
@@ -119,6 +148,11 @@ class TurnSettings:
         partial = _int_in(data.get("partial_ms", self.partial_ms), "partial_ms", *bounds(Settings, "stt_partial_ms"))
         self.min_silence_ms, self.max_silence_ms, self.partial_ms = min_silence, max_silence, partial
 
+    @property
+    def pause_ms(self) -> int:
+        """The silence after which the VAD says `speech.paused` and the turn so far is recognized."""
+        return min(SPECULATE_MS, self.min_silence_ms)
+
     def describe(self) -> dict:
         return {"min_silence_ms": self.min_silence_ms, "max_silence_ms": self.max_silence_ms,
                 "partial_ms": self.partial_ms}
@@ -150,7 +184,7 @@ class Endpointer:
         self._decision: asyncio.Task | None = None
         self._partial: asyncio.Task | None = None
         self._last_partial_ms = 0.0
-        self.decided = {"finished": 0, "level": 0, "unfinished": 0, "resumed": 0}  # how pauses went (tests, benches)
+        self.decided = {"finished": 0, "level": 0, "short": 0, "unfinished": 0, "resumed": 0}  # how pauses went (tests, benches)
 
     @staticmethod
     def suits(stt: SpeechToText) -> bool:
@@ -208,16 +242,19 @@ class Endpointer:
             self.emit({"type": "speech.transcript", "text": text, "final": False, "start_ms": start_ms,
                        "end_ms": end_ms})
 
-    def _pause(self, at_ms: int) -> None:
+    def _pause(self, at_ms: int, silent_ms: int | None = None) -> None:
+        """The caller has been silent `silent_ms` (the VAD's pause_ms): recognize the turn so far now."""
         self.state = "paused"
         self._epoch += 1
         audio = self.transcriber.turn_audio(at_ms)
-        loop = asyncio.get_running_loop()
-        # The silence began min_silence_ms ago: the longest wait ends max_silence_ms after that.
-        give_up_at = loop.time() + (self.settings.max_silence_ms - self.settings.min_silence_ms) / 1000.0
-        self._decision = asyncio.ensure_future(self._decide(self._epoch, audio, at_ms, give_up_at))
+        s = self.settings
+        silent_since = asyncio.get_running_loop().time() - (s.pause_ms if silent_ms is None else silent_ms) / 1000.0
+        self._decision = asyncio.ensure_future(self._decide(self._epoch, audio, at_ms, silent_since))
 
-    async def _decide(self, epoch: int, audio, at_ms: int, give_up_at: float) -> None:
+    async def _decide(self, epoch: int, audio, at_ms: int, silent_since: float) -> None:
+        loop = asyncio.get_running_loop()
+        s = self.settings
+        began = loop.time()
         text = None
         if audio is not None:
             try:
@@ -226,35 +263,36 @@ class Endpointer:
                 text = None  # the turn's end recognizes it again, and reports the error if it fails again
         if epoch != self._epoch:
             return
-        wait_s = None  # finished: no more waiting
-        if text is None or not reads_finished(text, self.punctuated):
-            self.decided["unfinished"] += 1
-            wait_s = max(0.0, give_up_at - asyncio.get_running_loop().time())
-        elif self.punctuated and text.rstrip().endswith(".") and audio is not None:
-            # A statement whose pitch did not fall may be a pause on a word that could end it ("I need to
+        decoded = loop.time()
+        rule = judge(text, self.punctuated) if text is not None else "unfinished"
+        if rule == "pitch":
+            # A short statement whose pitch did not fall may be a pause on a word that could end it ("I need to
             # change... the address"): it waits halfway to the longest silence.
-            pitch = await asyncio.to_thread(end_pitch_st, audio[0])
+            pitch = await asyncio.to_thread(end_pitch_st, audio[0]) if audio is not None else None
             if epoch != self._epoch:
                 return
-            if pitch is None or pitch > FALLING_ST:
-                self.decided["level"] += 1
-                s = self.settings
-                wait_s = max(0.0, give_up_at - asyncio.get_running_loop().time() - (s.max_silence_ms - s.min_silence_ms)
-                             / 2000.0)
-        if wait_s is None:
-            self.decided["finished"] += 1
-        else:
+            rule = "finished" if pitch is not None and pitch <= FALLING_ST else "level"
+        end_after_ms = {"finished": s.min_silence_ms, "unfinished": s.max_silence_ms}.get(
+            rule, (s.min_silence_ms + s.max_silence_ms) // 2)
+        self.decided[rule] += 1
+        wait_s = silent_since + end_after_ms / 1000.0 - loop.time()
+        if wait_s > 0:
             await asyncio.sleep(wait_s)
             if epoch != self._epoch:
                 return
         self.state = "idle"
         self._decision = None
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("turn ended", extra={"fields": {
+                "end_ms": audio[2] if audio is not None else at_ms, "rule": rule,
+                "decode_ms": round((decoded - began) * 1000, 1),
+                "silence_ms": round((loop.time() - silent_since) * 1000, 1)}})
         self.transcriber.stopped(at_ms, text)
 
     def _still_paused(self, at_ms: int) -> None:
         self._stirred = None
         if self.state == "speaking" and not self.vad_speaking():
-            self._pause(at_ms)
+            self._pause(at_ms, int(STIRRED_S * 1000))
 
     def _drop_decision(self) -> None:
         self._epoch += 1

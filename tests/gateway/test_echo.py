@@ -17,7 +17,7 @@ import soxr
 
 from tests import listening_corpus as corpus
 from voxgate.gateway import opus
-from voxgate.gateway.echo import ReferenceTap, EchoCanceller
+from voxgate.gateway.echo import DORMANT_AFTER_FRAMES, EchoCanceller, ReferenceTap
 from voxgate.gateway.encoder import ulaw_decode, ulaw_encode
 from voxgate.gateway.resample import Upsampler2x
 from voxgate.gateway.vad import VadSettings, VoiceActivityDetector
@@ -95,6 +95,39 @@ async def test_a_backchannel_shorter_than_min_interrupt_ms_is_reported_not_obeye
     assert 0 < backchannels[0]["speech_ms"] < 800
 
 
+async def test_a_caller_with_no_echo_who_answered_a_short_reply_can_interrupt_the_next(tone_server):
+    # The bot says "Hello." (shorter than any echo's delay), the caller answers into the silence after it, then
+    # talks over the next reply. The canceller once took the answer (in the short reply's echo tail, held
+    # under the cold guard) for echo, and the next reply's guard then stood over the caller's voice.
+    from voxgate.client import VoxgateSession
+    from voxgate.rtc_client import RtcClient
+
+    def turn(phrase: str) -> np.ndarray:
+        return np.concatenate([np.zeros(9600, np.int16), corpus.espeak(phrase, "en-us+klatt", 48000),
+                               np.zeros(38400, np.int16)])
+
+    backend = VoxgateSession(tone_server.url)
+    await backend.open()
+    caller = RtcClient(tone_server.url, mic=True, session_id=backend.session_id, token=backend.client_token)
+    try:
+        await caller.connect()
+        await backend.send({"type": "speak", "text": "Hello.", "id": "hello"})
+        await caller.wait_for("utterance.done", id="hello", timeout=10)
+        caller.mic.play(turn("When do you open?"))
+        await caller.wait_for("speech.stopped", timeout=10)
+        await backend.send({"type": "speak", "text": "Our store opens at nine tomorrow and closes at six in the evening "
+                            "every day of the week except on public holidays.", "id": "reply"})
+        started = await caller.wait_for("audio.started", id="reply", timeout=10)
+        await caller.wait_frames_after(started, 40)
+        assert not [e for _, e in caller.event_log if e["type"] == "utterance.interrupted"]
+        caller.mic.play(turn("Actually, never mind."))
+        end = await caller.wait_for_any(("utterance.done", "utterance.interrupted"), timeout=20)
+    finally:
+        await caller.close()
+        await backend.close()
+    assert end["type"] == "utterance.interrupted" and end["reason"] == "barge_in", end
+
+
 def _joe_packets(text: str) -> list[bytes]:
     pcm = corpus.espeak(text, "en-us")  # any speech will do for the module on its own
     encoder = opus.Encoder(48000, 32000, 0, True, 10, False)
@@ -156,6 +189,44 @@ def test_the_echo_delay_is_found_and_its_echo_kept_under_the_guard():
     assert echo.delay_hops is not None and abs(echo.delay_hops - 23) <= 2, echo.delay_hops
     assert echo.cancelled > 0
     assert voiced == 0
+
+
+def _needed_over(codec: str, packets: list, mic: np.ndarray) -> tuple[EchoCanceller, list[bool]]:
+    """Each microphone frame's `needed` as the session's loop asks it (frames that need the canceller go
+    through it, the others to the VAD alone), the reference leaving every 20 ms: the canceller, the answers."""
+    tap = ReferenceTap()
+    echo = EchoCanceller(codec, tap, epoch=0.0)
+    vad = VoiceActivityDetector(VadSettings())
+    answers = []
+    for j in range(len(mic) // 320):
+        tap(packets[j % len(packets)], j * 0.02)
+        frame = mic[j * 320 : (j + 1) * 320]
+        answers.append(echo.needed(frame, None, vad.floor_db, (j + 1) * 0.02))
+        if answers[-1]:
+            for out, guard in echo.process(frame, (j + 1) * 0.02, vad.floor_db):
+                vad.frame(out, guard)
+                echo.learn(caller_quiet=vad.quiet)
+        else:
+            vad.process(frame)
+    return echo, answers
+
+
+def test_a_browsers_quiet_microphone_puts_the_canceller_to_sleep_and_sound_wakes_it():
+    # A browser cancels its own echo: its microphone is the room while the bot talks.
+    packets = _joe_packets("The new plan costs twelve dollars a month and includes unlimited calls.")
+    rng = np.random.default_rng(1)
+    quiet = (rng.standard_normal(16000 * 5) * 30).astype(np.int16)
+    echo, answers = _needed_over("opus", packets, quiet)
+    asleep_at = answers.index(False)
+    assert asleep_at == DORMANT_AFTER_FRAMES - 1 and not any(answers[asleep_at:]), asleep_at
+    # The caller talks over the bot (or an echo appears): the canceller wakes for that frame on.
+    caller = np.concatenate([quiet, corpus.espeak("Wait, hold on.", "en-gb+f3", 16000)])
+    echo, answers = _needed_over("opus", packets, caller)
+    assert echo.woken == 1 and answers[-20:].count(True) >= 10, answers[-40:]
+    # A phone leg keeps its canceller, quiet or not.
+    law = [ulaw_encode(np.zeros(160, np.int16))] * 10
+    _, answers = _needed_over("pcmu", law, quiet)
+    assert all(answers)
 
 
 def test_a_phone_calls_short_echo_is_found_behind_its_reference():

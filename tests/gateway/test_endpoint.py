@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from voxgate.gateway.endpoint import FALLING_ST, Endpointer, TurnSettings, end_pitch_st, reads_finished
+from voxgate.gateway.endpoint import FALLING_ST, Endpointer, TurnSettings, end_pitch_st, judge, reads_finished
 from voxgate.gateway.stt import SpeechToText, TurnTranscriber
 from voxgate.gateway.stt_whisper import Whisper
 from voxgate.gateway.vad import VoiceActivityDetector
@@ -37,7 +37,7 @@ class Caller:
     def __init__(self, stt: SpeechToText, settings: TurnSettings) -> None:
         self.events: list[tuple[float, dict]] = []
         self.vad = VoiceActivityDetector()
-        self.vad.pause_ms = settings.min_silence_ms
+        self.vad.pause_ms = settings.pause_ms
         self.transcriber = TurnTranscriber(stt, self.emit, lookback_ms=lambda: 400)
         self.endpointer = Endpointer(self.transcriber, settings, self.emit, lambda: self.vad.speaking)
         self.ms = 0.0
@@ -69,6 +69,15 @@ def test_the_text_rule():
         assert not reads_finished(unfinished), unfinished
     assert reads_finished("yes i want to cancel it", punctuated=False)
     assert not reads_finished("yes i want to", punctuated=False)
+    # Long sentences read as finished; short ones may be the start of one (bench/bench_turn_rule.py).
+    assert judge("I want to cancel my appointment on Friday.") == "finished"
+    assert judge("Can you tell me how much the new plan costs?") == "finished"
+    assert judge("I need to change.") == "pitch"
+    assert judge("Hello. I want to cancel.") == "pitch"
+    assert judge("Could you send?") == judge("Can you tell me?") == "short"
+    assert judge("What time is it?") == "finished"
+    assert judge("I'd like to book") == "unfinished"
+    assert judge("yes i want to cancel it", punctuated=False) == "finished"
 
 
 @pytest.mark.parametrize("voice", ["en-us", "en-gb+f3", "en-us-nyc+m5"])

@@ -39,8 +39,7 @@ async def test_greeting_prompt_tokens_barge_in_and_end_with_handoff_over_webrtc(
     app = RelayApp([LONG, ["Sure.", " Bye for now."]], handoff=handoff)
     await app.start()
     try:
-        # echo_cancel off: with it on, this caller's turn over the tone engine's reply started no turn (to look into).
-        async with in_process_gateway(stt_url=stt_url, relay_allow_private=True, echo_cancel=False) as (_, url):
+        async with in_process_gateway(stt_url=stt_url, relay_allow_private=True) as (_, url):
             async with aiohttp.ClientSession() as http:
                 async with http.post(url + "/v1/sessions", json={"relay": {
                         "url": app.url, "welcomeGreeting": "Hello.", "customParameters": {"customer": "42"},
