@@ -226,8 +226,8 @@ async def run(args) -> dict:
     clients = {"local": local, "direct": direct, "proxy": proxy}
     for client in clients.values():
         await client.start()
-    if len(direct.replicas) != 1:
-        raise SystemExit(f"expected the pool to list its one replica (direct ingress), got {direct.replicas}")
+    if len(direct.pool.replicas) != 1:
+        raise SystemExit(f"expected the pool to list its one replica (direct ingress), got {direct.pool.replicas}")
     results: dict = {"settings": {"engine": "piper", "voice": local.info.get("voices", [None])[0], "parallel": 2,
                                   "threads": 2, "ray_cpus": 2, "replicas": 1, "direct_ingress": True},
                      "pool_start_s": round(pool_start_s, 1)}
@@ -254,7 +254,7 @@ async def run(args) -> dict:
     results["routes"] = {"direct_client": dict(direct.requests_by_route), "proxy_client": dict(proxy.requests_by_route)}
 
     section("2. HTTP and gRPC ingress, through Serve's proxy and straight to the replica (server side, raw requests)")
-    compared = await ingress_compare(local, {"proxy": url.rstrip("/"), "direct": direct.replicas[0]},
+    compared = await ingress_compare(local, {"proxy": url.rstrip("/"), "direct": direct.pool.replicas[0]},
                                      {"proxy": f"127.0.0.1:{grpc_port}", "direct": grpc_replica_address()}, reps)
     results["round_trip_ms"] = {k: summary_ci_ms(v) for k, v in compared["round_trip"].items()}
     results["raw_first_frame_ms"] = {k: summary_ci_ms(v) for k, v in compared["first_frame"].items()}

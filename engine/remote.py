@@ -33,6 +33,7 @@ import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import Awaitable, Callable
 
 import aiohttp
 
@@ -91,18 +92,11 @@ class RemoteEngineClient(EngineClient):
         self._ended: "OrderedDict[int, RemoteTransport]" = OrderedDict()
         self._is_ready = False
         self._lost_replicas: deque = deque(maxlen=MAX_LOST_REPLICAS)
-        # The replicas' own base URLs (empty: everything goes through self.url, Serve's proxy).
-        self.replicas: list[str] = []
-        self._inflight: dict[str, int] = {}
-        self._turn = 0
+        # The replicas' own addresses and their load, as this gateway sees them.
+        self.pool = PoolView(self.url, self._get_json)
         self._refresher: asyncio.Future | None = None
-        # Replicas that could not be reached, and until when they are left out.
-        self._failed: dict[str, float] = {}
         # Requests sent straight to a replica, and through the proxy.
         self.requests_by_route = {"direct": 0, "proxy": 0}
-        # What the replicas carry and can carry (their /v1/stats "load"), added up, and when read.
-        self._pool_load: PoolLoad | None = None
-        self._load_watch: asyncio.Future | None = None
 
     # Lifecycle
     async def start(self) -> None:
@@ -130,11 +124,10 @@ class RemoteEngineClient(EngineClient):
                 await asyncio.sleep(delay)  # the pool may still be deploying
                 delay = min(delay * 2, 2.0)
         if self.direct and not self._closing:
-            await self.refresh_replicas()
-            self._refresher = asyncio.ensure_future(self._refresh_forever())
+            await self.pool.refresh_replicas()
         if not self._closing:
-            await self.refresh_load()
-            self._load_watch = asyncio.ensure_future(self._watch_load())
+            await self.pool.refresh_load()
+            self._refresher = asyncio.ensure_future(self.pool.watch(self.direct))
         self._is_ready = True
         self._started = True
 
@@ -143,8 +136,6 @@ class RemoteEngineClient(EngineClient):
         self._is_ready = False
         if self._refresher is not None:
             self._refresher.cancel()
-        if self._load_watch is not None:
-            self._load_watch.cancel()
         self._fail_all(EngineUnavailable("the engine is shutting down"))
         for transport in list(self._transports.values()):
             transport.cancel()
@@ -180,115 +171,19 @@ class RemoteEngineClient(EngineClient):
             raise ValueError(f"{path} answered no object")
         return data
 
-    # What the pool carries: the gateway's admission plans with it (gateway/admission.py)
     def pool_load(self) -> "PoolLoad | None":
-        """The replicas' load added up, if read within the last few refreshes; else None."""
-        load = self._pool_load
-        if load is None or time.monotonic() - load.read_at > LOAD_STALE_S:
-            return None
-        return load
-
-    async def refresh_load(self) -> None:
-        """Read every listed replica's load (or, with none listed, the one the proxy picks)."""
-        bases = list(self.replicas) or [self.url]
-
-        async def one(base: str) -> dict | None:
-            try:
-                load = (await self._get_json(STATS_PATH, base, LOAD_TIMEOUT_S)).get("load")
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-                return None
-            return load if isinstance(load, dict) else None
-
-        loads = [load for load in await asyncio.gather(*(one(base) for base in bases)) if load is not None]
-        if not loads:
-            return
-        capacity = speaking = 0.0
-        counted = 0
-        for load in loads:
-            try:
-                cap, spk = check_load(load)
-            except PoolProtocolError as exc:  # that replica's report is left out, the others still count
-                log.warning("engine pool: a replica's load report refused: %s", exc)
-                continue
-            capacity = math.inf if cap is None else capacity + cap  # None: a replica that has not measured yet
-            speaking += spk
-            counted += 1
-        if counted:
-            self._pool_load = PoolLoad(capacity, speaking, counted, time.monotonic())
-
-    async def _watch_load(self) -> None:
-        while not self._closing:
-            await asyncio.sleep(REPLICAS_REFRESH_S)
-            try:
-                await self.refresh_load()
-            except Exception:  # whatever a replica answers, the next read still happens
-                log.exception("engine pool load not read")
-
-    # The replicas' own addresses
-    async def refresh_replicas(self) -> None:
-        """Read the pool's listing of its replicas (through the proxy). A pool
-        without direct ingress, or an older one, lists none; a failed read keeps
-        the last listing, since the replicas may be fine while the proxy is not."""
-        try:
-            listed = parse_replicas(await self._get_json(REPLICAS_PATH))
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            if isinstance(exc, ValueError) and "answered 404" in str(exc):
-                self.replicas = []  # a pool that predates the listing
-            log.debug("engine pool replica listing not read: %s", exc)
-            return
-        now = time.monotonic()
-        self._failed = {url: until for url, until in self._failed.items() if until > now}
-        listed = [url for url in listed if url not in self._failed]
-        if listed != self.replicas:
-            log.info("engine pool: %d replica(s) reached directly", len(listed))
-        self.replicas = listed
-        self._inflight = {url: n for url, n in self._inflight.items() if url in listed or n}
-
-    async def _refresh_forever(self) -> None:
-        while not self._closing:
-            await asyncio.sleep(REPLICAS_REFRESH_S)
-            try:
-                await self.refresh_replicas()
-            except Exception:  # whatever a listing does, the next one is still read
-                log.exception("engine pool replica listing failed")
-
-    def take_replica(self) -> str | None:
-        """The listed replica with the fewest of this gateway's requests open, ties taken in turn,
-        counted as open until `release_replica` (None: none listed, use the proxy at `url`)."""
-        if not self.replicas:
-            return None
-        start = self._turn % len(self.replicas)
-        self._turn += 1
-        ring = self.replicas[start:] + self.replicas[:start]
-        replica = min(ring, key=lambda url: self._inflight.get(url, 0))
-        self._inflight[replica] = self._inflight.get(replica, 0) + 1
-        return replica
-
-    def release_replica(self, url: str) -> None:
-        """A request that `take_replica` counted has ended."""
-        self._inflight[url] -= 1
-
-    def drop_replica(self, url: str, why: str) -> None:
-        """Leave a replica out for FAILED_HOLD_S: its requests go through the proxy."""
-        if url in self.replicas:
-            log.warning("engine pool replica %s: %s; sending through the proxy for %.0f s", url, why, FAILED_HOLD_S)
-            self.replicas = [u for u in self.replicas if u != url]
-        if url in self._failed or len(self._failed) < MAX_REPLICAS_LISTED:
-            self._failed[url] = time.monotonic() + FAILED_HOLD_S
+        """What the pool carries, for the gateway's admission (gateway/admission.py): `PoolView.load`."""
+        return self.pool.load()
 
     # EngineClient.stream() opens a stream with OpenStream: here, its transport.
     def _send(self, message: proto.ToWorker) -> None:
         if isinstance(message, proto.OpenStream):
+            # The transport of OpenStream.after: still open, or ended lately.
+            after = message.after
+            before = None if after is None else (self._transports.get(after) or self._ended.get(after))
             self._transports[message.sid] = RemoteTransport(
-                self, message.sid, message.options, message.start_in_s, message.held_s,
-                self._before(message.after),
+                self, message.sid, message.options, message.start_in_s, message.held_s, before,
             )
-
-    def _before(self, sid: int | None) -> "RemoteTransport | None":
-        """The transport of OpenStream.after: still open, or ended lately."""
-        if sid is None:
-            return None
-        return self._transports.get(sid) or self._ended.get(sid)
 
     # StreamTransport: what a TTSStream asks of this client
     def send_unit(self, sid: int, index: int, payload: proto.UnitPayload) -> None:
@@ -347,3 +242,109 @@ class RemoteEngineClient(EngineClient):
         log.error("engine pool replica %s stopped mid-stream", replica or "?")
         for listener in self.listeners:
             listener("restart", {"replica": replica})
+
+
+class PoolView:
+    """What one gateway knows of the pool: its replicas' own addresses (which to send a request
+    to, and which to leave out for a while) and the load they report, read every few seconds."""
+
+    def __init__(self, url: str, get_json: Callable[..., Awaitable[dict]]) -> None:
+        self.url = url  # Serve's proxy
+        self._get_json = get_json
+        # The replicas' own base URLs (empty: everything goes through the proxy).
+        self.replicas: list[str] = []
+        self._inflight: dict[str, int] = {}
+        self._turn = 0
+        # Replicas that could not be reached, and until when they are left out.
+        self._failed: dict[str, float] = {}
+        # What the replicas carry and can carry (their /v1/stats "load"), added up, and when read.
+        self.load_read: PoolLoad | None = None
+
+    async def watch(self, direct: bool) -> None:
+        """Read the listing (with `direct`) and the load every REPLICAS_REFRESH_S, until cancelled."""
+        while True:
+            await asyncio.sleep(REPLICAS_REFRESH_S)
+            for read in ((self.refresh_replicas,) if direct else ()) + (self.refresh_load,):
+                try:
+                    await read()
+                except Exception:  # whatever the pool answers, the next read still happens
+                    log.exception("engine pool %s failed", read.__name__)
+
+    def load(self) -> "PoolLoad | None":
+        """The replicas' load added up, if read within the last few refreshes; else None."""
+        load = self.load_read
+        if load is None or time.monotonic() - load.read_at > LOAD_STALE_S:
+            return None
+        return load
+
+    async def refresh_load(self) -> None:
+        """Read every listed replica's load (or, with none listed, the one the proxy picks)."""
+        bases = list(self.replicas) or [self.url]
+
+        async def one(base: str) -> dict | None:
+            try:
+                load = (await self._get_json(STATS_PATH, base, LOAD_TIMEOUT_S)).get("load")
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                return None
+            return load if isinstance(load, dict) else None
+
+        loads = [load for load in await asyncio.gather(*(one(base) for base in bases)) if load is not None]
+        if not loads:
+            return
+        capacity = speaking = 0.0
+        counted = 0
+        for load in loads:
+            try:
+                cap, spk = check_load(load)
+            except PoolProtocolError as exc:  # that replica's report is left out, the others still count
+                log.warning("engine pool: a replica's load report refused: %s", exc)
+                continue
+            capacity = math.inf if cap is None else capacity + cap  # None: a replica that has not measured yet
+            speaking += spk
+            counted += 1
+        if counted:
+            self.load_read = PoolLoad(capacity, speaking, counted, time.monotonic())
+
+    # The replicas' own addresses
+    async def refresh_replicas(self) -> None:
+        """Read the pool's listing of its replicas (through the proxy). A pool
+        without direct ingress, or an older one, lists none; a failed read keeps
+        the last listing, since the replicas may be fine while the proxy is not."""
+        try:
+            listed = parse_replicas(await self._get_json(REPLICAS_PATH))
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            if isinstance(exc, ValueError) and "answered 404" in str(exc):
+                self.replicas = []  # a pool that predates the listing
+            log.debug("engine pool replica listing not read: %s", exc)
+            return
+        now = time.monotonic()
+        self._failed = {url: until for url, until in self._failed.items() if until > now}
+        listed = [url for url in listed if url not in self._failed]
+        if listed != self.replicas:
+            log.info("engine pool: %d replica(s) reached directly", len(listed))
+        self.replicas = listed
+        self._inflight = {url: n for url, n in self._inflight.items() if url in listed or n}
+
+    def take(self) -> str | None:
+        """The listed replica with the fewest of this gateway's requests open, ties taken in turn,
+        counted as open until `release` (None: none listed, use the proxy at `url`)."""
+        if not self.replicas:
+            return None
+        start = self._turn % len(self.replicas)
+        self._turn += 1
+        ring = self.replicas[start:] + self.replicas[:start]
+        replica = min(ring, key=lambda url: self._inflight.get(url, 0))
+        self._inflight[replica] = self._inflight.get(replica, 0) + 1
+        return replica
+
+    def release(self, url: str) -> None:
+        """A request that `take` counted has ended."""
+        self._inflight[url] -= 1
+
+    def drop(self, url: str, why: str) -> None:
+        """Leave a replica out for FAILED_HOLD_S: its requests go through the proxy."""
+        if url in self.replicas:
+            log.warning("engine pool replica %s: %s; sending through the proxy for %.0f s", url, why, FAILED_HOLD_S)
+            self.replicas = [u for u in self.replicas if u != url]
+        if url in self._failed or len(self._failed) < MAX_REPLICAS_LISTED:
+            self._failed[url] = time.monotonic() + FAILED_HOLD_S

@@ -38,6 +38,16 @@ READ_TIMEOUT_S = 60.0
 CRASHED_TEXT = "the engine pool's replica stopped unexpectedly; it is being restarted and the next utterance goes to a live replica"
 
 
+class Replicas(Protocol):
+    """Which replica a request goes to (engine/remote.py's PoolView)."""
+
+    def take(self) -> str | None: ...  # None: none listed, send through the proxy
+
+    def release(self, url: str) -> None: ...
+
+    def drop(self, url: str, why: str) -> None: ...
+
+
 class PoolClient(Protocol):
     """What a transport asks of the client that holds it (engine/remote.py's RemoteEngineClient)."""
 
@@ -52,11 +62,8 @@ class PoolClient(Protocol):
 
     def finish(self, sid: int, error: Exception | None) -> None: ...
 
-    def take_replica(self) -> str | None: ...
-
-    def release_replica(self, url: str) -> None: ...
-
-    def drop_replica(self, url: str, why: str) -> None: ...
+    @property
+    def pool(self) -> Replicas: ...
 
     def replica_lost(self, replica: str | None) -> None: ...
 
@@ -159,15 +166,15 @@ class RemoteTransport:
         """One request: straight to a replica when the pool lists them, else (or if
         that replica cannot be connected to, so nothing reached it) through the proxy."""
         client = self.client
-        replica = client.take_replica()
+        replica = client.pool.take()
         if replica is not None:
             try:
                 await self._request_at(replica, stream, batch, direct=True)
                 return
             except _NotConnected as exc:
-                client.drop_replica(replica, str(exc))
+                client.pool.drop(replica, str(exc))
             finally:
-                client.release_replica(replica)
+                client.pool.release(replica)
         await self._request_at(client.url, stream, batch)
 
     async def _request_at(self, base: str, stream: TTSStream, batch: list, direct: bool = False) -> None:

@@ -57,7 +57,7 @@ async def speak_exactly(client: RemoteEngineClient, text: str) -> None:
 async def test_streams_go_straight_to_the_replica_that_listens_itself(remote, pool):
     """Serve's direct ingress (on in start_local): the pool lists its replica's own
     address, and the gateway's requests skip the proxy."""
-    (replica,) = remote.replicas
+    (replica,) = remote.pool.replicas
     assert replica.rstrip("/") != pool.url.rstrip("/")
     async with aiohttp.ClientSession() as http:
         async with http.get(replica + INFO_PATH) as resp:
@@ -72,21 +72,21 @@ async def test_a_replica_that_cannot_be_reached_falls_back_to_the_proxy(pool):
     client = RemoteEngineClient(pool.url)
     await client.start()
     try:
-        (live,) = client.replicas
+        (live,) = client.pool.replicas
         gone = f"http://127.0.0.1:{free_port()}"  # nothing listens there: a replica that moved or died
-        client.replicas = [gone]
+        client.pool.replicas = [gone]
         before = pool.stats()["requests"]
         await speak_exactly(client, "Through the proxy instead.")
         assert client.requests_by_route == {"direct": 0, "proxy": 1}
         assert pool.stats()["requests"] == before + 1  # synthesized once, through the proxy
-        assert client.replicas == []
+        assert client.pool.replicas == []
         # A replica that failed stays out for a while, even when the next listing names it.
-        client.drop_replica(live, "unreachable in this test")
-        await client.refresh_replicas()
-        assert client.replicas == []
-        client._failed.clear()
-        await client.refresh_replicas()
-        assert client.replicas == [live]
+        client.pool.drop(live, "unreachable in this test")
+        await client.pool.refresh_replicas()
+        assert client.pool.replicas == []
+        client.pool._failed.clear()
+        await client.pool.refresh_replicas()
+        assert client.pool.replicas == [live]
     finally:
         await client.close()
 
@@ -119,9 +119,9 @@ async def test_a_listed_port_that_answers_as_no_replica_does_goes_through_the_pr
     await client.start()
     try:
         async with FakeServer([aiohttp.web.post(STREAM_PATH, busy)]) as other:
-            client.replicas = [other]
+            client.pool.replicas = [other]
             await speak_exactly(client, "Placed by the proxy.")
-        assert client.requests_by_route == {"direct": 0, "proxy": 1} and other in client._failed
+        assert client.requests_by_route == {"direct": 0, "proxy": 1} and other in client.pool._failed
     finally:
         await client.close()
 
@@ -140,7 +140,7 @@ async def test_a_replica_that_fails_after_answering_is_not_asked_again_through_t
     try:
         before = pool.stats()["requests"]
         async with FakeServer([aiohttp.web.post(STREAM_PATH, cut)]) as dying:
-            client.replicas = [dying]
+            client.pool.replicas = [dying]
             stream = client.stream(SynthesisOptions())
             stream.push_text("Said once at most.")
             stream.end_input()
@@ -167,13 +167,13 @@ async def test_a_broken_listing_neither_stops_the_gateway_nor_its_refresher(pool
         client = RemoteEngineClient(broken)
         await client.start()
         try:
-            assert client.replicas == [] and client.ready
+            assert client.pool.replicas == [] and client.ready
             answers["body"] = json.dumps({"replicas": [{"url": "http://127.0.0.1:1"}] * 50_000})  # over the size cap
-            await client.refresh_replicas()
-            assert client.replicas == []
+            await client.pool.refresh_replicas()
+            assert client.pool.replicas == []
             answers["body"] = json.dumps({"replicas": [{"url": "http://127.0.0.1:1"}]})
-            await client.refresh_replicas()
-            assert client.replicas == ["http://127.0.0.1:1"]
+            await client.pool.refresh_replicas()
+            assert client.pool.replicas == ["http://127.0.0.1:1"]
             assert client._refresher is not None and not client._refresher.done()
         finally:
             await client.close()
@@ -184,7 +184,7 @@ async def test_a_gateway_told_not_to_goes_through_the_proxy(pool):
     await client.start()
     try:
         await speak_exactly(client, "Proxy only.")
-        assert client.replicas == [] and client.requests_by_route == {"direct": 0, "proxy": 1}
+        assert client.pool.replicas == [] and client.requests_by_route == {"direct": 0, "proxy": 1}
     finally:
         await client.close()
 

@@ -25,7 +25,7 @@ async def test_replicas_report_their_load_and_admission_plans_with_the_pools(poo
         assert abs(read.capacity - load["capacity"]) < 0.5 * load["capacity"], (read, load)
         # The pool as another gateway's listener would leave it: room for one more listener. (A stand-in for
         # that other gateway: the tone engine's streams end too soon to hold a replica's listener.)
-        gw.engine._pool_load = PoolLoad(capacity=2.0, speaking=1.0, replicas=1, read_at=time.monotonic())
+        gw.engine.pool.load_read = PoolLoad(capacity=2.0, speaking=1.0, replicas=1, read_at=time.monotonic())
         async with aiohttp.ClientSession() as http:
             async with http.post(url + "/v1/sessions") as resp:
                 assert resp.status == 201, await resp.text()
