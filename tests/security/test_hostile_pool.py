@@ -117,8 +117,8 @@ async def test_a_replicas_load_out_of_range_is_left_out(stand_in):
         for load in ({"capacity": math.inf, "speaking": 0.0}, {"capacity": 1e300, "speaking": 0.0},
                      {"capacity": 4.0, "speaking": math.nan}, {"capacity": True, "speaking": 0.0}):
             stand_in.load = load
-            client._pool_load = None
-            await client.refresh_load()
+            client.pool.load_read = None
+            await client.pool.refresh_load()
             assert client.pool_load() is None, load  # left out: admission falls back as with no report
     finally:
         await client.close()
