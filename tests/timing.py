@@ -66,6 +66,9 @@ SERIAL: tuple[str, ...] = (
     # The browser's playout: audible time against audio time, packet loss concealed
     "tests/web/test_page.py",
     "tests/web/test_network.py",
+    # The voice's audio depends on how its steps were windowed, which follows the machine's speed: frame counts
+    # to speech moved by one side by side (a fresh-clone run, 13 against a bound of 14).
+    "tests/gateway/test_mic.py::test_speech_after_gated_silence_is_heard_as_soon_as_after_decoded_silence",
 )
 
 # Tests in these folders share session- or package-scoped servers (one Redis, one gateway set, one
