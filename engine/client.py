@@ -65,6 +65,8 @@ class EngineConfig:
     first_unit_timeout: float = FIRST_UNIT_TIMEOUT_S
     # A worker that leaves a ping unanswered this long is killed and restarted; 0: no watchdog.
     ping_timeout: float = Settings.engine_ping_timeout_s
+    # The scheduler holds a new stream while started speech needs the cores (engine/scheduler.py).
+    hold_new: bool = Settings.engine_hold_new
 
 
 class EngineClient:
@@ -124,7 +126,8 @@ class EngineClient:
         }
         process = ctx.Process(
             target=run_worker,
-            args=(child, self.config.engine, options, self.config.parallel, self.config.log_level, self.config.log_json),
+            args=(child, self.config.engine, options, self.config.parallel, self.config.log_level, self.config.log_json,
+                  self.config.hold_new),
             name=f"voxgate-engine-{self.config.engine}",
             daemon=True,
         )

@@ -24,7 +24,8 @@ __all__ = ["Scheduler", "run_worker"]
 
 
 def run_worker(
-    conn, engine_name: str, engine_options: dict, parallel: int, log_level: str = "INFO", log_json: bool = False
+    conn, engine_name: str, engine_options: dict, parallel: int, log_level: str = "INFO", log_json: bool = False,
+    hold_new: bool = True,
 ) -> None:
     """Entry point of the spawned process; it logs as the gateway that started it (--log-level, --log-json)."""
     setup_logging(log_level, log_json)
@@ -53,7 +54,8 @@ def run_worker(
     except Exception as exc:  # the engine works; its capacity is then unmeasured until its first steps
         log.warning("synthesis cost not measured at start: %s", exc)
         cost = SynthesisCost()
-    scheduler = Scheduler(engine, send=send, parallel=parallel, cost=cost, media_cost=LISTENER_MEDIA_COST)
+    scheduler = Scheduler(engine, send=send, parallel=parallel, cost=cost, media_cost=LISTENER_MEDIA_COST,
+                          hold_new=hold_new)
     log.debug("worker %d: engine %s loaded in %.2f s, %d step(s) at once", info["pid"], engine_name, info["load_s"], parallel)
     send(proto.Ready(info))
 

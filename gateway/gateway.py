@@ -49,6 +49,7 @@ def _engine_client(settings: Settings) -> EngineClient:
         threads=settings.threads,
         first_unit_timeout=settings.first_unit_timeout_ms / 1000.0,
         ping_timeout=settings.engine_ping_timeout_s,
+        hold_new=settings.engine_hold_new,
         reader_setup=priority.enter_media_thread,
         engine_options=settings.engine_options,
         log_level=settings.log_level,

@@ -293,6 +293,9 @@ class Settings:
                                choices=SPIN_POLICIES)
     engine_prior_precision: str = setting("int8", TUNING, "piper on the CPU: the prior's precision",
                                           choices=PRIOR_PRECISIONS)
+    # A new stream waits while starting it would make started speech run dry (engine/scheduler.py);
+    # off, every stream starts at once, as before issue 41 (bench/bench_burst.py compares the two).
+    engine_hold_new: bool = setting(True, TUNING, "hold a new stream while started speech needs the cores")
     # The worker answers a ping from its scheduling loop; one silent this long is killed and restarted (engine/client.py).
     engine_ping_timeout_s: float = setting(10.0, TUNING, "restart a worker silent to a ping this long",
                                            low=0.5, high=600.0, zero="off")
