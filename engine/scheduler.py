@@ -46,10 +46,10 @@ from .base import AudioChunk, Engine, StopSignal, SynthesisJob, SynthesisOptions
 from .capacity import RESERVE, CoreShare, SynthesisCost, capacity
 from .scheduling import (
     FIRST_AUDIO_S, FIRST_STEP_S, MAX_SLACK_S, LOAD_REPORT_S, PREEMPT_SLACK_S, STEP_QUANTILE,
-    STEPS_TIMED, STOPPED, StepsDone, Stream, close_job, keeps_pace, run_step,
+    STEPS_TIMED, STEPS_TRUSTED, STOPPED, StepsDone, Stream, close_job, keeps_pace, run_step,
 )
 from .tags import RenderJob
-from .windows import COVER, load_factor
+from .windows import COVER
 
 log = logging.getLogger(__name__)
 
@@ -224,25 +224,26 @@ class Scheduler:
         """A step's wall time to plan with, as work of its kind (a stream's up to its first
         chunk, or a started stream's later step) measures now: high in its recent spread."""
         times = self._first_step_times if first else self._later_step_times
-        if not times:
-            # Before any was timed, a later step is planned as the largest at the measured cost.
-            largest = self.cost.largest_step_s() if self.cost is not None and not first else 0.0
-            return max(FIRST_STEP_S, largest)
+        # Until a few were timed, a later step is planned as no shorter than the largest at the measured cost.
+        largest = self.cost.largest_step_s() if self.cost is not None and not first else 0.0
+        prior = max(FIRST_STEP_S, largest)
+        if len(times) < STEPS_TRUSTED:
+            return max([prior, *times])
         return _quantile(times)
 
-    def later_step_s(self, slack_s: float, factor: int) -> float:
-        """A started stream's next step with `slack_s` of audio in hand, `factor` streams
-        sharing a core (windows.load_factor): its window (engine/windows.py) at the wall
-        time per audio second later steps measure (the measured cost until one was
-        timed); no longer than later steps measure."""
+    def later_step_s(self, slack_s: float) -> float:
+        """A started stream's next chunk's work with `slack_s` of audio in hand: its window
+        (engine/windows.py: no larger than COVER times the slack, nor smaller than a first
+        chunk) at the wall time per audio second later chunks measure (the measured cost
+        until a few were timed); no longer than later chunks measure."""
         longest = self.step_s(first=False)
-        if self._later_per_audio:
+        if len(self._later_per_audio) >= STEPS_TRUSTED:
             per_audio: float | None = _quantile(self._later_per_audio)
         else:
             per_audio = self.cost.per_audio_s if self.cost is not None else None
         if not per_audio:
             return longest
-        window = max(self.first_audio_s(), COVER * max(0.0, slack_s) / factor)
+        window = max(self.first_audio_s(), COVER * max(0.0, slack_s))
         return min(longest, per_audio * window)
 
     def first_audio_s(self) -> float:
@@ -262,14 +263,12 @@ class Scheduler:
         slots = [max(now, launched + (first if self._first_in_flight(sid, now) else later))
                  for sid, launched in self._launched.items()]
         slots += [now] * max(0, self.parallel - len(slots))
-        newcomers = [max(0.0, first - s.first_work_s) for s in self.streams.values()
+        newcomers = [max(0.0, first - s.work_s) for s in self.streams.values()
                      if s.granted and s.waiting_for_first(now) and (s.busy or s.runnable())]
-        active = sum(1 for s in self.streams.values() if s.busy or s.runnable()) + 1
-        factor = load_factor(active / self.parallel)
-        due = [(s.deadline(), self.later_step_s(s.deadline() - now, factor)) for s in self.streams.values()
+        due = [(s.deadline(), self.later_step_s(s.deadline() - now)) for s in self.streams.values()
                if s.speaks() and s.runnable() and not s.waiting_for_first(now)]
         audio = self.first_audio_s()
-        return keeps_pace(slots, [*newcomers, first], due, follow=(audio, self.later_step_s(audio, factor)))
+        return keeps_pace(slots, newcomers, first, due, follow=(audio, self.later_step_s(audio)))
 
     def _first_in_flight(self, sid: int, now: float) -> bool:
         stream = self.streams.get(sid)
@@ -294,23 +293,24 @@ class Scheduler:
         )
 
     def _time(self, members: list[tuple]) -> None:
-        """Time a step's work for the plan (`_in_time`), before its results are applied."""
-        sid, _, result, seconds, _ = members[0]
-        lead = self.streams.get(sid)
-        if lead is None or result is STOPPED or isinstance(result, Exception):
-            return
-        if lead.chunks_sent:
-            self._later_step_times.append(seconds)
-            if isinstance(result, AudioChunk) and result.duration > 0:
-                self._later_per_audio.append(seconds / result.duration)
-        for member_sid, _, member_result, member_seconds, _ in members:
-            stream = self.streams.get(member_sid)
-            if stream is None or stream.chunks_sent:
+        """Time a step's work for the plan (`_in_time`), before its results are applied: what a
+        stream's steps took from its last chunk (or its start) to this one, an encoder pass
+        and a window alike: its first audio's work, or a later chunk's."""
+        for sid, _, result, seconds, _ in members:
+            stream = self.streams.get(sid)
+            if stream is None or result is STOPPED or isinstance(result, Exception):
                 continue
-            stream.first_work_s += member_seconds
-            if isinstance(member_result, AudioChunk):
-                self._first_step_times.append(stream.first_work_s)
-                self._first_audio.append(member_result.duration)
+            stream.work_s += seconds
+            if not isinstance(result, AudioChunk):
+                continue
+            if stream.chunks_sent:
+                self._later_step_times.append(stream.work_s)
+                if result.duration > 0:
+                    self._later_per_audio.append(stream.work_s / result.duration)
+            else:
+                self._first_step_times.append(stream.work_s)
+                self._first_audio.append(result.duration)
+            stream.work_s = 0.0
 
     def _maybe_finish(self, stream: Stream) -> None:
         if stream.ended and not stream.busy and stream.job is None and not stream.units:

@@ -50,6 +50,8 @@ START_MARGIN_S = 0.05
 # started streams that ran dry.
 STEPS_TIMED = 32
 STEP_QUANTILE = 0.9
+# Fewer timed than this, and the plan takes the longest of them and the prior.
+STEPS_TRUSTED = 4
 FIRST_STEP_S = 0.1
 FIRST_AUDIO_S = 0.1
 # A running step of a stream with at least this much audio buffered is stopped
@@ -99,27 +101,32 @@ class StepsDone:
     cpu_s: float | None = None
 
 
-def keeps_pace(slots: list[float], newcomers: list[float], due: list[tuple[float, float]],
-               follow: tuple[float, float] = (math.inf, 0.0), margin: float = START_MARGIN_S) -> bool:
-    """Whether every listener keeps its pace with this work laid out on the pool's slots.
+def keeps_pace(slots: list[float], newcomers: list[float], candidate: float, due: list[tuple[float, float]],
+               follow: tuple[float, float] = (math.inf, 0.0), margin: float = START_MARGIN_S,
+               urgent: float = URGENT_SLACK_S) -> bool:
+    """Whether every started listener keeps its pace if one more newcomer starts now.
 
-    `slots`: when each slot is next free. `newcomers`: the work each stream waiting for
-    its first audio still has before its first chunk, in the order they go (first audio
-    goes first, as the scheduler runs it). `follow`: (audio, length): each newcomer's
-    first chunk holds that much audio, and its next step, that long, is due before it
-    has played. `due`: (deadline, length) of each started stream's next step. Next
-    steps go earliest deadline first, and each must end `margin` before its deadline.
+    `slots`: when each of the pool's slots is next free. `newcomers`: the work each stream
+    started and still without audio has left before its first chunk, in the order they
+    go; then the `candidate`'s (first audio goes first, as the scheduler runs it). Each
+    started newcomer's first chunk holds `follow`[0] of audio, and its next chunk's work,
+    `follow`[1], is due before that has played (the candidate's own is not: holding it
+    back would not bring its audio sooner). `due`: (deadline, work) of each started
+    stream's next chunk. Those go earliest deadline first, each once its stream is
+    `urgent` (while a listener waits for first audio, the scheduler runs no other
+    stream's step sooner), and each must end `margin` before its deadline.
     """
     free = list(slots)
     heapq.heapify(free)
-    steps = [(deadline, 0.0, length) for deadline, length in due]
-    audio, length = follow
-    for work in newcomers:
-        end = free[0] + work
+    steps = [(deadline, deadline - urgent, work) for deadline, work in due]
+    audio, work = follow
+    for first in newcomers:
+        end = free[0] + first
         heapq.heapreplace(free, end)
-        steps.append((end + audio, end, length))
-    for deadline, release, length in sorted(steps):
-        done = max(free[0], release) + length
+        steps.append((end + audio, max(end, end + audio - urgent), work))
+    heapq.heapreplace(free, free[0] + candidate)
+    for deadline, release, work in sorted(steps):
+        done = max(free[0], release) + work
         if done + margin > deadline:
             return False
         heapq.heapreplace(free, done)
@@ -152,8 +159,9 @@ class Stream:
     cancelled: bool = False
     # A step of it was dispatched: from then on its listener counts among those kept speaking.
     granted: bool = False
-    # Seconds its steps ran before its first chunk went out (scheduler.keeps_pace's plan).
-    first_work_s: float = 0.0
+    # Seconds its steps ran since its last chunk went out, or since it began: the work
+    # towards its next chunk (the scheduler's plan times it: Scheduler._time).
+    work_s: float = 0.0
     # It follows speech its listener already hears (the stream before it had started):
     # it is part of that speech, not a newcomer.
     continues: bool = False

@@ -105,18 +105,9 @@ class WindowSchedule:
         must cover that much more time, and fewer seams leave more of the
         cores for the audio itself.
         """
-        factor = load_factor(load)
-        size = self.first * factor * GROWTH ** min(index, 8)
+        size = self.first * load_factor(load) * GROWTH ** min(index, 8)
         if slack_frames is not None:
             size = max(size, int(COVER * max(slack_frames, 0.0)))
-            if index > 0 and factor > 1:
-                # A later window shares its core with `factor` streams' steps, so it is
-                # ready before the listener's audio runs out only if it is no longer than
-                # COVER times that audio over `factor`. Grown by load alone, the second
-                # windows of 10 first sentences at once on 2 cores (1.7-2.5 s of audio,
-                # 0.2 s of a core each) came after their first chunks (0.4-0.7 s) had
-                # played: every listener ran dry (issue 59).
-                size = min(size, max(self.first * factor, int(COVER * max(slack_frames, 0.0) / factor)))
         return max(self.first, min(self.largest, size))
 
     @staticmethod

@@ -20,30 +20,33 @@ from voxgate.engine.scheduling import START_MARGIN_S, keeps_pace
 def test_a_newcomer_starts_while_every_started_stream_still_gets_its_next_step_in_time():
     # Two free slots; the newcomer's first audio takes one for 0.1 s, the started stream's
     # next step (0.1 s) goes on the other: done at 0.1, due at 0.5.
-    assert keeps_pace([0.0, 0.0], [0.1], [(0.5, 0.1)])
+    assert keeps_pace([0.0, 0.0], [], 0.1, [(0.5, 0.1)])
     # Due at 0.12: the step ends 0.1 + the margin after now, past it.
-    assert not keeps_pace([0.0, 0.0], [0.1], [(0.12, 0.1)])
-    assert keeps_pace([0.0, 0.0], [0.1], [(0.1 + START_MARGIN_S + 0.001, 0.1)])
+    assert not keeps_pace([0.0, 0.0], [], 0.1, [(0.12, 0.1)])
+    assert keeps_pace([0.0, 0.0], [], 0.1, [(0.1 + START_MARGIN_S + 0.001, 0.1)])
 
 
 def test_first_audio_goes_first_so_the_newcomers_before_it_count():
-    # One slot: three newcomers' first audio (0.1 s each) go before the started stream's step.
-    assert not keeps_pace([0.0], [0.1, 0.1, 0.1], [(0.35, 0.05)])
-    assert keeps_pace([0.0], [0.1, 0.1, 0.1], [(0.45, 0.05)])
+    # One slot: two started newcomers' first audio and the candidate's (0.1 s each) go before
+    # the started stream's step.
+    assert not keeps_pace([0.0], [0.1, 0.1], 0.1, [(0.35, 0.05)])
+    assert keeps_pace([0.0], [0.1, 0.1], 0.1, [(0.45, 0.05)])
     # Two slots share them.
-    assert keeps_pace([0.0, 0.0], [0.1, 0.1, 0.1], [(0.35, 0.05)])
+    assert keeps_pace([0.0, 0.0], [0.1, 0.1], 0.1, [(0.35, 0.05)])
 
 
 def test_steps_in_flight_hold_their_slots_until_they_end():
-    assert keeps_pace([0.0], [0.1], [(0.3, 0.1)])
-    assert not keeps_pace([0.2], [0.1], [(0.3, 0.1)])
+    assert keeps_pace([0.0], [], 0.1, [(0.3, 0.1)])
+    assert not keeps_pace([0.2], [], 0.1, [(0.3, 0.1)])
 
 
-def test_a_newcomers_next_step_is_due_once_its_first_chunk_has_played():
-    # Each first chunk holds 0.3 s of audio. With next steps of 0.05 s, four newcomers on one
-    # slot keep pace; with next steps of 0.25 s the first listener's runs out.
-    assert keeps_pace([0.0], [0.05] * 4, [], follow=(0.3, 0.05))
-    assert not keeps_pace([0.0], [0.05] * 4, [], follow=(0.3, 0.25))
+def test_a_started_newcomers_next_chunk_is_due_once_its_first_has_played():
+    # Each first chunk holds 0.3 s of audio. With next chunks of 0.05 s, four newcomers on one
+    # slot keep pace; with next chunks of 0.25 s the first listener's audio runs out.
+    assert keeps_pace([0.0], [0.05] * 3, 0.05, [], follow=(0.3, 0.05))
+    assert not keeps_pace([0.0], [0.05] * 3, 0.05, [], follow=(0.3, 0.25))
+    # The candidate's own next chunk does not hold it back: with nobody started, it starts.
+    assert keeps_pace([0.0], [], 0.05, [], follow=(0.01, 1.0))
 
 
 @pytest.fixture
@@ -97,10 +100,12 @@ def test_a_newcomer_waits_while_its_first_audio_would_make_started_streams_run_d
     for sid in range(1, 7):
         started(s, sid, 0.15, now)
     measured(s, first_s=0.08, later_s=0.12, later_audio_s=0.7, first_audio_s=0.4)
-    # A listener's next step is sized to its buffered audio (engine/windows.py), and no smaller
-    # than a first chunk: 0.4 s of audio at 0.12 / 0.7 s per audio second, 0.069 s.
-    assert s.later_step_s(0.15, 4) == pytest.approx(0.12 / 0.7 * 0.4)
-    # Six of them on two slots beside a first audio of 0.08 s: the third ends 0.137 s from now,
+    # A listener's next chunk is sized to its buffered audio (engine/windows.py: 6 x 0.05 s), and
+    # no smaller than a first chunk: 0.4 s of audio at 0.12 / 0.7 s per audio second, 0.069 s;
+    # with 0.15 s buffered, a 0.9 s window, which takes longer than later chunks measure: 0.12 s.
+    assert s.later_step_s(0.05) == pytest.approx(0.12 / 0.7 * 0.4)
+    assert s.later_step_s(0.15) == pytest.approx(0.12)
+    # Six of them on two slots beside a first audio of 0.08 s: the first ends 0.12 s from now,
     # and with the margin past the 0.15 s its listener has.
     assert not s._in_time(now)
 
@@ -114,9 +119,9 @@ def test_the_newcomers_already_started_without_audio_count_with_their_next_steps
         s.handle(proto.PushUnit(sid, 0, "Hello there."))
     now = time.monotonic()  # every listener is waiting
     opened = list(s.streams.values())
-    # On one slot, three first audios (0.05 s each) then their next steps (0.1 s) fit in the
-    # 0.4 s each first chunk plays; five do not: the third listener's next step would end
-    # 0.55 s from now, its first chunk having come at 0.15 s.
+    # On one slot: two started newcomers and the candidate (0.05 s each), then the two next
+    # chunks (0.1 s), fit in the 0.4 s each first chunk plays; four and the candidate do not:
+    # the third listener's next chunk would end 0.55 s from now, its first having come at 0.15 s.
     for stream in opened[:2]:
         stream.granted = True
     assert s._in_time(now)
@@ -125,7 +130,7 @@ def test_the_newcomers_already_started_without_audio_count_with_their_next_steps
     assert not s._in_time(now)
 
 
-def test_what_the_steps_measure_is_recorded_by_kind(scheduler):
+def test_what_the_steps_measure_is_the_work_from_one_chunk_to_the_next(scheduler):
     s = scheduler()
     s.handle(proto.OpenStream(1, SynthesisOptions().to_dict(), 8, 0.0))
     s.handle(proto.PushUnit(1, 0, "Hello there."))
@@ -136,4 +141,19 @@ def test_what_the_steps_measure_is_recorded_by_kind(scheduler):
     assert list(s._first_step_times) == [pytest.approx(0.07)] and list(s._first_audio) == [pytest.approx(0.4)]
     stream.chunks_sent = 1
     s._time([(1, None, chunk, 0.04, 0.0)])  # a later window
-    assert list(s._later_step_times) == [0.04] and list(s._later_per_audio) == [pytest.approx(0.1)]
+    # The next sentence's encoder pass and first window: one later chunk's work, not two steps
+    # (an encoder pass alone, 20 ms, had planned later steps ten times too short).
+    s._time([(1, None, None, 0.02, 0.0)])
+    s._time([(1, None, chunk, 0.03, 0.0)])
+    assert list(s._later_step_times) == [pytest.approx(0.04), pytest.approx(0.05)]
+    assert list(s._later_per_audio) == [pytest.approx(0.1), pytest.approx(0.125)]
+
+
+def test_until_a_few_later_chunks_were_timed_the_largest_step_is_planned(scheduler):
+    s = scheduler()
+    largest = s.cost.largest_step_s()  # 0.087 s per audio s times 3 s
+    assert s.step_s(first=False) == pytest.approx(largest)
+    s._later_step_times.extend([0.02, 0.03])
+    assert s.step_s(first=False) == pytest.approx(largest)
+    s._later_step_times.extend([0.02, 0.03])
+    assert s.step_s(first=False) == pytest.approx(0.03)
