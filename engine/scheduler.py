@@ -15,12 +15,9 @@ Started speech must not stop, so a new stream starts (gets its first step)
 only when that leaves the started ones whole, by two rules. In the long run:
 the worker measures what its steps cost (engine/capacity.py) and so how many
 listeners its cores keep speaking at 1x real time, and a stream starts only
-while fewer listeners than that are being kept speaking. Right now: only if,
-laid out on the pool's slots as they would run (first audio first, then by
-deadline), with each kind of work as long as it measures now, every started
-stream's next step, and the next step of each newcomer once its first chunk
-has played, still ends before its listener runs dry (scheduling.keeps_pace).
-Below capacity that lets a burst of first sentences start side by side. Otherwise the new
+while fewer listeners than that are being kept speaking. Right now: only if
+every started stream with a step to run could still have it, after the new
+one's and in deadline order, before its listener runs dry. Otherwise the new
 stream waits, newcomers in the order their listeners began waiting, and the
 started ones go by deadline. So when a burst passes capacity, new utterances
 wait longer for their first audio, and no started one is stretched by them.
@@ -45,11 +42,10 @@ from . import proto
 from .base import AudioChunk, Engine, StopSignal, SynthesisJob, SynthesisOptions, WordTiming
 from .capacity import RESERVE, CoreShare, SynthesisCost, capacity
 from .scheduling import (
-    FIRST_AUDIO_S, FIRST_STEP_S, MAX_SLACK_S, LOAD_REPORT_S, PREEMPT_SLACK_S, STEP_QUANTILE,
-    STEPS_TIMED, STEPS_TRUSTED, STOPPED, StepsDone, Stream, close_job, keeps_pace, run_step,
+    FIRST_STEP_S, MAX_SLACK_S, LOAD_REPORT_S, PREEMPT_SLACK_S, START_MARGIN_S, STEP_QUANTILE,
+    STEPS_AHEAD, STEPS_TIMED, STOPPED, StepsDone, Stream, close_job, run_step,
 )
 from .tags import RenderJob
-from .windows import COVER
 
 log = logging.getLogger(__name__)
 
@@ -104,14 +100,7 @@ class Scheduler:
         # The cores steps can use: one per slot under load, every thread when steps run one at a time.
         self.slot_cores = float(self.parallel if self.parallel > 1 else self.max_threads)
         self._held: set[int] = set()  # sids counted in held_streams
-        # Recent wall times: streams' work up to their first chunk, and started streams'
-        # later steps (scheduling.keeps_pace's plan).
-        self._first_step_times: deque = deque(maxlen=STEPS_TIMED)
-        self._later_step_times: deque = deque(maxlen=STEPS_TIMED)
-        self._later_per_audio: deque = deque(maxlen=STEPS_TIMED)  # a later step's wall s per audio s
-        self._first_audio: deque = deque(maxlen=STEPS_TIMED)  # first chunks' audio, s
-        # When each step in flight was launched, by its first stream's sid (one step a stream).
-        self._launched: dict[int, float] = {}
+        self._step_times: deque = deque(maxlen=STEPS_TIMED)  # recent steps' wall times
         # The stop signal of each stream's running step.
         self.running: dict[int, StopSignal] = {}
         # Streams that ended lately, oldest first, for OpenStream.after (at most proto.MAX_ENDED).
@@ -168,8 +157,7 @@ class Scheduler:
             if msg.threads > 1:
                 self.all_cores_in_flight -= 1
             if msg.members:
-                self._launched.pop(msg.members[0][0], None)
-                self._time(msg.members)
+                self._step_times.append(msg.members[0][3])
             if msg.cpu_s is not None and self.cost is not None:
                 chunks = [m[2].duration for m in msg.members if isinstance(m[2], AudioChunk)]
                 self.cost.add(msg.cpu_s, sum(chunks), max(chunks, default=0.0))
@@ -220,59 +208,30 @@ class Scheduler:
         cores = min(self.slot_cores, free)
         return capacity(self.cost.per_audio_s if self.cost else None, cores, RESERVE, self.media_cost)
 
-    def step_s(self, first: bool) -> float:
-        """A step's wall time to plan with, as work of its kind (a stream's up to its first
-        chunk, or a started stream's later step) measures now: high in its recent spread."""
-        times = self._first_step_times if first else self._later_step_times
-        # Until a few were timed, a later step is planned as no shorter than the largest at the measured cost.
-        largest = self.cost.largest_step_s() if self.cost is not None and not first else 0.0
-        prior = max(FIRST_STEP_S, largest)
-        if len(times) < STEPS_TRUSTED:
-            return max([prior, *times])
-        return _quantile(times)
-
-    def later_step_s(self, slack_s: float) -> float:
-        """A started stream's next chunk's work with `slack_s` of audio in hand: its window
-        (engine/windows.py: no larger than COVER times the slack, nor smaller than a first
-        chunk) at the wall time per audio second later chunks measure (the measured cost
-        until a few were timed); no longer than later chunks measure."""
-        longest = self.step_s(first=False)
-        if len(self._later_per_audio) >= STEPS_TRUSTED:
-            per_audio: float | None = _quantile(self._later_per_audio)
-        else:
-            per_audio = self.cost.per_audio_s if self.cost is not None else None
-        if not per_audio:
-            return longest
-        window = max(self.first_audio_s(), COVER * max(0.0, slack_s))
-        return min(longest, per_audio * window)
-
-    def first_audio_s(self) -> float:
-        """A first chunk's audio, as first chunks measure now (the median)."""
-        audio = sorted(self._first_audio)
-        return audio[len(audio) // 2] if audio else FIRST_AUDIO_S
+    def step_s(self) -> float:
+        """A step's wall time to plan with: high in its recent spread (STEP_QUANTILE), and
+        no less than the largest step at the measured cost (a burst's first steps are
+        all small windows; the ones that keep the streams going after them are large)."""
+        largest = self.cost.largest_step_s() if self.cost is not None else 0.0
+        if not self._step_times:
+            return max(FIRST_STEP_S, largest)
+        times = sorted(self._step_times)
+        return max(largest, times[min(len(times) - 1, int(STEP_QUANTILE * len(times)))])
 
     def speaking(self) -> int:
         """Listeners being kept speaking: one per queue of streams that has started."""
         return len({id(s.listener()) for s in self.streams.values() if s.speaks()})
 
     def _in_time(self, now: float) -> bool:
-        """Whether one more newcomer's first audio can go now with every listener keeping its
-        pace: the plan of scheduling.keeps_pace, on the pool's slots (those in flight free
-        when work of their kind does), with the work as it measures now."""
-        first, later = self.step_s(first=True), self.step_s(first=False)
-        slots = [max(now, launched + (first if self._first_in_flight(sid, now) else later))
-                 for sid, launched in self._launched.items()]
-        slots += [now] * max(0, self.parallel - len(slots))
-        newcomers = [max(0.0, first - s.work_s) for s in self.streams.values()
-                     if s.granted and s.waiting_for_first(now) and (s.busy or s.runnable())]
-        due = [(s.deadline(), self.later_step_s(s.deadline() - now)) for s in self.streams.values()
-               if s.speaks() and s.runnable() and not s.waiting_for_first(now)]
-        audio = self.first_audio_s()
-        return keeps_pace(slots, newcomers, first, due, follow=(audio, self.later_step_s(audio)))
-
-    def _first_in_flight(self, sid: int, now: float) -> bool:
-        stream = self.streams.get(sid)
-        return stream is not None and stream.waiting_for_first(now)
+        """Whether every started stream with a step to run could still have its next
+        STEPS_AHEAD steps before its listener runs dry, if a new stream's step went first:
+        the i-th soonest deadline comes after 1 + STEPS_AHEAD * (i + 1) steps shared by
+        the slots, and a margin."""
+        due = sorted(s.deadline() for s in self.streams.values() if s.speaks() and s.runnable())
+        if not due:
+            return True
+        step = self.step_s() / self.parallel
+        return all(d - now >= (1 + STEPS_AHEAD * (i + 1)) * step + START_MARGIN_S for i, d in enumerate(due))
 
     def waiting(self, now: float) -> int:
         """Streams whose listener waits for first audio now and that have not started."""
@@ -291,26 +250,6 @@ class Scheduler:
             underruns=self.counters["underruns"],
             cpu_s=t.user + t.system,
         )
-
-    def _time(self, members: list[tuple]) -> None:
-        """Time a step's work for the plan (`_in_time`), before its results are applied: what a
-        stream's steps took from its last chunk (or its start) to this one, an encoder pass
-        and a window alike: its first audio's work, or a later chunk's."""
-        for sid, _, result, seconds, _ in members:
-            stream = self.streams.get(sid)
-            if stream is None or result is STOPPED or isinstance(result, Exception):
-                continue
-            stream.work_s += seconds
-            if not isinstance(result, AudioChunk):
-                continue
-            if stream.chunks_sent:
-                self._later_step_times.append(stream.work_s)
-                if result.duration > 0:
-                    self._later_per_audio.append(stream.work_s / result.duration)
-            else:
-                self._first_step_times.append(stream.work_s)
-                self._first_audio.append(result.duration)
-            stream.work_s = 0.0
 
     def _maybe_finish(self, stream: Stream) -> None:
         if stream.ended and not stream.busy and stream.job is None and not stream.units:
@@ -443,7 +382,6 @@ class Scheduler:
             self.counters["all_core_steps"] += 1
             self.all_cores_in_flight += 1
         self.in_flight += 1
-        self._launched[group[0].sid] = now
         stop = StopSignal()
         if len(group) == 1:
             self.running[group[0].sid] = stop
@@ -502,9 +440,3 @@ class Scheduler:
         if job.done:
             stream.job = None
             self._maybe_finish(stream)
-
-
-def _quantile(values) -> float:
-    """The STEP_QUANTILE of `values` (not empty)."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(STEP_QUANTILE * len(ordered)))]

@@ -10,7 +10,6 @@ scheduler's pool, and says what came of it (`StepsDone`).
 
 from __future__ import annotations
 
-import heapq
 import logging
 import math
 import os
@@ -28,32 +27,18 @@ log = logging.getLogger(__name__)
 # A stream with less audio than this buffered ahead of its listener is urgent:
 # when its step is the only one to run, it gets every core.
 URGENT_SLACK_S = 0.5
-# A new stream starts only if its first audio, and that of the streams started and
-# still without audio, leave every listener time for its next step before its audio
-# runs out (a newcomer's, once its first chunk has played), laid out on the pool's
-# slots as the scheduler runs them (first audio first, then by deadline: `keeps_pace`),
-# with this margin for a chunk's way to the listener (the pipe, the gateway's
-# resampler and encoder). Issue 41's rule reserved 1.5 steps per started stream at
-# the largest step's cost (a 3 s window) instead: a burst of first sentences below
-# capacity then started nearly one by one, and 10 at once reached first audio 2x
-# later than with no rule (issue 59).
-START_MARGIN_S = 0.05
-# The work in that plan, as it measures now (the STEP_QUANTILE of the last
-# STEPS_TIMED of its kind, as they ran beside each other): a stream's work up to its
-# first chunk (its encoder pass and first window; FIRST_STEP_S until one was timed);
-# the audio of a first chunk (the median; FIRST_AUDIO_S until then); and a later
-# step, which engine/windows.py sizes by the listener's buffered audio and the load:
-# the wall time per audio second of later steps, times a window of windows.COVER
-# times the slack over the load factor, and at least a first chunk's audio (the
-# largest step at the measured cost until later steps were timed). Steps vary
-# tenfold (an encoder pass, a window of three seconds of audio); a plan on the mean
-# started streams that ran dry.
+# A new stream starts only if every started stream that has a step to run could
+# still get STEPS_AHEAD of them, in deadline order after the new one's, this long
+# before it runs dry. More than one: a sentence's next audio may need its encoder
+# pass first.
+STEPS_AHEAD = 1.5
+START_MARGIN_S = 0.1
+# A step's time in that plan: the STEP_QUANTILE of the last STEPS_TIMED steps
+# (FIRST_STEP_S until a step was timed). Steps vary tenfold (an encoder pass, a
+# window of three seconds of audio); a plan on the mean started streams that ran dry.
 STEPS_TIMED = 32
 STEP_QUANTILE = 0.9
-# Fewer timed than this, and the plan takes the longest of them and the prior.
-STEPS_TRUSTED = 4
 FIRST_STEP_S = 0.1
-FIRST_AUDIO_S = 0.1
 # A running step of a stream with at least this much audio buffered is stopped
 # (and redone later) when a listener starts waiting for first audio. Stopping
 # costs the work done so far; this much slack leaves room to redo it.
@@ -101,38 +86,6 @@ class StepsDone:
     cpu_s: float | None = None
 
 
-def keeps_pace(slots: list[float], newcomers: list[float], candidate: float, due: list[tuple[float, float]],
-               follow: tuple[float, float] = (math.inf, 0.0), margin: float = START_MARGIN_S,
-               urgent: float = URGENT_SLACK_S) -> bool:
-    """Whether every started listener keeps its pace if one more newcomer starts now.
-
-    `slots`: when each of the pool's slots is next free. `newcomers`: the work each stream
-    started and still without audio has left before its first chunk, in the order they
-    go; then the `candidate`'s (first audio goes first, as the scheduler runs it). Each
-    started newcomer's first chunk holds `follow`[0] of audio, and its next chunk's work,
-    `follow`[1], is due before that has played (the candidate's own is not: holding it
-    back would not bring its audio sooner). `due`: (deadline, work) of each started
-    stream's next chunk. Those go earliest deadline first, each once its stream is
-    `urgent` (while a listener waits for first audio, the scheduler runs no other
-    stream's step sooner), and each must end `margin` before its deadline.
-    """
-    free = list(slots)
-    heapq.heapify(free)
-    steps = [(deadline, deadline - urgent, work) for deadline, work in due]
-    audio, work = follow
-    for first in newcomers:
-        end = free[0] + first
-        heapq.heapreplace(free, end)
-        steps.append((end + audio, max(end, end + audio - urgent), work))
-    heapq.heapreplace(free, free[0] + candidate)
-    for deadline, release, work in sorted(steps):
-        done = max(free[0], release) + work
-        if done + margin > deadline:
-            return False
-        heapq.heapreplace(free, done)
-    return True
-
-
 @dataclass
 class Stream:
     sid: int
@@ -159,9 +112,6 @@ class Stream:
     cancelled: bool = False
     # A step of it was dispatched: from then on its listener counts among those kept speaking.
     granted: bool = False
-    # Seconds its steps ran since its last chunk went out, or since it began: the work
-    # towards its next chunk (the scheduler's plan times it: Scheduler._time).
-    work_s: float = 0.0
     # It follows speech its listener already hears (the stream before it had started):
     # it is part of that speech, not a newcomer.
     continues: bool = False
