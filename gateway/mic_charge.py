@@ -13,7 +13,12 @@ socket, so the kernel drops the rest of the flood instead of this process.
 bounds drop), so not every datagram is timed: one in SAMPLE_GAP on average, at random gaps a
 sender cannot line its packets up with, each charged for the datagrams since the last one timed.
 What asyncio does for a datagram before it reaches aioice's protocol (the selector's wake-up,
-`recvfrom`) is not in the charge: it is the same for every sender, and not this code's to time.
+`recvfrom`, the callback's dispatch) is not in the charge: it runs outside any handler this code
+can wrap without asyncio's private names. It is most of what a dropped datagram costs: on the
+2-core machine of issue 53, under load, about 30 us of the loop's CPU a datagram at 4,000 a second
+with a handler that only counts, against 0.2-1 us for the handler that drops a foreign SSRC and a
+few us for one that unprotects and drops. So a flood is charged a small part of its cost, and
+late_blame.py's rule (a third of the process's CPU) blames it only where that part is enough.
 """
 
 from __future__ import annotations
