@@ -20,8 +20,13 @@ protected with the session's own keys, sent on its nominated ICE pair). Then
 5. jumps: `--jump-rate` one-byte Opus packets a second, each 1 s ahead of the
    last in RTP time (finding 4: 50 frames of silence each).
 
-During every window, a new session is made (`POST /v1/sessions`, then deleted)
-every 2 s: refused ones are counted. Per kind of window, summed over the
+During every window, another key's new session is made (`POST /v1/sessions`,
+then deleted) every 2 s: refused ones are counted. The attacker's session is
+made with a key of its own (the listeners' are anonymous), so late-frame
+admission can tell them apart: when it blames the attacker's datagrams
+(gateway/mic_charge.py) it closes the attacker's session, and the JSON's
+`attacker_closed` says in which window and how far into it (null: never; the
+rule acts only while more than 5 % of frames are late). Per kind of window, summed over the
 rounds, measured at the server: late frames (the pacer's, over 5 ms after their
 deadline) and frames of every session, the server process's CPU and RSS, and
 `voxgate_mic_dropped_total` by reason. The listeners and the attacker stand
@@ -50,7 +55,8 @@ from bench_stun_flood import _normal_priority, metric, speak_forever  # noqa: E4
 
 WINDOWS = ("baseline", "ssrc", "after", "packets", "jumps")
 DROP_REASONS = ("ssrc", "packet_rate", "media_rate")
-TINY = b"\xf8"  # an Opus packet of its TOC byte alone: 20 ms (CELT, fullband), no data
+TINY = b"\xf8"
+ATTACKER, OTHER = "bench-attacker", "bench-other"  # API keys: the attacker's tenant, and another's  # an Opus packet of its TOC byte alone: 20 ms (CELT, fullband), no data
 
 
 # The attacker, in its own process -------------------------------------------------------------
@@ -62,7 +68,17 @@ async def attacker(url: str, rate: float, jump_rate: float, seconds: float) -> N
     from voxgate.gateway import opus
     from tests.security.rtp_flood import RtpFlood, silent_caller
 
-    client = await silent_caller(url, tries=30)
+    import aiohttp
+
+    for _ in range(30):  # a shared machine's admission may refuse it for a while (late frames)
+        async with aiohttp.ClientSession() as http, http.post(url + "/v1/sessions", json={},
+                                                               headers={"X-API-Key": ATTACKER}) as resp:
+            made = await resp.json(content_type=None)
+            if resp.status != 503:
+                break
+        await asyncio.sleep(1.0)
+    assert resp.status == 201, made
+    client = await silent_caller(url, tries=30, session_id=made["session_id"], token=made["client_token"])
     flood = RtpFlood(client)
     rng = np.random.default_rng(53)
     noise = (rng.normal(0, 8000, 960)).clip(-32767, 32767).astype(np.int16)
@@ -70,12 +86,13 @@ async def attacker(url: str, rate: float, jump_rate: float, seconds: float) -> N
     print("READY", flush=True)
     loop = asyncio.get_running_loop()
     sent = {"ssrc": 0, "packets": 0, "jumps": 0}
+    closed = None  # when the gateway closed the attacker's session: its window, seconds into it
     while True:
         command = (await loop.run_in_executor(None, sys.stdin.readline)).strip()
         if command not in sent:
             break
         per_s = jump_rate if command == "jumps" else rate
-        started, n = time.monotonic(), 0
+        started, window_at, n = time.monotonic(), time.perf_counter(), 0
         while time.monotonic() - started < seconds:
             due = int((time.monotonic() - started) * per_s)
             if due > n:
@@ -88,7 +105,14 @@ async def attacker(url: str, rate: float, jump_rate: float, seconds: float) -> N
                 n = due
             await asyncio.sleep(0.002)
         sent[command] += n
-        print("DONE " + json.dumps({**sent, "unsent_connection_gone": flood.lost}), flush=True)
+        if closed is None:
+            at = next((t for t, e in client.event_log
+                       if e.get("type") == "session.closed" or e.get("code") == "late_frames"), None)
+            if at is not None:
+                closed = {"window": command, "after_s": round(at - window_at, 2),
+                          "events": [e for _, e in client.event_log
+                                     if e.get("type") == "session.closed" or e.get("code") == "late_frames"]}
+        print("DONE " + json.dumps({**sent, "unsent_connection_gone": flood.lost, "closed": closed}), flush=True)
     await client.close()
 
 
@@ -109,7 +133,8 @@ async def measure(args, python: str = sys.executable) -> dict:
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
         [python, "-m", "voxgate.cli", "serve", "--port", str(port), "--ice-host", "127.0.0.1",
-         "--engine", "tone", "--log-level", "WARNING", "--no-web", "--connect-timeout-s", "3600"],
+         "--engine", "tone", "--log-level", "WARNING", "--no-web", "--connect-timeout-s", "3600",
+         "--api-key", ATTACKER, "--api-key", OTHER],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/", preexec_fn=_normal_priority)
     os.setpriority(os.PRIO_PROCESS, 0, 19)
     results: dict = {"what": "other sessions' late frames, new sessions refused and server RSS while one connected "
@@ -150,7 +175,7 @@ async def measure(args, python: str = sys.executable) -> dict:
             async def new_sessions(statuses: dict) -> None:
                 """POST /v1/sessions every 2 s (then DELETE): what another tenant would get."""
                 while True:
-                    async with http.post(url + "/v1/sessions", json={}) as resp:
+                    async with http.post(url + "/v1/sessions", json={}, headers={"X-API-Key": OTHER}) as resp:
                         body = await resp.json(content_type=None)
                         why = str(resp.status) if resp.status < 300 else f"{resp.status} {_code(body)}"
                         statuses[why] = statuses.get(why, 0) + 1
@@ -174,6 +199,11 @@ async def measure(args, python: str = sys.executable) -> dict:
                         done = await asyncio.wait_for(attack.stdout.readline(), args.window + 60)
                         assert done.startswith(b"DONE"), done
                         results["attacker_sent"] = json.loads(done.split(b" ", 1)[1])
+                        closed = results["attacker_sent"].pop("closed")
+                        if closed is not None and results.get("attacker_closed") is None:
+                            results["attacker_closed"] = closed
+                            print(f"the gateway closed the attacker's session {closed['after_s']} s into the "
+                                  f"{closed['window']} window: {closed['events']}", flush=True)
                     b = await snapshot()
                     prober.cancel()
                     span = b["t"] - a["t"]
@@ -212,6 +242,9 @@ async def measure(args, python: str = sys.executable) -> dict:
                       + (f", x{r['late_fraction_vs_baseline']:.2f} of baseline" if name != "baseline" else "")
                       + f")  cpu {r['server_cpu_pct']} %  RSS {r['rss_growth_mb']:+.1f} MB  refused "
                       f"{r['new_sessions_refused']}/{r['new_sessions']}  dropped {r['mic_dropped']}", flush=True)
+            results.setdefault("attacker_closed", None)
+            if results["attacker_closed"] is None:
+                print("the attacker's session was not closed", flush=True)
             results["server_rss_mb_first_to_last"] = round(sums[WINDOWS[-1]]["rss_mb_end"] - base["rss_mb_start"], 1)
     finally:
         for task in tasks:
@@ -250,7 +283,7 @@ def main() -> int:
     if args.before_python:
         section(f"the same, against the code before the fix ({args.before_python})")
         before = asyncio.run(measure(args, args.before_python))
-        results["before_fix"] = {k: before[k] for k in (*WINDOWS, "attacker_sent")}
+        results["before_fix"] = {k: before[k] for k in (*WINDOWS, "attacker_sent", "attacker_closed")}
     results["machine"] = info
     finish("listening-flood", results, started, args.out)
     return 0

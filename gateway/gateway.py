@@ -21,6 +21,7 @@ from .encoder import OpusSettings
 from .errors import GatewayError, checked_voice
 from .feeder import listener_lag_s
 from .late_blame import address_tenant, key_tenant
+from .mic_charge import MicCharge
 from .ice import IcePolicy, parse_ice_server, parse_networks, restrict_host_addresses
 from .metrics import GatewayMetrics
 from .peer import PeerConnection
@@ -220,7 +221,8 @@ class Gateway:
         or the peer does not connect within --connect-timeout-s; a session made ahead stays
         for another offer. Refused with GatewayError."""
         peer = PeerConnection(session, self.ice, rtp_sender=self.settings.rtp_sender, max_ssrcs=self.settings.max_ssrcs,
-                              mic_max_packets_per_s=self.settings.mic_max_packets_per_s)
+                              mic_max_packets_per_s=self.settings.mic_max_packets_per_s,
+                              charge=MicCharge(self.admission.blame, self.tenant_of(session.id), session))
         self.peers[session.id] = peer
         try:
             answer = await peer.answer(sdp)

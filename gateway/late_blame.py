@@ -7,7 +7,10 @@ work a tenant's own input or jobs cost this process is measured where it is done
 
 - the caller's audio sent to a session's backends (gateway/backend_link.py): the event loop's CPU time
   for each frame queued and sent, charged to the session's tenant;
-- a speech request's encoding (gateway/http_audio.py FormatRun, for signaling/tts_http.py): its formatter thread's CPU time, charged to its caller.
+- a speech request's encoding (gateway/http_audio.py FormatRun, for signaling/tts_http.py): its formatter thread's CPU time, charged to its caller;
+- a session's inbound datagrams, read or dropped by the microphone's bounds (gateway/mic_charge.py,
+  around gateway/rtc_internals.py's datagram handler): the event loop's CPU time, sampled, charged to
+  the session's tenant; shedding it closes the session, its peer's UDP socket with it.
 
 A tenant is the API key that made the session or request, else the client address of one made
 without a key, else the session itself. The charges decay with a time constant of LAG_WINDOW_S, as
@@ -15,7 +18,7 @@ the late-frame share is taken over that window. The rule: while frames are late,
 charges over the window come to at least BLAME_SHARE of this process's CPU time over it, and at
 least BLAME_MIN_CORES of a core, is to blame (the one with most, if several are). Then only that
 tenant's new sessions and requests are refused `late_frames`; the others are admitted as the budget
-allows; and each second its costliest sources (backend links, speech requests), half of what its sources
+allows; and each second its costliest sources (backend links, speech requests, flooding sessions), half of what its sources
 cost, are shed: disconnected, so their work stops. With nobody to blame (the node is simply full) every tenant is
 refused as before.
 """
@@ -37,7 +40,7 @@ BLAME_MIN_CORES = 0.05
 
 
 class Source(Protocol):
-    """Something a tenant's work runs for, that can be stopped: a backend link, a speech request."""
+    """Something a tenant's work runs for, that can be stopped: a backend link, a speech request, a session's datagrams."""
 
     def shed(self, why: str) -> None: ...
 

@@ -47,6 +47,8 @@ RTP time it moves the stream on, its own length and the jump ahead of it
 (which becomes frames of silence, up to MAX_GAP_FRAMES). A packet past either
 is dropped unread and counted (`voxgate_mic_dropped_total`): a peer sending
 faster than it speaks gets real time, and costs about what a real microphone does.
+What is left, taking and dropping each datagram, is charged to the session's tenant, and
+late-frame admission closes the session when that is what made frames late (mic_charge.py).
 """
 
 from __future__ import annotations
@@ -214,7 +216,8 @@ class Microphone:
     silence; `wanted()` says whether anyone listens at all, and `whole()`
     whether every packet must be decoded, quiet ones too (a backend takes the audio).
     `on_drop(reason)` hears of each packet dropped by a bound: `packet_rate`, `media_rate`
-    (and `ssrc`, from `ssrcs`, the session's: see ssrcs.py).
+    (and `ssrc`, from `ssrcs`, the session's: see ssrcs.py). `timed` wraps the datagram
+    handler to charge its CPU time, dropped datagrams' too (mic_charge.py).
     """
 
     def __init__(
@@ -232,6 +235,7 @@ class Microphone:
         on_drop: Callable[[str], None] = lambda reason: None,
         now: Callable[[], float] = time.monotonic,
         ssrc: int | None = None,
+        timed: Callable[[Callable[[bytes, int], None]], Callable[[bytes, int], None]] | None = None,
     ) -> None:
         self.codec = codec
         self.payload_type = payload_type
@@ -250,6 +254,7 @@ class Microphone:
         self.receiver: object = None  # the aiortc receiver attached to
         self.on_drop = on_drop
         self.ssrcs = ssrcs or SsrcLimit(Settings.max_ssrcs)
+        self.timed = timed  # charges each datagram's CPU time to the session's tenant (mic_charge.py)
         # The microphone's own stream: the offer's first SSRC, else the first one heard.
         self.ssrc: int | None = ssrc
         # The same burst as RTP time's: a client that fell behind catches up with packets and RTP time alike.
@@ -301,7 +306,7 @@ class Microphone:
                 if self.failures == 1:
                     log.exception("microphone packet handling failed (logged once per session)")
 
-        if not rtc_internals.take_srtp_datagrams(dtls, on_rtp, self.ssrcs):
+        if not rtc_internals.take_srtp_datagrams(dtls, on_rtp, self.ssrcs, self.timed):
             log.warning("this aiortc's transports lack what the direct microphone path reads; using aiortc's")
             return False
         return True

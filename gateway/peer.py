@@ -15,6 +15,7 @@ from .rtc_internals import SessionDescription, candidate_from_sdp
 from .ice import MAX_REMOTE_CANDIDATES, IcePolicy, guard_ice, remote_candidate_count
 from . import fec, rtc_internals, rtp_send
 from .mic import Microphone
+from .mic_charge import MicCharge
 from .ssrcs import SsrcLimit, offered_ssrcs
 from .session import Session
 from .errors import GatewayError
@@ -108,8 +109,12 @@ class PeerConnection:
 
     def __init__(self, session: Session, ice: IcePolicy, *, rtp_sender: str = "voxgate",
                  max_ssrcs: int = Settings.max_ssrcs,
-                 mic_max_packets_per_s: float = Settings.mic_max_packets_per_s) -> None:
+                 mic_max_packets_per_s: float = Settings.mic_max_packets_per_s,
+                 charge: MicCharge | None = None) -> None:
         self.session = session
+        # Charges the CPU time of the peer's inbound datagrams to the session's tenant, and closes
+        # the session when late-frame admission sheds it (mic_charge.py).
+        self.charge = charge
         self.max_ssrcs = max_ssrcs
         self.mic_max_packets_per_s = mic_max_packets_per_s
         self.ssrcs = SsrcLimit(max_ssrcs)  # the offer's SSRCs added when it is answered
@@ -192,6 +197,10 @@ class PeerConnection:
         self._guard_srtp()
         return local
 
+    @property
+    def _timed(self):
+        return self.charge.timed if self.charge is not None else None
+
     def _guard_srtp(self) -> None:
         """Every DTLS transport of the peer the microphone does not read: only the session's SSRCs
         reach its SRTP (RTCP), and its RTP, which nothing here receives, is dropped unread."""
@@ -199,7 +208,7 @@ class PeerConnection:
         for dtls in rtc_internals.peer_dtls_transports(self.pc):
             if id(dtls) not in taken:
                 taken.add(id(dtls))
-                if not rtc_internals.take_srtp_datagrams(dtls, None, self.ssrcs):
+                if not rtc_internals.take_srtp_datagrams(dtls, None, self.ssrcs, self._timed):
                     log.warning("session %s: this aiortc's transports lack what the SSRC limit reads",
                                 self.session.id, extra={"session_id": self.session.id})
 
@@ -275,7 +284,7 @@ class PeerConnection:
                     on_audio=caller.on_inbound_audio, on_gap=caller.on_inbound_gap,
                     wanted=lambda: caller.listening, whole=lambda: caller.wants_every_frame,
                     clock=session.clock, max_packets_per_s=self.mic_max_packets_per_s, ssrcs=self.ssrcs,
-                    on_drop=session.metrics.mic_dropped, ssrc=self.offered_ssrc,
+                    on_drop=session.metrics.mic_dropped, ssrc=self.offered_ssrc, timed=self._timed,
                 )
                 self.mic.attach(transceiver.receiver)
                 return

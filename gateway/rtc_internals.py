@@ -190,7 +190,8 @@ def extension_ids(extensions_map: Any) -> Any:
     return ids if ids is not None and hasattr(ids, "audio_level") else None
 
 
-def take_srtp_datagrams(dtls: Any, on_rtp: Callable[[bytes], None] | None, ssrcs: SsrcLimit) -> bool:
+def take_srtp_datagrams(dtls: Any, on_rtp: Callable[[bytes], None] | None, ssrcs: SsrcLimit,
+                        timed: Callable[[Callable[[bytes, int], None]], Callable[[bytes, int], None]] | None = None) -> bool:
     """Hand each SRTP datagram for `dtls` to `on_rtp(plain RTP)`, unprotected, as aioice receives it;
     everything else (DTLS, the data channel, SRTCP, anything before the keys) still goes to aiortc.
     `on_rtp` None: nothing here receives RTP (no microphone), and every RTP datagram is dropped unread.
@@ -205,6 +206,9 @@ def take_srtp_datagrams(dtls: Any, on_rtp: Callable[[bytes], None] | None, ssrcs
     one here, and the first SRTCP one from each SSRC too (unprotected here, then handed to
     aiortc's RTCP handling as its receive loop would), so that nobody without the keys can
     fill the session's SSRCs.
+
+    `timed`, given, wraps the handler of every datagram this takes, read or dropped, to charge
+    its CPU time to the session's tenant (mic_charge.py).
     """
     connection = ice_connection(dtls)
     if (connection is None or not hasattr(connection, "data_received") or not all(hasattr(dtls, n) for n in _DTLS_RX)
@@ -213,7 +217,7 @@ def take_srtp_datagrams(dtls: Any, on_rtp: Callable[[bytes], None] | None, ssrcs
     to_aiortc = connection.data_received
     known = ssrcs.known  # the set itself: its membership is the per-packet check
 
-    def data_received(data: bytes, component: int) -> None:
+    def receive(data: bytes, component: int) -> None:
         # Nothing a peer sends may raise out of here (the loop would log a traceback per
         # datagram for every session to pay for).
         if not data or (127 < data[0] < 192 and len(data) > MAX_SRTP_BYTES):
@@ -245,6 +249,7 @@ def take_srtp_datagrams(dtls: Any, on_rtp: Callable[[bytes], None] | None, ssrcs
         dtls._RTCDtlsTransport__rx_packets += 1
         on_rtp(plain)
 
+    data_received = receive if timed is None else timed(receive)
     # aioice's protocol looks this up on the connection for every datagram.
     connection.data_received = data_received
     protocols = getattr(connection, "_protocols", None)

@@ -21,12 +21,13 @@ def rtp_packet(ssrc: int, seq: int, ts: int, payload: bytes, pt: int) -> bytes:
     return struct.pack("!BBHII", 0x80, pt, seq & 0xFFFF, ts & 0xFFFFFFFF, ssrc & 0xFFFFFFFF) + payload
 
 
-async def silent_caller(url: str, tries: int = 1):
+async def silent_caller(url: str, tries: int = 1, **join):
     """A connected RtcClient whose microphone track never sends a packet: the caller's packets are
-    RtpFlood's alone. `tries`: offers refused (503: a busy shared machine) are made again, a second apart."""
+    RtpFlood's alone. `tries`: offers refused (503: a busy shared machine) are made again, a second apart.
+    `join`: RtcClient's session_id and token, for a session made ahead."""
     from voxgate.rtc_client import RtcClient
 
-    return await connected(lambda: _silent(RtcClient(url, mic=True)), tries)
+    return await connected(lambda: _silent(RtcClient(url, mic=True, **join)), tries)
 
 
 def _silent(client):
