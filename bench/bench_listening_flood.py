@@ -59,7 +59,7 @@ TINY = b"\xf8"  # an Opus packet of its TOC byte alone: 20 ms (CELT, fullband), 
 async def attacker(url: str, rate: float, jump_rate: float, seconds: float) -> None:
     import numpy as np
 
-    from voxgate.gateway import opus
+    from voxgate.gateway.media import opus
     from tests.security.rtp_flood import RtpFlood, silent_caller
 
     client = await silent_caller(url, tries=30)

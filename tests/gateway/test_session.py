@@ -1,4 +1,4 @@
-"""Session (gateway/session.py): who may write what, text to the engine, audio out, cancel and close.
+"""Session (gateway/sessions/session.py): who may write what, text to the engine, audio out, cancel and close.
 
 The engine is faked here, on purpose: these tests check the Session's own
 rules (ownership of utterance ids, the writer, the queue limit, text reaching
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from voxgate.gateway.protocol import Limits
-from voxgate.gateway.caller_side import BargeInSettings
-from voxgate.gateway.session import Session, SessionOptions
-from voxgate.gateway.session_metrics import SessionMetrics
-from voxgate.gateway.text_pump import TEXT_SLICE_CHARS
+from voxgate.gateway.sessions.protocol import Limits
+from voxgate.gateway.caller.caller_side import BargeInSettings
+from voxgate.gateway.sessions.session import Session, SessionOptions
+from voxgate.gateway.media.session_metrics import SessionMetrics
+from voxgate.gateway.sessions.text_pump import TEXT_SLICE_CHARS
 
 RATE = 22050
 
@@ -185,12 +185,12 @@ async def test_text_waits_for_an_output_then_plays_with_ttfa_and_its_parts():
 
 
 async def test_the_engine_hears_when_each_utterance_is_needed_and_what_the_feeder_holds_back():
-    """The worker orders steps by playout deadline (engine/worker.py): an
+    """The worker orders steps by playout deadline (engine/runtime/worker.py): an
     utterance queued behind another is needed once that one's audio has played
     (and no sooner than the audio already encoded ahead of it), and every
     deadline comes earlier by what the resampler and the framer keep from the
     listener."""
-    from voxgate.gateway.feeder import listener_lag_s
+    from voxgate.gateway.media.feeder import listener_lag_s
 
     session, engine, events, _ = make()
     session.attach_output("opus")
