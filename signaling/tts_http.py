@@ -71,7 +71,7 @@ class SpeechRequest:
     text: str
     fmt: str  # the format's name, for X-Audio-Format and the log
     options: SynthesisOptions
-    family: str = "tts"  # whose formats `fmt` is one of (gateway/peerless_speech.format_names)
+    family: str = "tts"  # whose formats `fmt` is one of (gateway/peerless/peerless_speech.format_names)
     sse: bool = False  # the audio as server-sent events (OpenAI's stream_format "sse")
 
 

@@ -1,1 +1,1 @@
-"""The Piper voice on onnxruntime: its catalog, its graph split into stages that stream and rewritten at load (fused norms, banded attention, an 8-bit prior), the window schedule, word timings and the runner."""
+"""The Piper voice on onnxruntime: its catalog, its graph split and rewritten at load, windows, word timings."""

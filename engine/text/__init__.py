@@ -1,1 +1,1 @@
-"""Text to speakable units: the segmenter, inline speech tags, the bounds on a unit, and the pipeline a stream is handed."""
+"""Text to speakable units: the segmenter, inline speech tags, unit bounds, the pipeline a stream is handed."""

@@ -1,1 +1,1 @@
-"""Voices on torch: Piper's VITS ported to torch (streaming inside a sentence, batching across streams), and the CosyVoice 2 adapter."""
+"""Voices on torch: Piper's VITS ported to torch (streaming, batching across streams), and CosyVoice 2."""

@@ -1,1 +1,1 @@
-"""The application's side of a session: a backend's WebSocket, and a ConversationRelay application that Voxgate connects to (its messages, options, plays and status callback, and the guard on every connection opened on an application's say)."""
+"""The application's side of a session: a backend's WebSocket, or a ConversationRelay app Voxgate dials."""

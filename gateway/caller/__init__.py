@@ -1,1 +1,1 @@
-"""The caller's side: the microphone's audio, echo cancellation, voice activity, the end of a turn, speech recognition and the barge-in decision. It imports the media below it, never a session."""
+"""The caller's side: microphone audio, echo cancellation, voice activity, turn ends, recognition, barge-in."""

@@ -1,1 +1,1 @@
-"""The fleet's session directory in Redis: which gateway holds each session, and the signed records it keeps."""
+"""The fleet's session directory in Redis: which gateway holds each session, in signed records."""

@@ -1,1 +1,1 @@
-"""Speech out, and the audio plumbing under every other part: 20 ms frames, the session's clock, the codecs (libopus, G.711) and resampling, the encode pool and the media threads' priority, the feeder, the playout, the paced track and its RTP sender, the Opus signal policy, the hooks a session's output reports on, and the one homes of aiortc's, PyAV's and asyncio's internals. It imports no other part of the gateway."""
+"""Speech out, and the audio under every part: frames, clock, codecs, resampling, feeder, playout, the paced track."""

@@ -1,1 +1,1 @@
-"""Speech with no WebRTC peer (POST /v1/tts, POST /v1/audio/speech, the TTS WebSocket's contexts): its utterances, their engine stream and the audio formats they leave in."""
+"""Speech with no WebRTC peer (/v1/tts, /v1/audio/speech, the TTS WebSocket): utterances and audio formats."""
