@@ -2,10 +2,11 @@
 
 The session, its feeder and its output call these hooks at the moments that
 matter for latency (first audio, a cancel, each frame's departure). The
-signaling layer points them at Prometheus (`signaling/metrics.py`); anything
-else that wants the same samples (bench/bench_gateway.py) adds itself as an
-observer there, and `SessionMetricsFanOut` hands every sample to each of them,
-so nobody has to patch the session to watch it.
+gateway's metrics point them at Prometheus (`gateway/load/metrics.py`,
+`GatewayMetrics`); anything else that wants the same samples
+(bench/bench_gateway.py) adds itself as an observer there
+(`GatewayMetrics.observers`), and `SessionMetricsFanOut` hands every sample to
+each of them, so nobody has to patch the session to watch it.
 """
 
 from __future__ import annotations
