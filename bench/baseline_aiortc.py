@@ -54,10 +54,10 @@ from aiohttp import web
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from voxgate.engine import tone
-from voxgate.gateway.ice import (
+from voxgate.gateway.webrtc.ice import (
     restrict_host_addresses,  # aioice skips 127.0.0.1 otherwise
 )
-from voxgate.gateway.metrics import (
+from voxgate.gateway.load.metrics import (
     JITTER_BUCKETS,  # the product's buckets, so the figures compare
 )
 

@@ -10,7 +10,7 @@ POST /v1/audio/speech for 300 s of audio as `--format` (the default --tts-max-au
 and over for `--attack-s`, retrying at once when refused, so the server encodes as many at once as it
 admits. Measured: the gateway's late frames over the baseline window and the attack window (the same
 run's ratio), its CPU, how many requests were served and refused, and the in-process CPU cost of each
-format per second of tone audio (the price gateway/http_audio.py charges for).
+format per second of tone audio (the price gateway/peerless/http_audio.py charges for).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def format_costs(seconds: float = 30.0) -> dict:
     for each OpenAI format, in this process."""
     import numpy as np
 
-    from voxgate.gateway.http_audio import OPENAI_FORMATTERS as FORMATTERS
+    from voxgate.gateway.peerless.http_audio import OPENAI_FORMATTERS as FORMATTERS
 
     rate = 16000
     t = np.arange(int(rate * seconds)) / rate

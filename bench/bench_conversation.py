@@ -4,7 +4,7 @@
     python bench/bench_conversation.py --conversations 1 --turns 8    # shorter
 
 A gateway process (`voxgate serve --engine piper --stt whisper`, defaults
-otherwise: the real voice, the turn rule of gateway/endpoint.py) serves
+otherwise: the real voice, the turn rule of gateway/caller/endpoint.py) serves
 conversations. Each has a backend on the session WebSocket that answers like an
 LLM that takes no time: the moment a final `speech.transcript` arrives it sends
 `speak` with a short reply. A real aiortc client's microphone (Opus, in real
@@ -30,7 +30,7 @@ at 8 kHz in real time, then streams silence as a call does; its WER is
 against the recognizer offline on each whole turn as the phone sent it (μ-law,
 raised to 16 kHz), and voice to voice ends at the reply's first voiced μ-law
 frame as it reached the stand-in. Per turn the server's debug log adds the rule
-that ended it (gateway/endpoint.py), its decode and the silence waited.
+that ended it (gateway/caller/endpoint.py), its decode and the silence waited.
 Figures go to stdout and to artifacts/bench-conversation.json (--out).
 """
 
@@ -200,7 +200,7 @@ async def phone_conversation(url: str, plan: list, offset_s: float, server: Serv
     import soxr as _soxr
 
     from tests.telephony.twilio_standin import TwilioStandIn
-    from voxgate.gateway.encoder import ulaw_decode
+    from voxgate.gateway.media.encoder import ulaw_decode
 
     await asyncio.sleep(offset_s)
     backend = VoxgateSession(url)
@@ -254,7 +254,7 @@ async def phone_conversation(url: str, plan: list, offset_s: float, server: Serv
 
 def offline_phone(whisper, plan: list) -> list[str]:
     """The recognizer offline on each whole turn as the phone sent it: μ-law at 8 kHz, raised to 16 kHz."""
-    from voxgate.gateway.encoder import ulaw_decode, ulaw_encode
+    from voxgate.gateway.media.encoder import ulaw_decode, ulaw_encode
 
     texts = []
     for _, _, clip, _ in plan:
@@ -291,7 +291,7 @@ def main() -> None:
     results: dict = {"machine": info, "args": vars(args), "label": (
         "voice to voice over WebRTC: gateway process (--engine piper --stt whisper, defaults: turn 250/1200 ms, "
         "partials 700 ms), aiortc client in real time, backend answers each final transcript at once")}
-    from voxgate.gateway.stt_whisper import Whisper
+    from voxgate.gateway.caller.stt_whisper import Whisper
 
     whisper = Whisper()
     offline = [" ".join(whisper.recognize(soxr.resample(clip, 48000, 16000).astype(np.int16)).split())

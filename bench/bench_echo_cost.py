@@ -7,7 +7,7 @@ In this process, on one thread, with the product's classes and a clock of its
 own: the bot's reply (the real voice, Opus-coded as the gateway sends it)
 leaves every 20 ms into the session's reference tap, and the microphone hears
 it back 250 ms later at -10 dB over room noise. Each frame goes through what
-a session runs for it (gateway/caller_side.py's `_hear`): the echo canceller's
+a session runs for it (gateway/caller/caller_side.py's `_hear`): the echo canceller's
 `process` (decoding the reference, envelopes, the delay estimate, libspeexdsp
 once the delay is known) and the VAD with its guard, or the VAD alone.
 Figures: microphone-side CPU per frame (µs), median and p95 of the per-frame
@@ -32,10 +32,10 @@ from _common import arg_parser, finish, machine, percentile, print_machine, sect
 
 from tests import listening_corpus as corpus  # noqa: E402
 from voxgate.engine.base import SynthesisOptions  # noqa: E402
-from voxgate.engine.piper_engine import PiperEngine  # noqa: E402
-from voxgate.gateway import opus  # noqa: E402
-from voxgate.gateway.echo import EchoCanceller, ReferenceTap  # noqa: E402
-from voxgate.gateway.vad import VadSettings, VoiceActivityDetector  # noqa: E402
+from voxgate.engine.piper.piper_engine import PiperEngine  # noqa: E402
+from voxgate.gateway.media import opus  # noqa: E402
+from voxgate.gateway.caller.echo import EchoCanceller, ReferenceTap  # noqa: E402
+from voxgate.gateway.caller.vad import VadSettings, VoiceActivityDetector  # noqa: E402
 
 DELAY_S = 0.25
 ECHO_DB = -10.0

@@ -61,10 +61,10 @@ from _common import (  # noqa: E402
 )
 
 from voxgate.engine.base import SynthesisOptions  # noqa: E402
-from voxgate.gateway.frames import FRAME_S  # noqa: E402
-from voxgate.engine.client import EngineClient, EngineConfig  # noqa: E402
-from voxgate.engine.piper_engine import PiperEngine  # noqa: E402
-from voxgate.engine.segmenter import Segmenter  # noqa: E402
+from voxgate.gateway.media.frames import FRAME_S  # noqa: E402
+from voxgate.engine.runtime.client import EngineClient, EngineConfig  # noqa: E402
+from voxgate.engine.piper.piper_engine import PiperEngine  # noqa: E402
+from voxgate.engine.text.segmenter import Segmenter  # noqa: E402
 
 TEXTS = {
     "1 word": "Hello.",

@@ -127,7 +127,7 @@ def run_server(engine: str, port: int) -> None:
     from aiortc.rtp import RtpPacket, is_rtcp
 
     from voxgate.config import Settings
-    from voxgate.gateway.session_metrics import SessionMetrics
+    from voxgate.gateway.media.session_metrics import SessionMetrics
     from voxgate.signaling.server import create_app
 
     logging.basicConfig(level=logging.WARNING)
@@ -153,7 +153,7 @@ def run_server(engine: str, port: int) -> None:
     RTCDtlsTransport._send_rtp = timed_send_rtp
     # The speech track's packets skip _send_rtp where they can (rtp_send.direct_wire: SRTP and
     # the socket in one call), so they are timed at the same point there: just before SRTP.
-    from voxgate.gateway import rtp_send
+    from voxgate.gateway.media import rtp_send
 
     original_direct_wire = rtp_send.direct_wire
 

@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import ROOT, arg_parser, machine, print_machine  # noqa: E402
 
-from voxgate.engine.segmenter import Segmenter, speakable  # noqa: E402
-from voxgate.engine.tags import TagState  # noqa: E402
+from voxgate.engine.text.segmenter import Segmenter, speakable  # noqa: E402
+from voxgate.engine.text.tags import TagState  # noqa: E402
 
 HOSTILE = {
     "email_pattern": "<" + "a." * 9500,

@@ -37,7 +37,7 @@ ADDRESSES = ("198.51.100.1", "198.51.100.2", "198.51.100.3")
 async def stripped_sdp() -> str:
     from aiortc import RTCConfiguration, RTCPeerConnection
 
-    from voxgate.gateway.ice import restrict_host_addresses
+    from voxgate.gateway.webrtc.ice import restrict_host_addresses
 
     restrict_host_addresses(["127.0.0.1"])
     pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))

@@ -24,7 +24,7 @@ During every window, another key's new session is made (`POST /v1/sessions`,
 then deleted) every 2 s: refused ones are counted. The attacker's session is
 made with a key of its own (the listeners' are anonymous), so late-frame
 admission can tell them apart: when it blames the attacker's datagrams
-(gateway/mic_charge.py) it closes the attacker's session, and the JSON's
+(gateway/load/mic_charge.py) it closes the attacker's session, and the JSON's
 `attacker_closed` says in which window and how far into it (null: never; the
 rule acts only while more than 5 % of frames are late). Per kind of window, summed over the
 rounds, measured at the server: late frames (the pacer's, over 5 ms after their
@@ -65,7 +65,7 @@ ATTACKER, OTHER = "bench-attacker", "bench-other"  # API keys: the attacker's te
 async def attacker(url: str, rate: float, jump_rate: float, seconds: float) -> None:
     import numpy as np
 
-    from voxgate.gateway import opus
+    from voxgate.gateway.media import opus
     from tests.security.rtp_flood import RtpFlood, silent_caller
 
     import aiohttp

@@ -6,7 +6,7 @@ server-to-browser RTP. Each session speaks the same sentences; per sentence
 the page's getStats (packets lost, concealed samples, jitter buffer delay and
 target, FEC packets) and the audio chromium played (recorded in the page after
 its jitter buffer and concealment) are kept. The recording is scored by:
-- WER: pocketsphinx (the embedded recognizer, gateway/stt_pocketsphinx.py) on
+- WER: pocketsphinx (the embedded recognizer, gateway/caller/stt_pocketsphinx.py) on
   the recording at 16 kHz, against the sentence;
 - spectral distance: the mean absolute difference of log-magnitude spectra
   (dB, 20 ms frames, 100 Hz-8 kHz) to the same arm's clean recording of the
@@ -69,7 +69,7 @@ LINES = {
 
 
 def wer(pcm48: np.ndarray, text: str) -> tuple[float, str]:
-    from voxgate.gateway.stt_pocketsphinx import decode
+    from voxgate.gateway.caller.stt_pocketsphinx import decode
     from tests.speech import word_error_rate
 
     pcm16 = soxr.resample(pcm48.astype(np.float32), 48000, 16000)

@@ -46,7 +46,7 @@ DROP_REASONS = ("ssrc", "packet_rate", "media_rate")
 async def attacker(url: str, speed: float, burst_s: float, seconds: float) -> None:
     import numpy as np
 
-    from voxgate.gateway import opus
+    from voxgate.gateway.media import opus
     from tests.security.rtp_flood import RtpFlood, silent_caller
 
     client = await silent_caller(url, tries=30)

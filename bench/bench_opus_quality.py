@@ -10,7 +10,7 @@ What runs, all in this process:
 - For each complexity in --complexities (signal voice: SILK or hybrid, with
   in-band FEC) and in --music-complexities (signal music: CELT alone, what
   `--opus-signal auto` codes while the listener reports no loss), the product's Opus encoder
-  (`gateway.encoder.OpusEncoder`, the product's bitrate, FEC and loss settings)
+  (`gateway.media.encoder.OpusEncoder`, the product's bitrate, FEC and loss settings)
   encodes every sentence; the time per frame is taken over the whole set,
   interleaved by complexity and repeated, on one thread (as the encode pool
   runs it).
@@ -63,10 +63,10 @@ def main() -> None:
 
     from tests.speech import recognize, word_error_rate
     from voxgate.engine.base import SynthesisOptions
-    from voxgate.engine.piper_engine import PiperEngine
-    from voxgate.gateway import opus
-    from voxgate.gateway.encoder import OpusEncoder, OpusSettings
-    from voxgate.gateway.frames import Framer
+    from voxgate.engine.piper.piper_engine import PiperEngine
+    from voxgate.gateway.media import opus
+    from voxgate.gateway.media.encoder import OpusEncoder, OpusSettings
+    from voxgate.gateway.media.frames import Framer
 
     started = time.perf_counter()
     start = machine()

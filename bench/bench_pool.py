@@ -49,11 +49,11 @@ from bench_streaming import first_chunk_s  # noqa: E402
 from _common import arg_parser, finish, fmt_ms, free_port, machine, print_machine, ratio, section, summary_ci_ms, wait_ready  # noqa: E402
 
 from voxgate.engine.base import SynthesisOptions  # noqa: E402
-from voxgate.engine.client import EngineClient, EngineConfig  # noqa: E402
-from voxgate.engine.pool import APP_NAME, GRPC_SERVICE, PoolConfig, start_local  # noqa: E402
-from voxgate.engine.codec import FRAME_HEAD, frame_sizes  # noqa: E402
-from voxgate.engine.pool_protocol import STATS_PATH, STREAM_PATH, StreamRequest  # noqa: E402
-from voxgate.engine.remote import RemoteEngineClient  # noqa: E402
+from voxgate.engine.runtime.client import EngineClient, EngineConfig  # noqa: E402
+from voxgate.engine.cluster.pool import APP_NAME, GRPC_SERVICE, PoolConfig, start_local  # noqa: E402
+from voxgate.engine.runtime.codec import FRAME_HEAD, frame_sizes  # noqa: E402
+from voxgate.engine.cluster.pool_protocol import STATS_PATH, STREAM_PATH, StreamRequest  # noqa: E402
+from voxgate.engine.cluster.remote import RemoteEngineClient  # noqa: E402
 
 SENTENCES = [
     "The package arrives on Tuesday morning.",
@@ -81,7 +81,7 @@ async def throughput(client, streams: int) -> float:
 
 def grpc_replica_address() -> str:
     """The replica's own gRPC port, as Serve's controller lists it (this bench is the Ray driver)."""
-    from voxgate.engine import ray_internals
+    from voxgate.engine.cluster import ray_internals
 
     for group in ray_internals.target_groups_blocking(APP_NAME):
         if ray_internals.serves(group, "GRPC"):

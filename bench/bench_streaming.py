@@ -76,9 +76,9 @@ from _common import (  # noqa: E402
 from bench_engine import REPLY, concurrent, tokenize  # noqa: E402
 
 from voxgate.engine.base import SynthesisOptions  # noqa: E402
-from voxgate.engine.client import EngineClient, EngineConfig  # noqa: E402
-from voxgate.engine.piper_engine import PiperEngine  # noqa: E402
-from voxgate.engine.segmenter import SegmenterConfig  # noqa: E402
+from voxgate.engine.runtime.client import EngineClient, EngineConfig  # noqa: E402
+from voxgate.engine.piper.piper_engine import PiperEngine  # noqa: E402
+from voxgate.engine.text.segmenter import SegmenterConfig  # noqa: E402
 
 HELLO = "Hello."
 # First sentences of 6-16 words, no commas.
@@ -342,7 +342,7 @@ def spinning_section(reps: int) -> dict:
 def prior_section(reps: int) -> dict:
     section("2c. the prior as served (banded position terms, int8) against the exported dense terms and against float32, "
             "in this process, interleaved, noise off")
-    from voxgate.engine.piper_voice import LoadedVoice, embedded_voice_path
+    from voxgate.engine.piper.piper_voice import LoadedVoice, embedded_voice_path
 
     every = os.cpu_count() or 1
     voices = {

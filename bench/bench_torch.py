@@ -9,7 +9,7 @@ First chunk: wall time from asking for a unit until its first audio chunk,
 median of --repeats runs (engines interleaved run by run), with the voice's
 default noise, in this process (no worker, no gateway). The units timed are
 the ones the gateway sends: each reply goes through the segmenter
-(`engine/segmenter.py`) and its first unit is timed, both for a reply given
+(`engine/text/segmenter.py`) and its first unit is timed, both for a reply given
 whole (`speak`: the first unit is the whole first sentence when its end is
 already there) and for one streamed word by word (`text.delta`: the segmenter
 may cut at the first comma). Three engines: the ONNX engine as
@@ -42,9 +42,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine, print_machine, write_json  # noqa: E402
 
 from voxgate.engine.base import SynthesisOptions  # noqa: E402
-from voxgate.engine.piper_engine import PiperEngine, embedded_voice_path  # noqa: E402
-from voxgate.engine.segmenter import Segmenter  # noqa: E402
-from voxgate.engine.torch_engine import TorchEngine  # noqa: E402
+from voxgate.engine.piper.piper_engine import PiperEngine, embedded_voice_path  # noqa: E402
+from voxgate.engine.text.segmenter import Segmenter  # noqa: E402
+from voxgate.engine.torch_voices.torch_engine import TorchEngine  # noqa: E402
 
 # Replies as the gateway receives them; the first unit the segmenter cuts is timed.
 REPLIES = {

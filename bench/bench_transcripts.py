@@ -44,9 +44,9 @@ from tests.transcripts import corpus_wer, every_turn, turn_audio  # noqa: E402
 from twilio_standin import TwilioStandIn  # noqa: E402
 from voxgate.client import VoxgateSession  # noqa: E402
 from aiortc.codecs.opus import OpusEncoder  # noqa: E402
-from voxgate.gateway import opus  # noqa: E402
-from voxgate.gateway.encoder import ulaw_decode  # noqa: E402
-from voxgate.gateway.stt_pocketsphinx import decode  # noqa: E402
+from voxgate.gateway.media import opus  # noqa: E402
+from voxgate.gateway.media.encoder import ulaw_decode  # noqa: E402
+from voxgate.gateway.caller.stt_pocketsphinx import decode  # noqa: E402
 from voxgate.rtc_client import RtcClient  # noqa: E402
 
 

@@ -3,9 +3,9 @@ sentence's end as finished, on Whisper tiny.en's text and the turn's pitch.
 
     python bench/bench_turn_rule.py --out bench/results/turn-rule.json
 
-Each case is what the endpointer (gateway/endpoint.py) has when it decides: the
+Each case is what the endpointer (gateway/caller/endpoint.py) has when it decides: the
 turn's audio up to its last voiced frame plus SPECULATE_MS of silence,
-recognized by `--stt whisper` (gateway/stt_whisper.py). Cases: espeak-ng
+recognized by `--stt whisper` (gateway/caller/stt_whisper.py). Cases: espeak-ng
 sentences spoken with a 600 ms pause inside (SSML break, so the intonation runs
 on), cut at the pause ("pause": must not read as finished) and whole ("end":
 should), and plain sentences ("end"). Two sets: `tune`, the bench_conversation
@@ -33,7 +33,7 @@ from bench_conversation import PAUSE_MS, PAUSED  # noqa: E402
 
 from tests.listening_corpus import CALLER_VOICES, espeak  # noqa: E402
 from tests.transcripts import QUESTIONS, espeak_paused  # noqa: E402
-from voxgate.gateway.endpoint import FALLING_ST, SPECULATE_MS, end_pitch_st, judge, reads_finished  # noqa: E402
+from voxgate.gateway.caller.endpoint import FALLING_ST, SPECULATE_MS, end_pitch_st, judge, reads_finished  # noqa: E402
 
 HELD_PAUSED = (
     ("I was wondering if", "you could help me with my bill."), ("Do you know", "where I left my keys?"),
@@ -89,11 +89,11 @@ def main() -> None:
     started = time.perf_counter()
     info = machine()
     print_machine(info, "machine")
-    from voxgate.gateway.stt_whisper import Whisper, cut_restart
+    from voxgate.gateway.caller.stt_whisper import Whisper, cut_restart
 
     whisper = Whisper()
     raw_text = whisper.recognize  # with cut_restart inside; the raw text for the old rule is taken before it
-    import voxgate.gateway.stt_whisper as module
+    import voxgate.gateway.caller.stt_whisper as module
 
     rows = []
     sets = (("tune", CALLER_VOICES, PAUSED, QUESTIONS), ("held", HELD_VOICES, HELD_PAUSED, HELD_ENDS))

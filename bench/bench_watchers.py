@@ -38,7 +38,7 @@ async def measure(args, python: str) -> dict:
     from voxgate.rtc_client import RtcClient
 
     flags = ["--api-key", "attacker", "--api-key", "victim"]
-    if args.lift_limits:  # the late-frame rule alone (gateway/late_blame.py): the watcher limits out of the way
+    if args.lift_limits:  # the late-frame rule alone (gateway/load/late_blame.py): the watcher limits out of the way
         flags += ["--max-watchers-per-session", "10000", "--max-watchers-per-key", "10000"]
     gateway = Gateway(python, [*flags, "--log-level", "INFO"] if os.environ.get("BENCH_KEEP_LOG") else flags,
                       realtime=args.realtime)

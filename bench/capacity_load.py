@@ -484,7 +484,7 @@ def prepare_mic() -> tuple[dict, dict, object]:
     import numpy as np
     import soxr
     from voxgate.engine.base import SynthesisOptions
-    from voxgate.engine.piper_engine import PiperEngine
+    from voxgate.engine.piper.piper_engine import PiperEngine
 
     rng = np.random.default_rng(7)
     noise_pcm = np.clip(rng.normal(0.0, NOISE_STD, 48000 * 10), -32768, 32767).astype(np.int16)

@@ -163,7 +163,7 @@ def _cores() -> int:
 def section_env(args, rec: Recorder) -> None:
     import torch
 
-    from voxgate.engine.torch_engine import choose_device
+    from voxgate.engine.torch_voices.torch_engine import choose_device
 
     rec.put("torch", torch.__version__)
     rec.put("torch_cuda_build", torch.version.cuda)
@@ -191,8 +191,8 @@ def section_first_chunk(args, rec: Recorder) -> None:
     from bench_torch import first_chunk_times, whole_time
 
     from voxgate.config import Settings
-    from voxgate.engine.piper_engine import PiperEngine
-    from voxgate.engine.torch_engine import TorchEngine
+    from voxgate.engine.piper.piper_engine import PiperEngine
+    from voxgate.engine.torch_voices.torch_engine import TorchEngine
 
     torch_engine = TorchEngine(device=args.device, threads=_cores())
     t0 = time.perf_counter()
@@ -232,7 +232,7 @@ def section_fp16(args, rec: Recorder) -> None:
     from bench_torch import snr_db
 
     from voxgate.engine.base import SynthesisOptions
-    from voxgate.engine.torch_engine import TorchEngine
+    from voxgate.engine.torch_voices.torch_engine import TorchEngine
 
     fp32 = TorchEngine(device=args.device, threads=_cores(), half=False)
     fp32.load()
@@ -294,7 +294,7 @@ def section_throughput(args, rec: Recorder) -> None:
     from bench_engine import REPLY, concurrent
 
     from voxgate.config import Settings
-    from voxgate.engine.client import EngineClient, EngineConfig
+    from voxgate.engine.runtime.client import EngineClient, EngineConfig
 
     async def run() -> None:
         defaults = Settings(engine="torch")
@@ -332,7 +332,7 @@ async def _remote_client(url: str, streams: int) -> None:
     """One 'gateway': RemoteEngineClient with `streams` replies at once, started on the driver's go."""
     from bench_engine import concurrent
 
-    from voxgate.engine.remote import RemoteEngineClient
+    from voxgate.engine.cluster.remote import RemoteEngineClient
 
     client = RemoteEngineClient(url)
     await client.start()
@@ -361,7 +361,7 @@ def section_ray(args, rec: Recorder) -> None:
 
     import ray
 
-    from voxgate.engine.pool import STATS_PATH, PoolConfig, start_local
+    from voxgate.engine.cluster.pool import STATS_PATH, PoolConfig, start_local
 
     cuda = args.device == "cuda"
     cpus = max(1, min(4, _cores()))
@@ -416,7 +416,7 @@ def section_ray(args, rec: Recorder) -> None:
                 c.kill()
         if ray.is_initialized():
             # ray.shutdown() alone ends Serve with it; serve.shutdown() first would wait out the
-            # replica's draining period (engine.pool.DRAIN_S) for clients that are gone.
+            # replica's draining period (engine.cluster.pool.DRAIN_S) for clients that are gone.
             ray.shutdown()
 
 

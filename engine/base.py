@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 # What the piper engine's prior (text encoder and duration predictor) runs in on the CPU
-# (engine/graph_quant.py): its convolutions as int8 products, or all of it as exported.
+# (engine/piper/graph_quant.py): its convolutions as int8 products, or all of it as exported.
 # The choices and the default are the setting's (--engine-prior-precision).
 from ..config import PRIOR_PRECISIONS as PRIOR_PRECISIONS, Settings, threads_or_every_core
 

@@ -25,7 +25,7 @@ MAX_HELD_S = 0.2
 # once the last one is synthesized, long before it has played.
 MAX_ENDED = 1024
 
-# A unit as it travels: plain text, or speech-tag pieces (engine/tags.py, to_wire).
+# A unit as it travels: plain text, or speech-tag pieces (engine/text/tags.py, to_wire).
 UnitPayload = str | list
 
 
@@ -100,7 +100,7 @@ class Pong:
 
 @dataclass(slots=True)
 class Load:
-    """What the worker's synthesis costs and carries (engine/capacity.py), about once a second."""
+    """What the worker's synthesis costs and carries (engine/runtime/capacity.py), about once a second."""
 
     cost: float | None  # core-seconds of synthesis per second of audio, measured; None before any
     cores: float  # cores synthesis may use here (its step slots, within the usable cores)

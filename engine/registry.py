@@ -8,7 +8,7 @@ from .base import Engine, EngineError
 
 def create_engine(name: str, **options: object) -> Engine:
     if name == "piper":
-        from .piper_engine import PiperEngine
+        from .piper.piper_engine import PiperEngine
 
         return PiperEngine(**options)  # type: ignore[arg-type]
     if name == "tone":
@@ -16,11 +16,11 @@ def create_engine(name: str, **options: object) -> Engine:
 
         return ToneEngine(**options)  # type: ignore[arg-type]
     if name == "torch":
-        from .torch_engine import TorchEngine
+        from .torch_voices.torch_engine import TorchEngine
 
         return TorchEngine(**options)  # type: ignore[arg-type]
     if name == "cosyvoice2":
-        from .cosyvoice2 import CosyVoice2Engine
+        from .torch_voices.cosyvoice2 import CosyVoice2Engine
 
         return CosyVoice2Engine(**options)  # type: ignore[arg-type]
     raise EngineError(f"unknown engine {name!r}: choose one of {', '.join(ENGINES)}")

@@ -9,9 +9,9 @@
     stream.cancel()                    # at any moment
 
 The stream owns the order of units and the chunks' text; the text pipeline
-(engine/text_pipeline.py) cuts units; the transport carries them. Any client
+(engine/text/text_pipeline.py) cuts units; the transport carries them. Any client
 that implements `StreamTransport` and feeds `on_chunk` / `on_done` / `on_error`
-back can serve a `TTSStream`: the worker-process client (engine/client.py) does.
+back can serve a `TTSStream`: the worker-process client (engine/runtime/client.py) does.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 
 from . import proto
 from .base import AudioChunk, SynthesisOptions
-from .text_pipeline import TextPipeline
+from .text.text_pipeline import TextPipeline
 
 
 class StreamTransport(Protocol):

@@ -54,7 +54,7 @@ def checked_voice(engine, voice: object) -> str | None:
 
 
 class SttError(GatewayError):
-    """A caller turn the recognizer gave no text for (gateway/stt.py): stt_timeout, stt_failed, stt_busy."""
+    """A caller turn the recognizer gave no text for (gateway/caller/stt.py): stt_timeout, stt_failed, stt_busy."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(code, message)

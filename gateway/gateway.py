@@ -12,35 +12,35 @@ import time
 from collections.abc import Awaitable, Callable
 
 from ..config import Settings
-from ..engine.client import EngineClient, EngineConfig
-from . import av_internals, loop_internals, opus, priority, rtc_internals
-from .admission import Admission
-from .backend_link import BackendLink, Socket, check_room
-from .call_link import CallLink
-from .encoder import OpusSettings
+from ..engine.runtime.client import EngineClient, EngineConfig
+from .media import av_internals, loop_internals, opus, priority, rtc_internals
+from .load.admission import Admission
+from .backends.backend_link import BackendLink, Socket, check_room
+from .phone.call_link import CallLink
+from .media.encoder import OpusSettings
 from .errors import GatewayError, checked_voice
-from .feeder import listener_lag_s
-from .late_blame import address_tenant, key_tenant
-from .mic_charge import MicCharge
-from .ice import IcePolicy, parse_ice_server, parse_networks, restrict_host_addresses
-from .metrics import GatewayMetrics
-from .peer import PeerConnection
-from .protocol import Limits
-from .registry import SessionRegistry, TokenSigner
-from .relay import RelayLink
-from .relay_options import RelayOptions
-from .session import Session, SessionOptions
-from .vad import VadSettings
-from .caller_side import BargeInSettings
-from .endpoint import TurnSettings
-from .stt import SpeechToText
+from .media.feeder import listener_lag_s
+from .load.late_blame import address_tenant, key_tenant
+from .load.mic_charge import MicCharge
+from .webrtc.ice import IcePolicy, parse_ice_server, parse_networks, restrict_host_addresses
+from .load.metrics import GatewayMetrics
+from .webrtc.peer import PeerConnection
+from .sessions.protocol import Limits
+from .sessions.registry import SessionRegistry, TokenSigner
+from .backends.relay import RelayLink
+from .backends.relay_options import RelayOptions
+from .sessions.session import Session, SessionOptions
+from .caller.vad import VadSettings
+from .caller.caller_side import BargeInSettings
+from .caller.endpoint import TurnSettings
+from .caller.stt import SpeechToText
 
 log = logging.getLogger(__name__)
 
 
 
 def _engine_client(settings: Settings) -> EngineClient:
-    """The local worker, or the engine pool that --engine-url names (engine/remote.py)."""
+    """The local worker, or the engine pool that --engine-url names (engine/cluster/remote.py)."""
     config = EngineConfig(
         engine=settings.engine,
         voice=settings.voice,
@@ -57,7 +57,7 @@ def _engine_client(settings: Settings) -> EngineClient:
         log_json=settings.log_json,
     )
     if settings.engine_url:
-        from ..engine.remote import RemoteEngineClient
+        from ..engine.cluster.remote import RemoteEngineClient
 
         return RemoteEngineClient(settings.engine_url, config, direct=settings.engine_direct)
     return EngineClient(config)
@@ -66,7 +66,7 @@ def _engine_client(settings: Settings) -> EngineClient:
 def _check_compat() -> list[str]:
     """The dependencies other than aiortc whose internals the gateway reaches, each checked by its
     one module, in the words of the server's start-up line: PyAV's wheel (the libopus loaded) and
-    asyncio (the loop's waiting callbacks). Ray's is the engine pool's (engine/ray_internals.py)."""
+    asyncio (the loop's waiting callbacks). Ray's is the engine pool's (engine/cluster/ray_internals.py)."""
     try:
         path, version = opus.library()
         libopus = av_internals.summary(path, version)
@@ -91,8 +91,8 @@ class Gateway:
         )
         self.sessions: dict[str, Session] = {}
         self.peers: dict[str, PeerConnection] = {}
-        self.relays: dict[str, RelayLink] = {}  # sessions relayed to a ConversationRelay application (gateway/relay.py)
-        # Who made each session and what is attached to it; the client tokens (gateway/registry.py).
+        self.relays: dict[str, RelayLink] = {}  # sessions relayed to a ConversationRelay application (gateway/backends/relay.py)
+        # Who made each session and what is attached to it; the client tokens (gateway/sessions/registry.py).
         self.registry = SessionRegistry()
         self.tokens = TokenSigner(settings.token_secret, settings.token_ttl_s)
         # Sessions made without a key or token, and by which client address:
@@ -109,7 +109,7 @@ class Gateway:
         # Called with each new session and the API key that made it (the fleet's directory records it).
         self.on_session_created: list[Callable[[Session, str | None], None]] = []
         self._tasks: list[asyncio.Task] = []
-        # Every check that may refuse a new session or request (gateway/admission.py).
+        # Every check that may refuse a new session or request (gateway/load/admission.py).
         self.admission = Admission(self)
         # The speech recognizer every session's turns share (--stt, --stt-url); None: --stt none.
         self.stt = SpeechToText.from_settings(settings)
@@ -300,7 +300,7 @@ class Gateway:
         return session
 
     def tenant_of(self, session_id: str) -> str:
-        """Who a session's work is charged to when frames are late (gateway/late_blame.py): the API key
+        """Who a session's work is charged to when frames are late (gateway/load/late_blame.py): the API key
         that made it, else the address of an anonymous one, else the session itself."""
         key = self.registry.owner.get(session_id)
         if key is not None:
@@ -310,7 +310,7 @@ class Gateway:
 
     def joined(self, session_id: str) -> bool:
         """Whether a peer has connected to the session, or a call is attached: until then it does not
-        speak, and admission counts it for less, and only for a while (gateway/admission.py)."""
+        speak, and admission counts it for less, and only for a while (gateway/load/admission.py)."""
         if session_id in self.registry.calls:
             return True
         peer = self.peers.get(session_id)
@@ -355,19 +355,19 @@ class Gateway:
         return session_id
 
     def backend_room(self, session: Session, key: str | None) -> None:
-        """Raises GatewayError (429 watcher_limit) unless one more backend may attach (gateway/backend_link.py)."""
+        """Raises GatewayError (429 watcher_limit) unless one more backend may attach (gateway/backends/backend_link.py)."""
         check_room(self, session, key)
 
     def attach_backend(self, session: Session, socket: Socket, role: str, audio: bool, key: str | None = None,
                        abort: Callable[[], None] | None = None) -> BackendLink:
-        """A backend's WebSocket on the session (gateway/backend_link.py), until its `detach`; refused
+        """A backend's WebSocket on the session (gateway/backends/backend_link.py), until its `detach`; refused
         (GatewayError) past the limits on backends, checked here again with nothing awaited before it attaches."""
         check_room(self, session, key)
         return BackendLink(self, session, socket, role, audio, abort)
 
     def attach_call(self, session: Session, call: object, stream_sid: str, send: Callable[[dict], Awaitable[None]],
                     on_session_close: Callable[[], Awaitable[None]]) -> CallLink:
-        """A phone call as the session's output and input (gateway/call_link.py), until its `end`."""
+        """A phone call as the session's output and input (gateway/phone/call_link.py), until its `end`."""
         return CallLink(self.registry, session, call, stream_sid, send, on_session_close)
 
     def describe(self, session: Session) -> dict:
@@ -418,9 +418,9 @@ class Gateway:
         token; such sessions count against their own budget and a per-address limit.
         `key`: the API key making it, its owner from now on (None: made without one), limited
         to the sessions a key may hold; `made_ahead`: made through the session API, for an
-        output to join with a token. `relay`: the ConversationRelay application that drives it (gateway/relay.py);
+        output to join with a token. `relay`: the ConversationRelay application that drives it (gateway/backends/relay.py);
         a session made for an offer or a call without one takes --relay-url's. Refused (GatewayError) by admission
-        (gateway/admission.py).
+        (gateway/load/admission.py).
         """
         voice = checked_voice(self.engine, voice)
         registry = self.registry

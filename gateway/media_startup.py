@@ -1,8 +1,8 @@
 """The server process's media, set up at start and said once in the start-up lines: the media
-threads' priority (--media-priority, gateway/priority.py), where speech is encoded
-(--encode-threads, gateway/encode_pool.py), the addresses peers are offered (gateway/ice.py),
-and the fast paths taken (aiortc's internals, gateway/rtc_internals.py; echo cancellation,
-gateway/speex.py). signaling/server.py calls these at start and logs what they say, and imports
+threads' priority (--media-priority, gateway/media/priority.py), where speech is encoded
+(--encode-threads, gateway/media/encode_pool.py), the addresses peers are offered (gateway/webrtc/ice.py),
+and the fast paths taken (aiortc's internals, gateway/media/rtc_internals.py; echo cancellation,
+gateway/caller/speex.py). signaling/server.py calls these at start and logs what they say, and imports
 no media module itself.
 """
 
@@ -12,8 +12,10 @@ import asyncio
 import logging
 
 from ..config import Settings
-from . import ice, loop_internals, priority, rtc_internals, speex
-from .encode_pool import encode_pool, parse_threads
+from .webrtc import ice
+from .media import loop_internals, priority, rtc_internals
+from .caller import speex
+from .media.encode_pool import encode_pool, parse_threads
 
 log = logging.getLogger(__name__)
 

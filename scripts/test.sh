@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
-# espeak-ng speaks the callers of the barge-in tests; libspeexdsp1 is the echo canceller (gateway/speex.py);
+# espeak-ng speaks the callers of the barge-in tests; libspeexdsp1 is the echo canceller (gateway/caller/speex.py);
 # coturn is the TURN server the relay-only browser tests connect through (tests/web/test_turn_server.py).
 if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/redis-server ] || [ ! -x /usr/bin/espeak-ng ] \
     || [ ! -x /usr/bin/turnserver ] || [ ! -x /usr/bin/openssl ] || ! ldconfig -p | grep -q libspeexdsp.so.1; then

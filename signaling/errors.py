@@ -8,7 +8,7 @@ import asyncio
 from aiohttp import web
 
 from ..gateway.errors import GatewayError
-from ..gateway.protocol import decode_json
+from ..gateway.sessions.protocol import decode_json
 
 
 def error_response(error: GatewayError) -> web.Response:

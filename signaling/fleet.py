@@ -1,7 +1,7 @@
 """Any gateway answers about any session: routing through the session directory.
 
 With `--redis-url`, a request about a session this gateway does not hold is
-looked up in the directory (gateway/directory.py) and proxied to the gateway
+looked up in the directory (gateway/fleet/directory.py) and proxied to the gateway
 that holds it (signaling/fleet_proxy.py): `GET`/`DELETE /v1/sessions/{id}`, its ICE candidates, an offer
 that joins it, its TURN credentials (`GET /v1/ice-servers` with its client
 token), and the backend WebSocket (frame by frame, both ways). Proxied,
@@ -15,7 +15,7 @@ access. Before it costs a lookup, a request must authenticate here too: a
 valid API key (the session's owner is checked against the record before the
 key goes anywhere), or a client token for the session it names (gateways
 share --token-secret). A record is followed only when its signature holds and
-it names a gateway of the fleet (gateway/directory.py), so nobody who can
+it names a gateway of the fleet (gateway/fleet/directory.py), so nobody who can
 write to Redis alone can send a caller's key elsewhere. The target is the
 holder's URL and the request's path and query (never the raw request line,
 which may be absolute). It adds one hop header, which can only take routing away: a request
@@ -23,7 +23,7 @@ that carries it is answered locally, so a stale record never bounces requests
 between gateways.
 
 Placement (signaling/fleet_placement.py): each gateway publishes its load (its speech budget and demand,
-gateway/admission.py) in the directory. `POST /v1/sessions` on any gateway
+gateway/load/admission.py) in the directory. `POST /v1/sessions` on any gateway
 makes the session on the gateway with the most headroom: here, unless another
 one of the fleet has room for a session (--talk-share) and more headroom than
 this one; then the request is sent there (once: the hop header) and its answer,
@@ -48,8 +48,8 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import Counter, Gauge
 
-from ..gateway.directory import Directory
-from ..gateway.directory_records import key_id
+from ..gateway.fleet.directory import Directory
+from ..gateway.fleet.directory_records import key_id
 from ..gateway.errors import GatewayError
 from .errors import MAX_CANDIDATE_BYTES, MAX_OFFER_BYTES, READ_AHEAD, error_response, read_body
 from .fleet_placement import place, settle_new_session

@@ -1,5 +1,5 @@
 """Placement: a new session (`POST /v1/sessions`) made on the gateway of the fleet with the
-most headroom, from the loads the gateways publish in the directory (gateway/directory.py),
+most headroom, from the loads the gateways publish in the directory (gateway/fleet/directory.py),
 and a new session's id given out only once the directory has it.
 """
 
@@ -15,7 +15,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import Counter
 
-from ..gateway.directory import Directory
+from ..gateway.fleet.directory import Directory
 from ..gateway.errors import GatewayError
 from ..gateway.gateway import Gateway
 from .errors import READ_AHEAD, error_response, read_body

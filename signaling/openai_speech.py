@@ -9,7 +9,7 @@
 
 Only the body differs from `POST /v1/tts`: everything else (the API key, the
 concurrency slots, the audio cap, the engine, the errors, streaming as audio is
-made) is signaling/tts_http.py's `serve_speech`; OpenAI's formats are gateway/http_audio.py's
+made) is signaling/tts_http.py's `serve_speech`; OpenAI's formats are gateway/peerless/http_audio.py's
 OPENAI_FORMATTERS. See docs/http-tts.md.
 """
 
@@ -19,7 +19,7 @@ from aiohttp import web
 
 from ..engine.base import SynthesisOptions
 from ..gateway.errors import GatewayError, checked_voice
-from ..gateway.peerless_speech import format_names
+from ..gateway.peerless.peerless_speech import format_names
 from . import tts_http
 
 FORMATS = format_names("openai")  # mp3, opus, aac, flac, wav, pcm (24 kHz, as OpenAI's is)

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from ..config import Settings
-from ..engine.client import EngineClient
+from ..engine.runtime.client import EngineClient
 from ..gateway.errors import GatewayError
 from ..gateway import heap, media_startup
 from ..gateway.gateway import Gateway
@@ -117,7 +117,7 @@ async def handle_readyz(request: web.Request) -> web.Response:
     ready, why = gw.admission.ready()
     load = gw.admission.figures
     body: dict[str, object] = {"ready": ready, "engine": gw.engine.ready, "accepting": gw.accepting, "sessions": gw.session_count,
-            # Admission's view (gateway/admission.py), in seconds of audio per second.
+            # Admission's view (gateway/load/admission.py), in seconds of audio per second.
             "budget_rtf": round(load.budget, 2) if load.budget != float("inf") else None,
             "demand_rtf": round(load.expected, 2)}
     if why is not None:

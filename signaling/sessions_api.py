@@ -18,11 +18,11 @@ import logging
 
 from aiohttp import WSMsgType, web
 
-from ..gateway.backend_link import AUDIO_FORMATS
-from ..gateway.session import Session
+from ..gateway.backends.backend_link import AUDIO_FORMATS
+from ..gateway.sessions.session import Session
 from ..gateway.errors import GatewayError, checked_voice
-from ..gateway.registry import TokenSigner
-from ..gateway.relay_options import parse_options as parse_relay
+from ..gateway.sessions.registry import TokenSigner
+from ..gateway.backends.relay_options import parse_options as parse_relay
 from .errors import error_response, read_json_object
 
 log = logging.getLogger(__name__)
@@ -162,7 +162,7 @@ async def handle_delete(request: web.Request) -> web.Response:
 # The backend WebSocket
 async def handle_ws(request: web.Request) -> web.StreamResponse:
     """Checks the request and wires the socket; the gateway's BackendLink
-    (gateway/backend_link.py) does the rest: role, events, the caller's audio."""
+    (gateway/backends/backend_link.py) does the rest: role, events, the caller's audio."""
     key = check_api_key(request)
     session = _session_or_404(request, key)
     role = request.query.get("role", "writer")
@@ -202,7 +202,7 @@ async def handle_ws(request: web.Request) -> web.StreamResponse:
 
 
 def add_routes(app: web.Application) -> None:
-    # The gateway's own client tokens (gateway/registry.py), under a key the routes share.
+    # The gateway's own client tokens (gateway/sessions/registry.py), under a key the routes share.
     app[SIGNER] = app["gateway"].tokens
     app.router.add_post("/v1/sessions", handle_create)
     app.router.add_get("/v1/sessions", handle_list)

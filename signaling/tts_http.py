@@ -11,9 +11,9 @@ required here too. See docs/http-tts.md.
 `serve_speech` is the one way a request becomes streamed audio: OpenAI's
 `POST /v1/audio/speech` (signaling/openai_speech.py) goes through it too, with
 its own parsing of the body. This module parses, authenticates and writes the response;
-the request's utterance (its slot, stream, audio cap and cancel) is gateway/speech_contexts.py's
+the request's utterance (its slot, stream, audio cap and cancel) is gateway/peerless/speech_contexts.py's
 `PeerlessUtterance`, as each TTS WebSocket context's is, and its audio's format, threads, price
-and pace are gateway/http_audio.py's.
+and pace are gateway/peerless/http_audio.py's.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from aiohttp import web
 
 from ..engine.base import SynthesisOptions
 from ..gateway.errors import GatewayError, checked_voice
-from ..gateway.late_blame import address_tenant, key_tenant
-from ..gateway.peerless_speech import HttpSpeech, format_names, open_http_speech
+from ..gateway.load.late_blame import address_tenant, key_tenant
+from ..gateway.peerless.peerless_speech import HttpSpeech, format_names, open_http_speech
 from .errors import error_response, read_json_object
 from .http_guard import RateLimitedLog, client_address
 from .sessions_api import check_api_key
@@ -71,7 +71,7 @@ class SpeechRequest:
     text: str
     fmt: str  # the format's name, for X-Audio-Format and the log
     options: SynthesisOptions
-    family: str = "tts"  # whose formats `fmt` is one of (gateway/peerless_speech.format_names)
+    family: str = "tts"  # whose formats `fmt` is one of (gateway/peerless/peerless_speech.format_names)
     sse: bool = False  # the audio as server-sent events (OpenAI's stream_format "sse")
 
 
@@ -111,7 +111,7 @@ async def serve_speech(request: web.Request, parse: Callable[..., SpeechRequest]
 
 
 def _shed(request: web.Request, why: str) -> None:
-    """A request's encodes were blamed for late frames (gateway/late_blame.py): it is cut."""
+    """A request's encodes were blamed for late frames (gateway/load/late_blame.py): it is cut."""
     _client_log(log.warning, f"tts: a request was cut: {why}")
     if request.transport is not None:
         request.transport.abort()
@@ -194,7 +194,7 @@ async def _synthesize(request: web.Request, gw, job: SpeechRequest, speech: Http
         try:
             async for data in speech.pieces():
                 await body.write(data)
-        except GatewayError as exc:  # the engine failed (gateway/speech_request.py)
+        except GatewayError as exc:  # the engine failed (gateway/peerless/speech_request.py)
             # Headers are gone: cut the body short so the client sees it incomplete.
             log.warning("tts: engine failed mid-response: %s", exc)
             if request.transport is not None:

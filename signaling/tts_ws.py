@@ -7,8 +7,8 @@ next reply while the last one is being cancelled. The messages are in
 docs/tts-websocket.md.
 
 This module parses, authenticates, routes and writes frames. The contexts are
-gateway/speech_contexts.py's `SpeechContexts` (how many, their text, their idle end,
-their audio's format and word timings), each a gateway/peerless_speech.py
+gateway/peerless/speech_contexts.py's `SpeechContexts` (how many, their text, their idle end,
+their audio's format and word timings), each a gateway/peerless/peerless_speech.py
 `PeerlessUtterance` (its slot, stream, audio cap and cancel), the model `POST /v1/tts`
 uses too. Bounded here: bytes and messages a second per connection
 (--max-message-bytes, --max-messages-per-s), text per message (--max-text-chars),
@@ -28,8 +28,8 @@ import time
 from aiohttp import WSMsgType, web
 
 from ..gateway.errors import GatewayError, checked_voice
-from ..gateway.protocol import RateLimiter, decode_json
-from ..gateway.speech_contexts import (CONTEXT_FORMATS, ContextAudio, ContextCancelled, ContextDone, ContextError,
+from ..gateway.sessions.protocol import RateLimiter, decode_json
+from ..gateway.peerless.speech_contexts import (CONTEXT_FORMATS, ContextAudio, ContextCancelled, ContextDone, ContextError,
                                        ContextOutput, SpeechContexts)
 from .errors import error_response
 from .http_guard import RateLimitedLog, client_address
@@ -56,7 +56,7 @@ def _clean(value: object, limit: int = 64) -> str:
 
 class Connection:
     """One connection's socket: its one writer, the client's messages parsed and routed to its
-    contexts (gateway/speech_contexts.py), and the events they make written as JSON frames."""
+    contexts (gateway/peerless/speech_contexts.py), and the events they make written as JSON frames."""
 
     def __init__(self, request: web.Request, ws: web.WebSocketResponse, caller: str, output: ContextOutput,
                  voice: str | None) -> None:

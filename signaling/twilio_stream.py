@@ -10,7 +10,7 @@ it drives the call. Otherwise the call gets a new session, unless the server
 requires API keys or tokens. Caller audio goes through the session's VAD, so
 a caller talking over the bot interrupts it just as a browser microphone does,
 and on to the backends that ask for it (`?audio=pcm16`), upsampled to 16 kHz
-(gateway/twilio_input.py).
+(gateway/phone/twilio_input.py).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from collections import OrderedDict
 
 from aiohttp import WSMsgType, web
 
-from ..gateway.session import Session
-from ..gateway.call_link import CallLink
-from ..gateway.protocol import RateLimiter, decode_json
-from ..gateway.relay_options import options_from_parameters
+from ..gateway.sessions.session import Session
+from ..gateway.phone.call_link import CallLink
+from ..gateway.sessions.protocol import RateLimiter, decode_json
+from ..gateway.backends.relay_options import options_from_parameters
 from ..gateway.errors import GatewayError
 from .errors import error_response
 from .http_guard import RateLimitedLog, client_address
@@ -143,7 +143,7 @@ class TwilioCall:
         self.tracks: list[str] = []
         self.media_in = 0
         self.dtmf: list[str] = []
-        self.link: CallLink | None = None  # the session's side of the call (gateway/call_link.py), once started
+        self.link: CallLink | None = None  # the session's side of the call (gateway/phone/call_link.py), once started
 
     def describe(self) -> dict:
         return {

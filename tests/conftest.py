@@ -36,7 +36,7 @@ def loopback_offer_sdp() -> str:
     """A real offer from aiortc (audio recvonly + data channel), ICE on loopback."""
     from aiortc import RTCConfiguration, RTCPeerConnection
 
-    from voxgate.gateway.ice import restrict_host_addresses
+    from voxgate.gateway.webrtc.ice import restrict_host_addresses
 
     async def make() -> str:
         restrict_host_addresses(["127.0.0.1"])

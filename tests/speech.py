@@ -40,7 +40,7 @@ def word_error_rate(reference: str, hypothesis: str) -> float:
 def the_voice():
     """The embedded voice as the engine loads it by default (one thread), loaded once for the whole
     run (~2 s a load): the tests that use it start their own jobs and leave its settings as they were."""
-    from voxgate.engine.piper_engine import PiperEngine
+    from voxgate.engine.piper.piper_engine import PiperEngine
 
     engine = PiperEngine(threads=1)
     engine.load()

@@ -1,10 +1,10 @@
-"""The dependencies whose internals the product reaches, other than aiortc's (gateway/rtc_internals.py and
+"""The dependencies whose internals the product reaches, other than aiortc's (gateway/media/rtc_internals.py and
 tests/gateway/test_rtc_internals.py): each reach lives in one module for its dependency, pinned where a pin
 can hold it, checked at start and said in the start-up line.
 
-- Ray: engine/ray_internals.py (Serve's controller, `ray.serve._private`);
-- PyAV: gateway/av_internals.py (the wheel's `av.libs` folder, where its libopus ships);
-- asyncio: gateway/loop_internals.py (the loop's `_ready` queue);
+- Ray: engine/cluster/ray_internals.py (Serve's controller, `ray.serve._private`);
+- PyAV: gateway/media/av_internals.py (the wheel's `av.libs` folder, where its libopus ships);
+- asyncio: gateway/media/loop_internals.py (the loop's `_ready` queue);
 - prometheus-client: none; its metrics are read through their public API, and admission keeps its own counts.
 """
 
@@ -20,8 +20,8 @@ import pytest
 from packaging.requirements import Requirement
 
 from tests.conftest import in_process_gateway
-from voxgate.engine import ray_internals
-from voxgate.gateway import av_internals, loop_internals, opus
+from voxgate.engine.cluster import ray_internals
+from voxgate.gateway.media import av_internals, loop_internals, opus
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -30,9 +30,9 @@ else:  # pragma: no cover
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PRODUCT = ("voxgate", "signaling", "gateway", "engine", "bench")
-RAY_HOME = pathlib.Path("engine/ray_internals.py")
-AV_HOME = pathlib.Path("gateway/av_internals.py")
-LOOP_HOME = pathlib.Path("gateway/loop_internals.py")
+RAY_HOME = pathlib.Path("engine/cluster/ray_internals.py")
+AV_HOME = pathlib.Path("gateway/media/av_internals.py")
+LOOP_HOME = pathlib.Path("gateway/media/loop_internals.py")
 RAY_HINT = 'Ray is the engine pool\'s: pip install ".[scale]" in the clone (as tests/pool/ need)'
 
 
@@ -115,8 +115,8 @@ def private_reaches(files: dict[pathlib.Path, str]) -> list[str]:
                     found.append(f"{where}: .{node.attr}")
                 elif node.attr == "_private" and path != RAY_HOME:
                     found.append(f"{where}: ._private")
-    # engine/remote_stream.py uses RemoteEngineClient's public interface (remote_stream.PoolClient).
-    stream = pathlib.Path("engine/remote_stream.py")
+    # engine/cluster/remote_stream.py uses RemoteEngineClient's public interface (remote_stream.PoolClient).
+    stream = pathlib.Path("engine/cluster/remote_stream.py")
     if stream in files:
         for node in ast.walk(ast.parse(files[stream])):
             if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
@@ -149,7 +149,7 @@ def test_the_scan_finds_each_kind_of_reach():
             self._value = 1  # its own: fine
             return client._streams
     ''')
-    found = private_reaches({pathlib.Path("engine/remote_stream.py"): reaching})
+    found = private_reaches({pathlib.Path("engine/cluster/remote_stream.py"): reaching})
     assert sorted(line.split(": ", 1)[1] for line in found) == sorted([
         "from ray.serve._private.common import ...", "import ray.serve._private.constants", "'av.libs'",
         "'_ready'", "._ready", "._value", "._buckets", "client._streams",

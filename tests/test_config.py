@@ -106,13 +106,13 @@ print(json.dumps(out))
 
 def test_defaults_are_written_once():
     """The gateway's and the engine's dataclasses take their defaults from the settings."""
-    from voxgate.engine.client import EngineConfig
-    from voxgate.engine.pool import PoolConfig
-    from voxgate.engine.text_pipeline import FIRST_UNIT_TIMEOUT_S
-    from voxgate.gateway.encoder import OpusSettings
-    from voxgate.gateway.protocol import Limits
-    from voxgate.gateway.session import SessionOptions
-    from voxgate.gateway.vad import VadSettings
+    from voxgate.engine.runtime.client import EngineConfig
+    from voxgate.engine.cluster.pool import PoolConfig
+    from voxgate.engine.text.text_pipeline import FIRST_UNIT_TIMEOUT_S
+    from voxgate.gateway.media.encoder import OpusSettings
+    from voxgate.gateway.sessions.protocol import Limits
+    from voxgate.gateway.sessions.session import SessionOptions
+    from voxgate.gateway.caller.vad import VadSettings
 
     s, opus, vad, limits = Settings(), OpusSettings(), VadSettings(), Limits()
     assert (opus.bitrate, opus.fec, opus.dtx, opus.dtx_when_asked, opus.complexity, opus.signal) == (
@@ -130,8 +130,8 @@ def test_defaults_are_written_once():
         pool_settings.engine, pool_settings.replica_cpus, pool_settings.max_ongoing_requests)
 
     # ... and write no literal of their own for a setting's default.
-    owners = {"gateway/encoder.py": "OpusSettings", "gateway/vad.py": "VadSettings", "gateway/protocol.py": "Limits",
-              "gateway/session.py": "SessionOptions", "engine/client.py": "EngineConfig", "engine/pool_host.py": "PoolConfig"}
+    owners = {"gateway/media/encoder.py": "OpusSettings", "gateway/caller/vad.py": "VadSettings", "gateway/sessions/protocol.py": "Limits",
+              "gateway/sessions/session.py": "SessionOptions", "engine/runtime/client.py": "EngineConfig", "engine/cluster/pool_host.py": "PoolConfig"}
     setting_names = {f.name for kind in (Settings, PoolSettings) for f in fields(kind)}
     for path, name in owners.items():
         tree = ast.parse(open(os.path.join(ROOT, path), encoding="utf-8").read())

@@ -1,5 +1,5 @@
 """No function in the product over MAX_LINES lines (issue 55's shape of the code): a longer one is cut by
-concept, as engine/scheduler.py's dispatch was (choose, begin, batch, launch)."""
+concept, as engine/runtime/scheduler.py's dispatch was (choose, begin, batch, launch)."""
 
 from __future__ import annotations
 

@@ -11,11 +11,17 @@ Python's installed mapping does not point at.
 from __future__ import annotations
 
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
 
 from tests.conftest import ROOT
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 HINT = "pip install -e ."
 
@@ -49,3 +55,18 @@ def test_the_installed_package_runs_from_anywhere(tmp_path):
     proc = run(["-m", "voxgate", "--help"], str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-800:]
     assert "serve" in proc.stdout
+
+
+def test_every_package_folder_is_in_pyprojects_package_list():
+    """A subpackage missing from `packages` imports from a clone (the editable install maps whole folders)
+    but is left out of a wheel and of the containers' `pip install .`; so the list names every folder that
+    holds an __init__.py, and nothing else."""
+    setuptools = tomllib.loads((pathlib.Path(ROOT) / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {package: pathlib.Path(ROOT) / folder for package, folder in setuptools["package-dir"].items()}
+    found = set()
+    for package, folder in folders.items():
+        for init in folder.rglob("__init__.py"):
+            if "__pycache__" not in init.parts:
+                found.add(".".join([package, *init.parent.relative_to(folder).parts]))
+    assert {"voxgate.gateway.media", "voxgate.engine.runtime"} <= found
+    assert sorted(setuptools["packages"]) == sorted(found)

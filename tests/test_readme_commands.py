@@ -142,5 +142,5 @@ def strip_candidates(sdp: str) -> str:
 def test_log_level_reaches_the_engine_worker(server_factory):
     server = server_factory("tone", ["--log-level", "DEBUG", "--log-json"])
     entries = server.log_entries()
-    worker = [e for e in entries if e["logger"] == "voxgate.engine.worker"]
+    worker = [e for e in entries if e["logger"] == "voxgate.engine.runtime.worker"]
     assert worker and worker[0]["level"] == "DEBUG" and "engine tone loaded" in worker[0]["message"], entries

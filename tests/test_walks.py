@@ -84,9 +84,9 @@ def test_a_walk_names_few_modules_and_each_name_is_in_one_of_them(title):
 
 
 def test_a_name_that_moved_is_caught():
-    modules = [importlib.import_module("voxgate.gateway.session_queue")]
+    modules = [importlib.import_module("voxgate.gateway.sessions.session_queue")]
     assert resolve(modules, "UtteranceQueue", "interrupt")
     assert not resolve(modules, "UtteranceQueue", "vad_events")  # the caller side's, not the queue's
     assert not resolve(modules, "CallerSide", "vad_events")  # right name, but its module is not in the walk
-    caller = [importlib.import_module("voxgate.gateway.caller_side")]
+    caller = [importlib.import_module("voxgate.gateway.caller.caller_side")]
     assert resolve(caller, "CallerSide", "echo") and not resolve(caller, "CallerSide", "ech")  # set in __init__

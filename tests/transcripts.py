@@ -1,4 +1,4 @@
-"""Caller turns for the recognizer (gateway/stt.py): the corpus's espeak-ng callers, and WER over turns."""
+"""Caller turns for the recognizer (gateway/caller/stt.py): the corpus's espeak-ng callers, and WER over turns."""
 
 from __future__ import annotations
 

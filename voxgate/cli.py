@@ -31,7 +31,7 @@ def _serve(args: argparse.Namespace) -> int:
     from .signaling.server import run
 
     from .engine.errors import EngineUnavailable
-    from .gateway.priority import PriorityError
+    from .gateway.media.priority import PriorityError
 
     setup_logging(settings.log_level, settings.log_json)
     shown = secrets_on_command_line(sys.argv[1:], SECRETS)
@@ -72,7 +72,7 @@ async def _say_async(args: argparse.Namespace) -> int:
     import numpy as np
 
     from .engine.base import SynthesisOptions
-    from .engine.client import EngineClient, EngineConfig
+    from .engine.runtime.client import EngineClient, EngineConfig
     from .engine.errors import EngineUnavailable
 
     client = EngineClient(
@@ -141,7 +141,7 @@ def _engine_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"voxgate: {exc}", file=sys.stderr)
         return 2
-    from .engine.pool import PoolConfig, serve_forever
+    from .engine.cluster.pool import PoolConfig, serve_forever
 
     config = PoolConfig(
         engine=settings.engine, voice=settings.voice, voice_dir=settings.voice_dir, device=settings.device,

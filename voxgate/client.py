@@ -27,7 +27,7 @@ from urllib.parse import urlencode
 import aiohttp
 import numpy as np
 
-from .gateway.caller_audio import FRAME_HEADER
+from .gateway.caller.caller_audio import FRAME_HEADER
 
 # A long call's events kept in `history`, and those left for `wait_for` unread: past either, the oldest go.
 MAX_HISTORY = 10000

@@ -37,18 +37,18 @@ SECRETS = ("api_key", "token_secret", "turn_secret", "twilio_auth_token", "redis
 ENGINES = ("piper", "tone", "torch", "cosyvoice2")  # engine/registry.py
 DEVICES = ("auto", "cpu", "cuda")
 SPIN_POLICIES = ("auto", "always", "never")  # engine/other_load.py
-PRIOR_PRECISIONS = ("int8", "float32")  # engine/graph_quant.py
-SIGNAL_POLICIES = ("auto", "voice", "music")  # gateway/fec.py
-RTP_SENDERS = ("voxgate", "aiortc")  # gateway/rtp_send.py
-MEDIA_PRIORITIES = ("normal", "realtime")  # gateway/priority.py
-STT_ENGINES = ("none", "pocketsphinx", "whisper")  # gateway/stt.py; --stt-url names the other kind
+PRIOR_PRECISIONS = ("int8", "float32")  # engine/piper/graph_quant.py
+SIGNAL_POLICIES = ("auto", "voice", "music")  # gateway/media/fec.py
+RTP_SENDERS = ("voxgate", "aiortc")  # gateway/media/rtp_send.py
+MEDIA_PRIORITIES = ("normal", "realtime")  # gateway/media/priority.py
+STT_ENGINES = ("none", "pocketsphinx", "whisper")  # gateway/caller/stt.py; --stt-url names the other kind
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-MAX_ENCODE_THREADS = 64  # gateway/encode_pool.py
+MAX_ENCODE_THREADS = 64  # gateway/media/encode_pool.py
 RATE_RANGE = (0.25, 4.0)  # speaking rates a client (session.update) or `voxgate say --rate` may ask for
 # --gc-young-threshold (gateway/heap.py): below 50 a young collection runs every few frames' worth of
 # objects; above 100,000 the young set, and so each pause, grows past anything measured.
 YOUNG_THRESHOLD_RANGE = (50, 100000)
-MIN_INTERRUPT_RANGE = (20, 5000)  # barge_in.min_interrupt_ms, by flag or session.update (gateway/caller_side.py)
+MIN_INTERRUPT_RANGE = (20, 5000)  # barge_in.min_interrupt_ms, by flag or session.update (gateway/caller/caller_side.py)
 
 # Where `voxgate serve --help` lists a setting, in this order.
 LISTENING = "listening"
@@ -78,7 +78,7 @@ SETTINGS_DOC = "docs/settings.md"
 
 def play_origin(url: str) -> str | None:
     """The origin (scheme://host[:port], lower case, no default port) of an http(s) URL, or None if
-    it has none. --relay-play-origin must be exactly an origin; gateway/relay_play.py compares with it."""
+    it has none. --relay-play-origin must be exactly an origin; gateway/backends/relay_play.py compares with it."""
     try:
         parts = urlsplit(url.strip())
         port = parts.port
@@ -122,12 +122,12 @@ class Settings:
     device: str = setting("auto", VOICE, "where the engine runs", choices=DEVICES)
     first_unit_timeout_ms: int = setting(350, VOICE, "speak first words after this long without a clause end",
                                          low=20, high=10000)
-    # An engine pool (engine/pool.py) to synthesize on instead of a local worker.
+    # An engine pool (engine/cluster/pool.py) to synthesize on instead of a local worker.
     engine_url: str | None = setting(None, VOICE, "an engine pool on Ray Serve to synthesize on",
                                      shown="a local worker", metavar="URL")
     # Send streams straight to the pool's replicas when it lists them (Serve's direct ingress).
     engine_direct: bool = setting(True, VOICE, "with --engine-url: streams go straight to the replicas")
-    # The cosyvoice2 engine (engine/cosyvoice2.py): a model directory and a zero-shot prompt or a built-in speaker.
+    # The cosyvoice2 engine (engine/torch_voices/cosyvoice2.py): a model directory and a zero-shot prompt or a built-in speaker.
     cosyvoice_model: str | None = setting(None, VOICE, "cosyvoice2: the model directory", metavar="DIR")
     cosyvoice_prompt_wav: str | None = setting(None, VOICE, "cosyvoice2: a zero-shot prompt, 16 kHz speech", metavar="FILE")
     cosyvoice_prompt_text: str = setting("", VOICE, "cosyvoice2: the prompt's transcript", metavar="TEXT")
@@ -151,7 +151,7 @@ class Settings:
     # Chosen with bench/bench_barge_in.py (docs/barge-in.md): real interruptions over a -10 dB echo within 300 ms.
     min_interrupt_ms: int = setting(200, MEDIA, "caller speech before it interrupts the bot (else a backchannel)",
                                     low=MIN_INTERRUPT_RANGE[0], high=MIN_INTERRUPT_RANGE[1])
-    # Speech recognition on each VAD turn (gateway/stt.py): embedded, or an OpenAI-compatible endpoint.
+    # Speech recognition on each VAD turn (gateway/caller/stt.py): embedded, or an OpenAI-compatible endpoint.
     stt: str = setting("none", RECOGNITION, "recognize caller turns (speech.transcript)", choices=STT_ENGINES)
     stt_url: str | None = setting(None, RECOGNITION, "or with this OpenAI-compatible /v1/audio/transcriptions API",
                                   metavar="URL")
@@ -164,14 +164,14 @@ class Settings:
     stt_max_concurrent: int = setting(2, RECOGNITION, "turns recognized at once, in total", low=1, high=1024)
     stt_max_turn_s: float = setting(30.0, RECOGNITION, "a longer turn is recognized in pieces this long",
                                     low=1.0, high=600.0)
-    # The end of a caller's turn as a decision (gateway/endpoint.py), and partial transcripts during it.
+    # The end of a caller's turn as a decision (gateway/caller/endpoint.py), and partial transcripts during it.
     turn_min_silence_ms: int = setting(250, RECOGNITION, "silence that ends a turn that reads as finished",
                                        low=100, high=5000)
     turn_max_silence_ms: int = setting(1200, RECOGNITION, "silence that ends a turn that does not",
                                        low=100, high=10000)
     stt_partial_ms: int = setting(700, RECOGNITION, "a partial transcript at most this often (0: none; whisper)",
                                   low=0, high=10000)
-    # ConversationRelay (gateway/relay.py): Voxgate opens a WebSocket to the application, as the vendors do.
+    # ConversationRelay (gateway/backends/relay.py): Voxgate opens a WebSocket to the application, as the vendors do.
     relay_url: str | None = setting(None, RELAY, "relay calls and offers made without one to this ws(s):// app",
                                     metavar="URL")
     relay_allow_private: bool = setting(False, RELAY, "let relay URLs reach loopback and private addresses")
@@ -185,7 +185,7 @@ class Settings:
                                               high=10000.0)
     relay_apology: str = setting("Sorry, something went wrong. Goodbye.", RELAY, "said when a relay app fails",
                                  shown="an apology", metavar="TEXT")
-    # A relay app's `play` (gateway/relay_play.py): audio fetched from these origins only, bounded.
+    # A relay app's `play` (gateway/backends/relay_play.py): audio fetched from these origins only, bounded.
     relay_play_origin: list[str] = setting([], RELAY, "an origin relay `play` may fetch from (repeatable)",
                                            shown="none", metavar="ORIGIN")
     relay_play_max_bytes: int = setting(8388608, RELAY, "bytes one relay `play` may fetch",
@@ -226,7 +226,7 @@ class Settings:
                                                low=1, high=1000000, zero="no limit")
     telephony_start_timeout_s: float = setting(10.0, LIMITS, "close a Twilio stream without 'start' by then",
                                                low=1.0, high=600.0)
-    # What one WebRTC peer's microphone may cost (gateway/ssrcs.py, gateway/mic.py; docs/security.md).
+    # What one WebRTC peer's microphone may cost (gateway/media/ssrcs.py, gateway/caller/mic.py; docs/security.md).
     max_ssrcs: int = setting(4, LIMITS, "SSRCs a WebRTC peer may send from; others are dropped unread", low=1, high=64)
     mic_max_packets_per_s: float = setting(200.0, LIMITS, "microphone packets read a second per WebRTC peer",
                                            low=10.0, high=100000.0)
@@ -239,12 +239,12 @@ class Settings:
                                    low=0.5, high=600.0)
     tts_ws_context_idle_s: float = setting(20.0, LIMITS, "a /v1/tts/ws context with no new text this long ends",
                                            low=1.0, high=3600.0)
-    # Admission by measured headroom (gateway/admission.py; how to choose them: docs/scaling.md).
+    # Admission by measured headroom (gateway/load/admission.py; how to choose them: docs/scaling.md).
     talk_share: float = setting(0.4, LIMITS, "share of the time a conversation is expected to speak", low=0.05, high=1.0)
     ready_margin: float = setting(0.1, LIMITS, "share of the speech budget /readyz keeps free", low=0.0, high=0.5)
     synthesis_budget: float = setting(0.0, LIMITS, "seconds of audio per second the node may speak", low=0.1,
                                       high=100000.0, zero="measured")
-    # Sessions that do not speak yet (gateway/admission.py; docs/security.md, issue 53).
+    # Sessions that do not speak yet (gateway/load/admission.py; docs/security.md, issue 53).
     unjoined_share: float = setting(0.5, LIMITS, "share of --talk-share a session not yet connected counts",
                                     low=0.0, high=1.0)
     unjoined_hold_s: float = setting(30.0, LIMITS, "how long a session not yet connected counts at all; then 0",
@@ -293,18 +293,18 @@ class Settings:
                                choices=SPIN_POLICIES)
     engine_prior_precision: str = setting("int8", TUNING, "piper on the CPU: the prior's precision",
                                           choices=PRIOR_PRECISIONS)
-    # A new stream waits while starting it would make started speech run dry (engine/scheduler.py);
+    # A new stream waits while starting it would make started speech run dry (engine/runtime/scheduler.py);
     # off, every stream starts at once, as before issue 41 (bench/bench_burst.py compares the two).
     engine_hold_new: bool = setting(True, TUNING, "hold a new stream while started speech needs the cores")
-    # The worker answers a ping from its scheduling loop; one silent this long is killed and restarted (engine/client.py).
+    # The worker answers a ping from its scheduling loop; one silent this long is killed and restarted (engine/runtime/client.py).
     engine_ping_timeout_s: float = setting(10.0, TUNING, "restart a worker silent to a ping this long",
                                            low=0.5, high=600.0, zero="off")
-    # Who builds the speech track's RTP packets (gateway/rtp_send.py).
+    # Who builds the speech track's RTP packets (gateway/media/rtp_send.py).
     rtp_sender: str = setting("voxgate", TUNING, "who builds the speech RTP packets", choices=RTP_SENDERS)
-    # How the OS schedules the event loop and the threads it waits on (gateway/priority.py).
+    # How the OS schedules the event loop and the threads it waits on (gateway/media/priority.py).
     media_priority: str = setting("normal", TUNING, "realtime: SCHED_FIFO for the event loop",
                                   choices=MEDIA_PRIORITIES)
-    # Threads that resample and encode speech; 0: on the event loop (gateway/encode_pool.py).
+    # Threads that resample and encode speech; 0: on the event loop (gateway/media/encode_pool.py).
     encode_threads: str = setting("0", TUNING, "threads encoding speech (0: on the event loop)",
                                   choices=("auto",), low=0, high=MAX_ENCODE_THREADS, metavar="N")
     # At the latest, seconds between full garbage collections; 0: CPython's own schedule (gateway/heap.py).
@@ -463,7 +463,7 @@ class Settings:
 
 @dataclass
 class PoolSettings:
-    """`voxgate engine serve`: a local engine pool on Ray Serve (engine/pool.py)."""
+    """`voxgate engine serve`: a local engine pool on Ray Serve (engine/cluster/pool.py)."""
 
     host: str = setting("127.0.0.1", LISTENING, "address Serve's HTTP ingress listens on (0.0.0.0 in a container)",
                         metavar="ADDR")

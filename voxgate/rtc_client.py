@@ -28,9 +28,9 @@ import numpy as np
 from aiortc import RTCConfiguration, RTCDataChannel, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
-from .gateway import rtc_internals
-from .gateway.ice import restrict_host_addresses
-from .gateway.resample import StreamResampler
+from .gateway.media import rtc_internals
+from .gateway.webrtc.ice import restrict_host_addresses
+from .gateway.media.resample import StreamResampler
 
 MIC_RATE = 48000  # what the microphone track sends (Opus's rate)
 
@@ -210,7 +210,7 @@ class ReceivedAudio:
 
 def offer_with_dtx(sdp: str) -> str:
     """The offer with `usedtx=1` on its Opus format line (aiortc's own decoder takes gaps as they come)."""
-    from .gateway.peer import ask_for_dtx
+    from .gateway.webrtc.peer import ask_for_dtx
 
     match = re.search(r"(?mi)^a=rtpmap:(\d+) opus/48000", sdp)
     return ask_for_dtx(sdp, int(match.group(1))) if match else sdp

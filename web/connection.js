@@ -4,7 +4,7 @@
 const GATHER_TIMEOUT_MS = 5000;
 const READY_TIMEOUT_MS = 15000;
 
-// session.closed reasons that are a normal end (gateway/session.py callers), not an error.
+// session.closed reasons that are a normal end (gateway/sessions/session.py callers), not an error.
 const NORMAL_ENDS = ['ended through the session API'];
 
 // An error whose message is meant for the person at the page.

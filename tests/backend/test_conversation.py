@@ -3,7 +3,7 @@
 A real aiortc client's microphone says one question in real time; the backend
 on the session WebSocket sees `speech.started`, partial transcripts
 (`final: false`), and one final transcript, the end of the turn, decided by the
-gateway's rule (gateway/endpoint.py) well before the longest silence. The
+gateway's rule (gateway/caller/endpoint.py) well before the longest silence. The
 session's `turn` settings are checked like every other field.
 """
 

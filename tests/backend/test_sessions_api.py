@@ -14,7 +14,7 @@ import pytest
 
 from voxgate.client import VoxgateError, VoxgateSession
 from voxgate.engine import tone
-from voxgate.gateway.registry import TokenSigner
+from voxgate.gateway.sessions.registry import TokenSigner
 
 from backend_helpers import JoiningRtcClient, OfferRefused
 

@@ -21,7 +21,7 @@ import numpy as np
 from aiohttp import web
 
 from voxgate.client import VoxgateSession
-from voxgate.gateway.stt_pocketsphinx import Pocketsphinx
+from voxgate.gateway.caller.stt_pocketsphinx import Pocketsphinx
 from voxgate.rtc_client import RtcClient
 
 from tests.conftest import free_port

@@ -16,7 +16,7 @@ import numpy as np
 import soxr
 
 from voxgate.client import VoxgateSession
-from voxgate.gateway.stt_pocketsphinx import decode
+from voxgate.gateway.caller.stt_pocketsphinx import decode
 from voxgate.rtc_client import MicTrack, RtcClient
 
 from tests.conftest import in_process_gateway
@@ -28,7 +28,7 @@ class RecordingMic(MicTrack):
     """The client's microphone, keeping every sample it handed to aiortc and when each frame was due.
 
     A frame is due at its place on the microphone's own schedule, which is what
-    the gateway's capture clock recovers (gateway/clock.py). When the event loop
+    the gateway's capture clock recovers (gateway/media/clock.py). When the event loop
     stalls, frames leave late in a burst, but their due times do not move.
     """
 

@@ -24,7 +24,7 @@ import pytest
 import yaml
 from referencing import Registry, Resource
 
-from voxgate.engine.pool import DEPLOYMENT_NAME, DIRECT_INGRESS_ENV, DRAIN_ENV, DRAIN_S, PoolConfig
+from voxgate.engine.cluster.pool import DEPLOYMENT_NAME, DIRECT_INGRESS_ENV, DRAIN_ENV, DRAIN_S, PoolConfig
 from voxgate.engine.registry import ENGINES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -90,7 +90,7 @@ def rayservice_problems(doc: dict) -> list[str]:
         problems.append(f"engine {args.get('engine')!r} is not one of {ENGINES}")
     deployments = {d["name"]: d for d in app.get("deployments", [])}
     if set(deployments) != {DEPLOYMENT_NAME}:
-        problems.append(f"deployments must be exactly {DEPLOYMENT_NAME} (the name engine/pool.py gives it)")
+        problems.append(f"deployments must be exactly {DEPLOYMENT_NAME} (the name engine/cluster/pool.py gives it)")
         return problems
     dep = deployments[DEPLOYMENT_NAME]
     scaling = dep.get("autoscaling_config", {})
@@ -127,7 +127,7 @@ def rayservice_problems(doc: dict) -> list[str]:
         security = group["template"]["spec"].get("securityContext", {})
         if not security.get("runAsNonRoot") or security.get("runAsUser", 0) == 0:
             problems.append("Ray pods must run as a non-root user")
-    # The [scale] extra pins Ray both ways (engine/ray_internals.py reads Serve's internals): the cluster's Ray within it.
+    # The [scale] extra pins Ray both ways (engine/cluster/ray_internals.py reads Serve's internals): the cluster's Ray within it.
     pin = re.search(r'"ray\[serve\]>=([0-9.]+),<([0-9.]+)"', read("pyproject.toml"))
     assert pin, "the [scale] extra pins ray[serve] as >=X,<Y"
     version = tuple(map(int, cluster.get("rayVersion", "0.0.0").split(".")))
@@ -173,7 +173,7 @@ BROKEN = [
     ("rayStartParams not strings", lambda d: d["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"].__setitem__("num-cpus", 0)),
     ("serveConfigV2 not YAML", lambda d: d["spec"].__setitem__("serveConfigV2", "applications: [")),
     ("serve field typo", _edit_serve(lambda a: _dep(a).__setitem__("autoscale_config", _dep(a).pop("autoscaling_config")))),
-    ("import path to nothing", _edit_serve(lambda a: a.__setitem__("import_path", "voxgate.engine.pool:app"))),
+    ("import path to nothing", _edit_serve(lambda a: a.__setitem__("import_path", "voxgate.engine.cluster.pool:app"))),
     ("unknown arg", _edit_serve(lambda a: a["args"].__setitem__("voices", "joe"))),
     ("unknown engine", _edit_serve(lambda a: a["args"].__setitem__("engine", "espeak"))),
     ("route prefix", _edit_serve(lambda a: a.__setitem__("route_prefix", "/tts"))),

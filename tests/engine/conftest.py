@@ -2,7 +2,7 @@
 
 import pytest
 
-from voxgate.engine.client import EngineClient, EngineConfig
+from voxgate.engine.runtime.client import EngineClient, EngineConfig
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from voxgate.engine.client import EngineClient, EngineConfig  # noqa: E402
+from voxgate.engine.runtime.client import EngineClient, EngineConfig  # noqa: E402
 
 
 async def speak(client, text):

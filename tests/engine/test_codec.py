@@ -1,4 +1,4 @@
-"""engine/codec.py: every engine message crosses as one frame, the worker's pipe and the pool's responses alike."""
+"""engine/runtime/codec.py: every engine message crosses as one frame, the worker's pipe and the pool's responses alike."""
 
 import math
 import time
@@ -6,9 +6,10 @@ import time
 import numpy as np
 import pytest
 
-from voxgate.engine import codec, proto
+from voxgate.engine.runtime import codec
+from voxgate.engine import proto
 from voxgate.engine.base import WordTiming
-from voxgate.engine.pool_protocol import check_chunk
+from voxgate.engine.cluster.pool_protocol import check_chunk
 
 MESSAGES = [
     proto.OpenStream(1, {"voice": "joe", "rate": 1.25}, 3, start_in_s=0.5, held_s=0.02, after=7),

@@ -9,8 +9,8 @@ import pytest
 from voxgate.config import settings_from
 from voxgate.engine import tone
 from voxgate.engine.base import EngineError, SynthesisOptions
-from voxgate.engine.client import EngineClient, EngineConfig
-from voxgate.engine.cosyvoice2 import CosyVoice2Engine
+from voxgate.engine.runtime.client import EngineClient, EngineConfig
+from voxgate.engine.torch_voices.cosyvoice2 import CosyVoice2Engine
 
 STAND_INS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "stand_ins")
 

@@ -14,9 +14,9 @@ import pytest
 
 from voxgate.engine import proto
 from voxgate.engine.base import SynthesisOptions
-from voxgate.engine.client import EngineClient, EngineConfig
-from voxgate.engine.piper_engine import PiperEngine
-from voxgate.engine.scheduler import Scheduler
+from voxgate.engine.runtime.client import EngineClient, EngineConfig
+from voxgate.engine.piper.piper_engine import PiperEngine
+from voxgate.engine.runtime.scheduler import Scheduler
 from tests.speech import the_voice
 
 BIG_CREDIT = 1000  # no backpressure: the order is the scheduler's alone
@@ -222,7 +222,7 @@ def test_a_cancel_stops_the_streams_running_step(engine):
 
 
 def test_a_deadline_walks_a_bounded_queue(engine):
-    from voxgate.engine.scheduling import MAX_QUEUE_DEPTH
+    from voxgate.engine.runtime.scheduling import MAX_QUEUE_DEPTH
 
     run = Run(engine)
     try:

@@ -1,4 +1,4 @@
-"""Banded relative-position attention (engine/graph_band.py): the same output without the dense position terms."""
+"""Banded relative-position attention (engine/piper/graph_band.py): the same output without the dense position terms."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import onnx
 import onnxruntime
 import pytest
 
-from voxgate.engine import graph_band, piper_voice
-from voxgate.engine.graph_band import band_relative_attention
-from voxgate.engine.graph_fuse import fuse_layer_norms
-from voxgate.engine.piper_voice import LoadedVoice, embedded_voice_path
+from voxgate.engine.piper import graph_band, piper_voice
+from voxgate.engine.piper.graph_band import band_relative_attention
+from voxgate.engine.piper.graph_fuse import fuse_layer_norms
+from voxgate.engine.piper.piper_voice import LoadedVoice, embedded_voice_path
 
 # Real phoneme ids of the joe voice ("Thanks for waiting ..." and shorter cuts of it).
 IDS = [1, 0, 20, 0, 59, 0, 24, 0, 27, 0, 3, 0, 35, 0, 14, 0, 51, 0, 100, 0, 10, 0, 2]
@@ -108,7 +108,7 @@ def test_the_loaded_voice_serves_the_banded_prior():
 
 def test_a_banded_prior_that_fails_its_check_is_not_served_and_the_log_says_why(monkeypatch, caplog):
     monkeypatch.setattr(piper_voice, "MIN_BAND_SNR_DB", 1e9)  # no rewrite comes this close
-    with caplog.at_level(logging.WARNING, logger="voxgate.engine.piper_voice"):
+    with caplog.at_level(logging.WARNING, logger="voxgate.engine.piper.piper_voice"):
         loaded = LoadedVoice(embedded_voice_path(), ["CPUExecutionProvider"], threads=1)
     assert loaded.banded_terms == 0
     assert any(n.name.endswith("/MatMul_1") and "attn_layers" in n.name for n in loaded.graphs.prior.model.graph.node)
@@ -124,7 +124,7 @@ def test_a_rewrite_that_breaks_the_graph_leaves_the_voice_loading(monkeypatch, c
         return count
 
     monkeypatch.setattr(piper_voice, "band_relative_attention", broken)
-    with caplog.at_level(logging.WARNING, logger="voxgate.engine.piper_voice"):
+    with caplog.at_level(logging.WARNING, logger="voxgate.engine.piper.piper_voice"):
         loaded = LoadedVoice(embedded_voice_path(), ["CPUExecutionProvider"], threads=1)
     assert loaded.banded_terms == 0 and loaded.graphs is not None
     assert "the check could not run" in caplog.text

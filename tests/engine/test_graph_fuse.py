@@ -1,4 +1,4 @@
-"""Layer-norm fusion of a voice's graph (engine/graph_fuse.py): the same numbers in fewer ops, near misses left alone."""
+"""Layer-norm fusion of a voice's graph (engine/piper/graph_fuse.py): the same numbers in fewer ops, near misses left alone."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import onnxruntime
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from voxgate.engine.graph_fuse import LAYER_NORM_OPSET, fuse_layer_norms
-from voxgate.engine.piper_voice import embedded_voice_path
+from voxgate.engine.piper.graph_fuse import LAYER_NORM_OPSET, fuse_layer_norms
+from voxgate.engine.piper.piper_voice import embedded_voice_path
 
 C = 6
 

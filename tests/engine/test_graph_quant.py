@@ -1,4 +1,4 @@
-"""The prior's convolutions in int8 (engine/graph_quant.py): close to float where it applies,
+"""The prior's convolutions in int8 (engine/piper/graph_quant.py): close to float where it applies,
 nothing outside the prior touched, near misses left alone, and the voice checked before it is used."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import onnxruntime
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from voxgate.engine import graph_quant
+from voxgate.engine.piper import graph_quant
 from voxgate.engine.base import EngineError, SynthesisOptions
-from voxgate.engine.graph_quant import MAX_DURATION_DIFF, MIN_INNER, compare_priors, quantize_prior
-from voxgate.engine.piper_engine import PiperEngine
-from voxgate.engine.piper_split import SplitError
-from voxgate.engine.piper_voice import PRIOR_PROBES, LoadedVoice, embedded_voice_path
+from voxgate.engine.piper.graph_quant import MAX_DURATION_DIFF, MIN_INNER, compare_priors, quantize_prior
+from voxgate.engine.piper.piper_engine import PiperEngine
+from voxgate.engine.piper.piper_split import SplitError
+from voxgate.engine.piper.piper_voice import PRIOR_PROBES, LoadedVoice, embedded_voice_path
 
 C, O, K = 128, 96, 3
 
@@ -271,7 +271,7 @@ def test_the_int8_prior_stays_far_inside_the_voices_own_sampling_noise(int8_voic
 
 def test_a_prior_that_fails_the_check_stays_float_and_the_log_says_why(monkeypatch, caplog):
     monkeypatch.setattr(graph_quant, "MIN_LATENT_SNR_DB", 200.0)  # no int8 prior comes this close
-    with caplog.at_level(logging.WARNING, logger="voxgate.engine.piper_voice"):
+    with caplog.at_level(logging.WARNING, logger="voxgate.engine.piper.piper_voice"):
         voice = LoadedVoice(embedded_voice_path(), ["CPUExecutionProvider"], 1, spin="never")
     assert voice.int8_convs == 0
     assert "dB" in voice.why_float
@@ -334,7 +334,7 @@ def test_a_full_rewrite_that_fails_falls_back_to_the_feed_forward_convolutions(m
     """joe's full int8 prior moves durations by about 0.050 frames per id, its feed-forward layers alone
     by about 0.014: a limit between the two keeps the second, and the log says what stayed float."""
     monkeypatch.setattr(graph_quant, "MAX_DURATION_DIFF", 0.025)
-    with caplog.at_level(logging.WARNING, logger="voxgate.engine.piper_voice"):
+    with caplog.at_level(logging.WARNING, logger="voxgate.engine.piper.piper_voice"):
         voice = LoadedVoice(embedded_voice_path(), ["CPUExecutionProvider"], 1, spin="never")
     assert voice.int8_convs == 12 and voice.why_float == ""
     products = [n.name for n in voice.graphs.prior.model.graph.node if n.op_type == "MatMulInteger"]

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from voxgate.engine.capacity import LISTENER_MEDIA_COST, RESERVE, CoreShare, SynthesisCost
+from voxgate.engine.runtime.capacity import LISTENER_MEDIA_COST, RESERVE, CoreShare, SynthesisCost
 from voxgate.engine.registry import create_engine
-from voxgate.engine.scheduler import Scheduler
+from voxgate.engine.runtime.scheduler import Scheduler
 
 
 @pytest.fixture

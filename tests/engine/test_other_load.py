@@ -120,7 +120,7 @@ def test_a_sampler_that_stopped_answers_busy():
 
 @pytest.fixture(scope="module")
 def engines():
-    from voxgate.engine.piper_engine import PiperEngine
+    from voxgate.engine.piper.piper_engine import PiperEngine
 
     made = {}
     for policy in ("auto", "never"):
@@ -198,7 +198,7 @@ def test_chunk_texts_of_streamed_piper_speech_join_exactly_as_the_input(engines)
 
 def test_an_unknown_spin_policy_is_refused_in_plain_words():
     from voxgate.engine.base import EngineError
-    from voxgate.engine.piper_engine import PiperEngine
+    from voxgate.engine.piper.piper_engine import PiperEngine
 
     with pytest.raises(EngineError, match="spin policy 'sometimes'"):
         PiperEngine(threads=2, spin="sometimes")
@@ -217,7 +217,7 @@ def test_engine_spin_is_a_setting_checked_at_start_and_handed_to_piper_only():
 
 
 def test_no_spinning_set_is_built_when_the_threads_exceed_the_usable_cores(monkeypatch):
-    from voxgate.engine import piper_engine
+    from voxgate.engine.piper import piper_engine
 
     monkeypatch.setattr(piper_engine, "usable_cores", lambda: 1.0)
     assert piper_engine.PiperEngine(threads=2, device="cpu")._spin_sets == "never"

@@ -4,7 +4,7 @@ newcomers wait longer for their first audio instead (issue 41).
 
 The scheduler runs as in the worker (`serve()` on its own thread); each stream's listener
 is played the way the gateway plays it: it takes a chunk (and gives the credit back) while
-less than a second of audio waits to play (gateway/feeder.py's ENCODE_AHEAD_MS), plays from
+less than a second of audio waits to play (gateway/media/feeder.py's ENCODE_AHEAD_MS), plays from
 its first chunk on in real time, and runs dry when the next chunk comes after the audio it
 holds has played. The same burst runs with the rule off (every stream may start at once,
 the scheduler before issue 41), so the run reports the gaps the rule takes away and the
@@ -22,13 +22,13 @@ import pytest
 
 from voxgate.engine import proto
 from voxgate.engine.base import SynthesisOptions
-from voxgate.engine.capacity import calibrate
-from voxgate.engine.client import STREAM_WINDOW
-from voxgate.engine.piper_engine import PiperEngine
-from voxgate.engine.scheduler import Scheduler
+from voxgate.engine.runtime.capacity import calibrate
+from voxgate.engine.runtime.client import STREAM_WINDOW
+from voxgate.engine.piper.piper_engine import PiperEngine
+from voxgate.engine.runtime.scheduler import Scheduler
 from tests.speech import the_voice
 
-ENCODE_AHEAD_S = 1.0  # gateway/feeder.py ENCODE_AHEAD_MS
+ENCODE_AHEAD_S = 1.0  # gateway/media/feeder.py ENCODE_AHEAD_MS
 GAP_S = 0.02  # one 20 ms frame of silence inside an utterance
 REPLY = "Sure, I can help with that. Your order shipped on Monday, and it should arrive by Thursday afternoon."
 

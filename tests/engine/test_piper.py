@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from voxgate.engine.base import EngineError, SynthesisOptions
-from voxgate.engine.piper_engine import PiperEngine, choose_providers
+from voxgate.engine.piper.piper_engine import PiperEngine, choose_providers
 from tests.speech import recognize, the_voice, word_error_rate
 
 

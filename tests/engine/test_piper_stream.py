@@ -17,10 +17,10 @@ import pytest
 from onnx import helper
 
 from voxgate.engine.base import SynthesisOptions
-from voxgate.engine.piper_engine import FLOW_AHEAD_FRAMES, PiperEngine, embedded_voice_path
-from voxgate.engine.piper_voice import LoadedVoice, probe_plan
-from voxgate.engine.piper_split import split_voice
-from voxgate.engine.windows import WindowSchedule
+from voxgate.engine.piper.piper_engine import FLOW_AHEAD_FRAMES, PiperEngine, embedded_voice_path
+from voxgate.engine.piper.piper_voice import LoadedVoice, probe_plan
+from voxgate.engine.piper.piper_split import split_voice
+from voxgate.engine.piper.windows import WindowSchedule
 from tests.speech import the_voice
 
 SENTENCES = [
@@ -250,7 +250,7 @@ def test_a_graph_that_cannot_be_split_falls_back_to_whole_units_and_says_why(tmp
         return original(self, model)
 
     monkeypatch.setattr(LoadedVoice, "_quantized", spy)
-    with caplog.at_level(logging.WARNING, logger="voxgate.engine.piper_engine"):
+    with caplog.at_level(logging.WARNING, logger="voxgate.engine.piper.piper_engine"):
         engine.load()
     assert quantized[-1], "the whole graph that is served got no int8 prior of its own"
     assert not engine.info()["streaming"]

@@ -9,13 +9,13 @@ import pytest
 
 from tests.conftest import free_port
 from voxgate.config import ConfigError, PoolSettings, Settings, settings_from
-from voxgate.engine.client import EngineConfig
+from voxgate.engine.runtime.client import EngineConfig
 from voxgate.engine.errors import EngineUnavailable
-from voxgate.engine.remote import RemoteEngineClient
+from voxgate.engine.cluster.remote import RemoteEngineClient
 
 
 def test_the_gateway_and_the_remote_client_do_not_import_ray():
-    code = ("import sys, voxgate.cli, voxgate.signaling.server, voxgate.engine.remote, voxgate.engine.pool; "
+    code = ("import sys, voxgate.cli, voxgate.signaling.server, voxgate.engine.cluster.remote, voxgate.engine.cluster.pool; "
             "assert 'ray' not in sys.modules, 'ray was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
@@ -50,7 +50,7 @@ async def test_an_unreachable_pool_is_a_clear_error():
 @pytest.mark.parametrize("piece", [["pause", 10_000_000], ["pause", -1], ["pause", True], ["speech", "a", float("nan")],
                                    ["speech", "a", 1e9], ["speech", "a", True]])
 def test_the_pool_refuses_tag_pieces_out_of_range(piece):
-    from voxgate.engine.pool_protocol import PoolProtocolError, _check_unit
+    from voxgate.engine.cluster.pool_protocol import PoolProtocolError, _check_unit
 
     with pytest.raises(PoolProtocolError):
         _check_unit([0, [piece]])

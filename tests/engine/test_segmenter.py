@@ -2,7 +2,7 @@
 
 from hypothesis import given, settings, strategies as st
 
-from voxgate.engine.segmenter import Segmenter, SegmenterConfig, speakable
+from voxgate.engine.text.segmenter import Segmenter, SegmenterConfig, speakable
 
 
 def segment(text: str, step: int = 1) -> list:

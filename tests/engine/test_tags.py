@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from voxgate.engine import tone
-from voxgate.engine.client import EngineClient
-from voxgate.engine.segmenter import Segmenter, speakable
-from voxgate.engine.tags import Pause, Speech, TagState, break_ms, rate_factor
+from voxgate.engine.runtime.client import EngineClient
+from voxgate.engine.text.segmenter import Segmenter, speakable
+from voxgate.engine.text.tags import Pause, Speech, TagState, break_ms, rate_factor
 from voxgate.rtc_client import RtcClient
 
 

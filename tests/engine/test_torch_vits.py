@@ -11,10 +11,10 @@ import pytest
 torch = pytest.importorskip("torch", reason='torch is an optional extra (pip install ".[gpu]" in the clone)')
 
 from voxgate.engine.base import EngineError, SynthesisOptions  # noqa: E402
-from voxgate.engine.piper_engine import embedded_voice_path  # noqa: E402
-from voxgate.engine.torch_engine import TorchEngine  # noqa: E402
-from voxgate.engine.torch_vits import Vits  # noqa: E402
-from voxgate.engine.torch_vits_load import _name_flow_convs_by_position, read_onnx_voice  # noqa: E402
+from voxgate.engine.piper.piper_engine import embedded_voice_path  # noqa: E402
+from voxgate.engine.torch_voices.torch_engine import TorchEngine  # noqa: E402
+from voxgate.engine.torch_voices.torch_vits import Vits  # noqa: E402
+from voxgate.engine.torch_voices.torch_vits_load import _name_flow_convs_by_position, read_onnx_voice  # noqa: E402
 
 LONG = "The weather today is sunny with a light breeze from the west, perfect for a long walk."
 QUIET = SynthesisOptions(noise_scale=0.0, noise_w_scale=0.0)

@@ -14,10 +14,10 @@ import time
 import numpy as np
 
 from voxgate.engine.base import SynthesisOptions
-from voxgate.engine.client import EngineClient, EngineConfig
-from voxgate.engine.segmenter import Segmenter, SegmenterConfig
-from voxgate.engine.units import MAX_UNIT_CHARS, MAX_UNIT_PHONEMES, cap_phonemes, cap_text
-from voxgate.engine.windows import FIRST_WINDOW_FRAMES, MAX_WINDOW_FRAMES
+from voxgate.engine.runtime.client import EngineClient, EngineConfig
+from voxgate.engine.text.segmenter import Segmenter, SegmenterConfig
+from voxgate.engine.text.units import MAX_UNIT_CHARS, MAX_UNIT_PHONEMES, cap_phonemes, cap_text
+from voxgate.engine.piper.windows import FIRST_WINDOW_FRAMES, MAX_WINDOW_FRAMES
 from tests.speech import the_voice
 
 HOSTILE = "<" + " ".join(f"word{i}" for i in range(400))[:2000]

@@ -1,9 +1,9 @@
-"""engine.windows: the window schedule's sizes, seams and tails (no model needed)."""
+"""engine.piper.windows: the window schedule's sizes, seams and tails (no model needed)."""
 
 from __future__ import annotations
 
 from voxgate.engine.base import WordTiming
-from voxgate.engine.windows import (
+from voxgate.engine.piper.windows import (
     FOLD_COVER, FOLD_FRACTION, WindowSchedule, chunk_text, flow_end, load_factor, says_last_word, words_in_window,
 )
 
@@ -107,8 +107,8 @@ def test_a_first_window_plays_over_100_ms_once_the_gateway_has_resampled_and_fra
     # 20 ms frames, so the first window's playable audio is less than its length.
     import numpy as np
 
-    from voxgate.gateway.frames import FRAME_MS, Framer
-    from voxgate.gateway.resample import StreamResampler
+    from voxgate.gateway.media.frames import FRAME_MS, Framer
+    from voxgate.gateway.media.resample import StreamResampler
 
     rate, hop, wire = 22050, 256, 48000  # Piper's medium voices (joe) to Opus
     pcm = (np.random.default_rng(0).standard_normal(WindowSchedule().first * hop) * 3000).astype(np.int16)

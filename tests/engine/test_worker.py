@@ -10,7 +10,7 @@ import pytest
 
 from voxgate.engine import tone
 from voxgate.engine.base import SynthesisOptions
-from voxgate.engine.client import STREAM_WINDOW, EngineClient, EngineConfig
+from voxgate.engine.runtime.client import STREAM_WINDOW, EngineClient, EngineConfig
 from voxgate.engine.errors import EngineCrashed, EngineStreamError
 
 

@@ -1,12 +1,12 @@
-"""The session directory (gateway/directory.py) against the real Redis: a new session's id
+"""The session directory (gateway/fleet/directory.py) against the real Redis: a new session's id
 that another gateway already holds is refused, and the other gateway's record stays."""
 
 from __future__ import annotations
 
 import time
 
-from voxgate.gateway.directory import KEY_PREFIX, Directory
-from voxgate.gateway.directory_records import RecordSigner, SessionRecord, key_id
+from voxgate.gateway.fleet.directory import KEY_PREFIX, Directory
+from voxgate.gateway.fleet.directory_records import RecordSigner, SessionRecord, key_id
 
 from .conftest import REDIS_PASSWORD, TOKEN_SECRET
 

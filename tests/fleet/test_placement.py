@@ -139,7 +139,7 @@ async def test_every_new_session_lands_on_the_gateway_with_room_and_speaks(full_
 
 
 def test_a_published_load_is_used_only_when_signed_and_in_range():
-    from voxgate.gateway.directory_records import GatewayLoad, RecordSigner
+    from voxgate.gateway.fleet.directory_records import GatewayLoad, RecordSigner
 
     from .conftest import TOKEN_SECRET
 

@@ -16,8 +16,8 @@ import time
 import aiohttp
 from aiohttp import web
 
-from voxgate.gateway.directory import KEY_PREFIX
-from voxgate.gateway.directory_records import RecordSigner, SessionRecord, key_id
+from voxgate.gateway.fleet.directory import KEY_PREFIX
+from voxgate.gateway.fleet.directory_records import RecordSigner, SessionRecord, key_id
 
 from .conftest import KEY, TOKEN_SECRET, TTL_S
 from .test_routing import AUTH, OTHER, answer, make_session, wait_until

@@ -19,7 +19,7 @@ import pytest
 
 from voxgate.engine import tone
 from voxgate.rtc_client import OfferRefused, RtcClient
-from voxgate.gateway.registry import TokenSigner
+from voxgate.gateway.sessions.registry import TokenSigner
 
 from .conftest import KEY, OTHER_KEY, TOKEN_SECRET, TTL_S
 

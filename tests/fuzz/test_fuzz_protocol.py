@@ -25,10 +25,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from voxgate.engine.client import EngineClient, EngineConfig
+from voxgate.engine.runtime.client import EngineClient, EngineConfig
 from voxgate.gateway.errors import GatewayError
-from voxgate.gateway.protocol import CLIENT_TYPES, Limits, parse
-from voxgate.gateway.session import Session, SessionOptions
+from voxgate.gateway.sessions.protocol import CLIENT_TYPES, Limits, parse
+from voxgate.gateway.sessions.session import Session, SessionOptions
 
 LIMITS = Limits(max_message_bytes=512, max_text_chars=40)
 # VOXGATE_FUZZ_SCALE=10 runs ten times the examples (a longer hunt than CI's).

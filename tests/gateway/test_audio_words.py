@@ -18,7 +18,7 @@ async def test_words_come_on_the_session_clock_and_can_be_turned_off(piper_serve
         assert words[0]["start_ms"] >= started["at_ms"]
         assert all(a["start_ms"] < a["end_ms"] <= b["start_ms"] + 0.2 for a, b in zip(words, words[1:]))
         # The last word ends where the utterance's audio does, on the same clock (frames are 20 ms): with the
-        # voice's leading silence cut (gateway/feeder.py), the words moved back with it.
+        # voice's leading silence cut (gateway/media/feeder.py), the words moved back with it.
         assert abs(words[-1]["end_ms"] - (started["at_ms"] + done["audio_ms"])) <= 40, (words[-1], started, done)
         # A listener never gets a word before the audio it is in has started.
         first_words_at = next(t for t, e in client.event_log if e["type"] == "audio.words")

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from voxgate.gateway.caller_audio import FRAME_HEADER, FRAME_SAMPLES, CallerAudio, pack_frame, unpack_frame
+from voxgate.gateway.caller.caller_audio import FRAME_HEADER, FRAME_SAMPLES, CallerAudio, pack_frame, unpack_frame
 
 
 def collect():

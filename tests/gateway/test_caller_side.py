@@ -1,4 +1,4 @@
-"""The caller side (gateway/caller_side.py) alone, without a Session: the barge-in and backchannel
+"""The caller side (gateway/caller/caller_side.py) alone, without a Session: the barge-in and backchannel
 decision, the caller's settings, and the echo canceller's reference following them.
 
 Made with plain callbacks in place of the session's queue and output (what plays now, interrupt,
@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 from tests import listening_corpus as corpus
-from voxgate.gateway import speex
-from voxgate.gateway.caller_side import BargeInSettings, CallerSide
-from voxgate.gateway.clock import SessionClock
-from voxgate.gateway.echo import ReferenceTap
-from voxgate.gateway.endpoint import TurnSettings
+from voxgate.gateway.caller import speex
+from voxgate.gateway.caller.caller_side import BargeInSettings, CallerSide
+from voxgate.gateway.media.clock import SessionClock
+from voxgate.gateway.caller.echo import ReferenceTap
+from voxgate.gateway.caller.endpoint import TurnSettings
 from voxgate.gateway.errors import GatewayError
-from voxgate.gateway.vad import VadSettings
+from voxgate.gateway.caller.vad import VadSettings
 
 
 @dataclass

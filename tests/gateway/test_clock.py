@@ -1,6 +1,6 @@
 """The session clock, and the caller's media clock placed on it by the fastest packet."""
 
-from voxgate.gateway.clock import CREEP, CaptureClock, SessionClock
+from voxgate.gateway.media.clock import CREEP, CaptureClock, SessionClock
 
 
 def test_session_clock_counts_ms_from_its_origin():

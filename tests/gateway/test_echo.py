@@ -16,11 +16,11 @@ import pytest
 import soxr
 
 from tests import listening_corpus as corpus
-from voxgate.gateway import opus
-from voxgate.gateway.echo import DORMANT_AFTER_FRAMES, EchoCanceller, ReferenceTap
-from voxgate.gateway.encoder import ulaw_decode, ulaw_encode
-from voxgate.gateway.resample import Upsampler2x
-from voxgate.gateway.vad import VadSettings, VoiceActivityDetector
+from voxgate.gateway.media import opus
+from voxgate.gateway.caller.echo import DORMANT_AFTER_FRAMES, EchoCanceller, ReferenceTap
+from voxgate.gateway.media.encoder import ulaw_decode, ulaw_encode
+from voxgate.gateway.media.resample import Upsampler2x
+from voxgate.gateway.caller.vad import VadSettings, VoiceActivityDetector
 
 REPLY = corpus.BOT_REPLIES[0]
 
@@ -152,7 +152,7 @@ def _phone_call(packets: list, line: np.ndarray, sent_at=lambda j: j * 0.02) -> 
     for j in range(len(line) // 160):
         tap(packets[j] if j < len(packets) else None, sent_at(j) if j < len(packets) else j * 0.02)
         mic = upsampler.process(ulaw_decode(ulaw_encode(np.clip(line[j * 160 : (j + 1) * 160], -32768, 32767).astype(np.int16))))
-        # Stamped as a call's frames are (gateway/twilio_input.py): at their end, less the filter's delay.
+        # Stamped as a call's frames are (gateway/phone/twilio_input.py): at their end, less the filter's delay.
         for frame, guard in echo.process(mic, (j + 1) * 0.02 - Upsampler2x.DELAY_S, vad.floor_db):
             events = vad.frame(frame, guard)
             heard.append((j, events, vad.voiced))
@@ -277,14 +277,14 @@ def test_a_reply_after_a_stall_is_held_to_the_guard_for_any_delay_until_the_canc
 
 def test_a_gated_microphone_in_the_bots_quiet_moments_does_not_raise_the_guard():
     """A browser marks its quiet packets with their level (RFC 6464) and the gateway does not decode
-    them (gateway/mic.py): they reach the canceller as skipped frames at the room's level. Where the
+    them (gateway/caller/mic.py): they reach the canceller as skipped frames at the room's level. Where the
     bot itself is faint (a fricative, a word's end), the room's level against that faint reference
     reads as an echo nearly as loud as the bot. Taught to the guard, such frames raised its learnt
     gain from about -19 to -5 dB and hid a caller's "Stop, stop" under it (bench_barge_in, 300 ms,
     -10 dB). Here the bot alternates 400 ms of speech-loud sound with 200 ms at -30 dB, its echo
     comes back 150 ms later at -10 dB over the room, and the quiet stretches are gated: the guard
     must learn the echo's -10 dB, not the room against the faint stretches."""
-    from voxgate.gateway.mic import FULL_SCALE_DB, QUIET_DBOV
+    from voxgate.gateway.caller.mic import FULL_SCALE_DB, QUIET_DBOV
 
     rng = np.random.default_rng(1)
     bursts = [rng.standard_normal(int(48000 * s)) * rms for _ in range(8) for s, rms in ((0.4, 3000.0), (0.2, 100.0))]
@@ -379,7 +379,7 @@ def test_at_debug_level_a_turn_started_over_the_bot_says_what_the_guard_saw(capl
     marked) for the session's log line. At info level nothing is kept."""
     import logging
 
-    from voxgate.gateway.caller_side import _hear
+    from voxgate.gateway.caller.caller_side import _hear
 
     packets = _joe_packets("The new plan costs twelve dollars a month and includes unlimited calls.")
     caller = corpus.espeak("Wait, hold on, I have a question.", "en-gb+f3", 16000).astype(np.float64)
@@ -398,10 +398,10 @@ def test_at_debug_level_a_turn_started_over_the_bot_says_what_the_guard_saw(capl
             events += [e for es, _ in _hear(echo, vad, items, 0.0) for e in es]
         return echo, events
 
-    with caplog.at_level(logging.INFO, logger="voxgate.gateway.session"):
+    with caplog.at_level(logging.INFO, logger="voxgate.gateway.sessions.session"):
         echo, events = run()
     assert "speech.started" in events and echo.started_trace is None and not echo._trace
-    with caplog.at_level(logging.DEBUG, logger="voxgate.gateway.session"):
+    with caplog.at_level(logging.DEBUG, logger="voxgate.gateway.sessions.session"):
         echo, events = run()
     assert "speech.started" in events
     trace = echo.started_trace

@@ -1,4 +1,4 @@
-"""Where encoding runs (gateway/encode_pool.py): on the event loop when nothing else waits, within
+"""Where encoding runs (gateway/media/encode_pool.py): on the event loop when nothing else waits, within
 a budget per turn, or on threads; results and errors arrive on the caller's loop either way."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import time
 import pytest
 
 from voxgate.config import ConfigError, Settings
-from voxgate.gateway import encode_pool as pool_module
-from voxgate.gateway.encode_pool import FIRST, LATER, EncodePool, default_threads, parse_threads
+from voxgate.gateway.media import encode_pool as pool_module
+from voxgate.gateway.media.encode_pool import FIRST, LATER, EncodePool, default_threads, parse_threads
 
 
 async def test_results_and_errors_arrive_on_the_calling_loop():

@@ -1,6 +1,6 @@
-"""Wire encoders (gateway/encoder.py): one packet per 20 ms frame, decodable back to the same sound.
+"""Wire encoders (gateway/media/encoder.py): one packet per 20 ms frame, decodable back to the same sound.
 
-Real libopus on both sides (gateway/opus.py's Decoder), and G.711 tables
+Real libopus on both sides (gateway/media/opus.py's Decoder), and G.711 tables
 checked against the standard's fixed points.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from voxgate.gateway import opus
-from voxgate.gateway.encoder import (
+from voxgate.gateway.media import opus
+from voxgate.gateway.media.encoder import (
     G711Encoder,
     NullEncoder,
     OpusEncoder,
@@ -102,8 +102,8 @@ def test_speech_after_the_shared_silence_packet_decodes_as_coded(signal):
     decoder never saw: with CELT's inter-frame prediction on, the space after
     "Sure!" was lost (tone engine, through the real decoder)."""
     from voxgate.engine import tone as tone_engine
-    from voxgate.gateway.frames import Framer
-    from voxgate.gateway.resample import StreamResampler
+    from voxgate.gateway.media.frames import Framer
+    from voxgate.gateway.media.resample import StreamResampler
 
     encoder = OpusEncoder(OpusSettings(signal=signal.split("-")[0]))
     if signal == "auto-then-voice":  # a listener that lost packets: voice speech, the (music) shared silence

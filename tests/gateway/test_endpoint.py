@@ -1,7 +1,7 @@
-"""The end of a turn as a decision (gateway/endpoint.py), with the real VAD and the real Whisper recognizer.
+"""The end of a turn as a decision (gateway/caller/endpoint.py), with the real VAD and the real Whisper recognizer.
 
 A caller's microphone is fed in real time, frame by frame, through the VAD
-into a session's transcriber and endpointer, wired as gateway/session.py does.
+into a session's transcriber and endpointer, wired as gateway/sessions/session.py does.
 A turn that reads as finished ends after the short silence; a pause inside a
 sentence whose text does not read as finished does not end it; partial
 transcripts come during a long turn, one decode at a time.
@@ -15,10 +15,10 @@ import time
 import numpy as np
 import pytest
 
-from voxgate.gateway.endpoint import FALLING_ST, Endpointer, TurnSettings, end_pitch_st, judge, reads_finished
-from voxgate.gateway.stt import SpeechToText, TurnTranscriber
-from voxgate.gateway.stt_whisper import Whisper
-from voxgate.gateway.vad import VoiceActivityDetector
+from voxgate.gateway.caller.endpoint import FALLING_ST, Endpointer, TurnSettings, end_pitch_st, judge, reads_finished
+from voxgate.gateway.caller.stt import SpeechToText, TurnTranscriber
+from voxgate.gateway.caller.stt_whisper import Whisper
+from voxgate.gateway.caller.vad import VoiceActivityDetector
 
 from tests.listening_corpus import espeak
 from tests.transcripts import espeak_paused
@@ -32,7 +32,7 @@ def stt() -> SpeechToText:
 
 
 class Caller:
-    """A microphone into the VAD, transcriber and endpointer, as gateway/session.py wires them."""
+    """A microphone into the VAD, transcriber and endpointer, as gateway/sessions/session.py wires them."""
 
     def __init__(self, stt: SpeechToText, settings: TurnSettings) -> None:
         self.events: list[tuple[float, dict]] = []

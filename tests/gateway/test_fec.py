@@ -1,4 +1,4 @@
-"""In-band FEC until the listener shows a clean line (gateway/fec.py): the policy, the
+"""In-band FEC until the listener shows a clean line (gateway/media/fec.py): the policy, the
 encoder's switch, and a real aiortc listener that drops packets on loopback."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import pytest
 import soxr
 
 from voxgate.engine import tone
-from voxgate.gateway import opus
-from voxgate.gateway.encoder import OpusEncoder, OpusSettings
-from voxgate.gateway.fec import CLEAN_REPORTS, HOLD_S, LOSS_ON, SignalPolicy
-from voxgate.gateway.frames import Framer
+from voxgate.gateway.media import opus
+from voxgate.gateway.media.encoder import OpusEncoder, OpusSettings
+from voxgate.gateway.media.fec import CLEAN_REPORTS, HOLD_S, LOSS_ON, SignalPolicy
+from voxgate.gateway.media.frames import Framer
 from voxgate.rtc_client import RtcClient
 
 
@@ -120,7 +120,7 @@ async def test_without_a_place_to_watch_reports_the_session_keeps_fec():
     """An aiortc that no longer has _handle_rtcp_packet: nothing can say the listener
     loses nothing, so speech is coded with FEC throughout, also after a cancel."""
     from tests.gateway.test_session import make
-    from voxgate.gateway.fec import watch_reports
+    from voxgate.gateway.media.fec import watch_reports
 
     assert watch_reports(object(), lambda fraction: None) is False
     session, _, _, _ = make()

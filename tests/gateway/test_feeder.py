@@ -1,4 +1,4 @@
-"""The feeder's audio path (gateway/feeder.py): what it keeps back from the listener.
+"""The feeder's audio path (gateway/media/feeder.py): what it keeps back from the listener.
 
 The engine worker schedules by when a listener runs out of audio; the feeder
 tells it how much of the audio sent the listener cannot hear yet
@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from voxgate.gateway.encoder import OpusSettings
-from voxgate.gateway.feeder import KEEP_MS, MAX_TRIM_MS, SILENCE_LEVEL, LeadingSilence, listener_lag_s
-from voxgate.gateway.frames import FRAME_S, Framer
-from voxgate.gateway.resample import StreamResampler, held_back_s
+from voxgate.gateway.media.encoder import OpusSettings
+from voxgate.gateway.media.feeder import KEEP_MS, MAX_TRIM_MS, SILENCE_LEVEL, LeadingSilence, listener_lag_s
+from voxgate.gateway.media.frames import FRAME_S, Framer
+from voxgate.gateway.media.resample import StreamResampler, held_back_s
 
 
 @pytest.mark.parametrize("engine_rate", [16000, 22050])
@@ -93,10 +93,10 @@ async def test_the_feeder_cuts_the_voices_leading_silence_and_moves_the_words_ba
 
     from voxgate.engine.base import SynthesisOptions
     from voxgate.engine.stream import StreamChunk
-    from voxgate.gateway.encoder import OpusEncoder
-    from voxgate.gateway.feeder import Feeder
-    from voxgate.gateway.playout import Playout, UtterancePlay
-    from voxgate.gateway.session_metrics import SessionMetrics
+    from voxgate.gateway.media.encoder import OpusEncoder
+    from voxgate.gateway.media.feeder import Feeder
+    from voxgate.gateway.media.playout import Playout, UtterancePlay
+    from voxgate.gateway.media.session_metrics import SessionMetrics
 
     from tests.speech import the_voice
 

@@ -1,4 +1,4 @@
-"""gateway/http_audio.py: speech audio as it leaves without a peer. Each format's bytes from the
+"""gateway/peerless/http_audio.py: speech audio as it leaves without a peer. Each format's bytes from the
 engine's PCM, the WebSocket's pieces, and a compressed format's price (slots, one thread, a pace,
 its CPU charged to its caller). End to end over HTTP: tests/http/, tests/security/test_compressed_cost.py."""
 
@@ -10,12 +10,12 @@ import time
 import numpy as np
 import pytest
 
-from voxgate.gateway import opus
-from voxgate.gateway.http_audio import (
+from voxgate.gateway.media import opus
+from voxgate.gateway.peerless.http_audio import (
     COMPRESSED_CORE_SHARE, FORMAT_FAMILIES, FormatRun, OpusPackets, Pcm16Pieces, WavFormatter,
     pause_after, slots_of, threads_of,
 )
-from voxgate.gateway.late_blame import LateBlame
+from voxgate.gateway.load.late_blame import LateBlame
 
 RATE = 16000  # the tone engine's and Piper's low voices' rate
 

@@ -1,8 +1,8 @@
-"""gateway/late_blame.py: whose work made the frames late."""
+"""gateway/load/late_blame.py: whose work made the frames late."""
 
 from __future__ import annotations
 
-from voxgate.gateway.late_blame import BLAME_MIN_CORES, LateBlame
+from voxgate.gateway.load.late_blame import BLAME_MIN_CORES, LateBlame
 
 
 class Link:

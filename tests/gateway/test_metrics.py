@@ -6,7 +6,7 @@ import re
 
 import aiohttp
 
-from voxgate.gateway.metrics import GatewayMetrics
+from voxgate.gateway.load.metrics import GatewayMetrics
 from voxgate.rtc_client import RtcClient
 
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from aiortc.rtp import RtpPacket
 
-from voxgate.gateway import opus
-from voxgate.gateway.encoder import ulaw_encode
-from voxgate.gateway.mic import FULL_SCALE_DB, QUIET_DBOV, Microphone
-from voxgate.gateway.vad import VadSettings, VoiceActivityDetector
+from voxgate.gateway.media import opus
+from voxgate.gateway.media.encoder import ulaw_encode
+from voxgate.gateway.caller.mic import FULL_SCALE_DB, QUIET_DBOV, Microphone
+from voxgate.gateway.caller.vad import VadSettings, VoiceActivityDetector
 from tests.speech import synthesize_48k
 
 PT = 111
@@ -135,7 +135,7 @@ async def test_packets_quieter_than_the_gate_by_their_own_level_are_silence_not_
 
 
 async def test_a_backend_taking_the_audio_gets_quiet_packets_decoded_and_placed_on_the_session_clock():
-    from voxgate.gateway.clock import SessionClock
+    from voxgate.gateway.media.clock import SessionClock
 
     payloads = opus_packets(np.zeros(960 * 3, dtype=np.int16))
     rec = Recorder()
@@ -268,7 +268,7 @@ def header_extensions(*uris: str):
 @pytest.mark.parametrize("level", [None, (False, 127), (True, 30)])
 @pytest.mark.parametrize("padding", [0, 1, 7])
 def test_parse_rtp_reads_what_aiortcs_parser_reads(csrcs, level, padding):
-    from voxgate.gateway.mic import parse_rtp
+    from voxgate.gateway.caller.mic import parse_rtp
 
     ext_map = header_extensions("urn:ietf:params:rtp-hdrext:sdes:mid", "urn:ietf:params:rtp-hdrext:ssrc-audio-level")
     packet = RtpPacket(payload_type=PT, sequence_number=7, timestamp=0xFEDCBA98, ssrc=5, marker=1, payload=b"\xf8opus")
@@ -287,7 +287,7 @@ def test_parse_rtp_reads_what_aiortcs_parser_reads(csrcs, level, padding):
                                   b"\x90\x6f" + b"\x00" * 10 + b"\xbe\xde\x00\x09", b"\xa0\x6f" + b"\x00" * 10 + b"\x00\x00\x05",
                                   b"\xa0\x6f" + b"\x00" * 10 + b"\x00"])
 def test_parse_rtp_refuses_what_aiortc_refuses(data):
-    from voxgate.gateway.mic import parse_rtp
+    from voxgate.gateway.caller.mic import parse_rtp
 
     with pytest.raises(ValueError):
         RtpPacket.parse(data)
@@ -375,7 +375,7 @@ def _level_blocks():
 def test_the_level_is_read_as_aiortcs_map_reads_it(level_id):
     """The microphone's own reading of the audio level: the same level as aiortc's
     HeaderExtensionsMap.get, and a refusal wherever it refuses, over 411 blocks."""
-    from voxgate.gateway.mic import level_reader
+    from voxgate.gateway.caller.mic import level_reader
 
     uris = ["urn:example:not-read", "urn:ietf:params:rtp-hdrext:ssrc-audio-level"]
     ext_map = header_extensions(*(uris if level_id == 2 else uris[::-1]))
@@ -396,7 +396,7 @@ def test_the_level_is_read_as_aiortcs_map_reads_it(level_id):
 
 def test_the_level_is_read_without_aiortcs_unpack():
     """Red when an aiortc upgrade renames the map's ids: the reader would fall back to get()."""
-    from voxgate.gateway.mic import level_reader
+    from voxgate.gateway.caller.mic import level_reader
 
     ext_map = header_extensions("urn:ietf:params:rtp-hdrext:ssrc-audio-level")
 
@@ -412,7 +412,7 @@ def test_the_level_follows_the_map_configured_after_the_reader_is_made():
     from aiortc.rtcrtpparameters import RTCRtpHeaderExtensionParameters, RTCRtpParameters
     from aiortc.rtp import HeaderExtensionsMap
 
-    from voxgate.gateway.mic import level_reader
+    from voxgate.gateway.caller.mic import level_reader
 
     ext_map = HeaderExtensionsMap()
     read = level_reader(ext_map)
@@ -425,7 +425,7 @@ def test_the_level_follows_the_map_configured_after_the_reader_is_made():
 def test_rtp_and_rtcp_skip_aioices_stun_parse_and_the_rest_does_not():
     from types import SimpleNamespace
 
-    from voxgate.gateway.rtc_internals import _demultiplex
+    from voxgate.gateway.media.rtc_internals import _demultiplex
 
     to_aioice, direct = [], []
     protocol = SimpleNamespace(local_candidate=SimpleNamespace(component=1))

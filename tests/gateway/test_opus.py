@@ -1,8 +1,8 @@
-"""gateway/opus.py: what is read from an Opus packet's header without libopus."""
+"""gateway/media/opus.py: what is read from an Opus packet's header without libopus."""
 
 import pytest
 
-from voxgate.gateway import opus
+from voxgate.gateway.media import opus
 
 
 @pytest.mark.parametrize("rate", opus.RATES)

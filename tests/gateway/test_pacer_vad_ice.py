@@ -7,9 +7,9 @@ import time
 import numpy as np
 import pytest
 
-from voxgate.gateway.ice import IcePolicy, parse_ice_server, parse_networks
-from voxgate.gateway.pacer import FrameClock, IntervalRing, Pacer
-from voxgate.gateway.vad import VadSettings, VoiceActivityDetector
+from voxgate.gateway.webrtc.ice import IcePolicy, parse_ice_server, parse_networks
+from voxgate.gateway.media.pacer import FrameClock, IntervalRing, Pacer
+from voxgate.gateway.caller.vad import VadSettings, VoiceActivityDetector
 
 
 class FakeTime:

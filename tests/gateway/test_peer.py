@@ -1,4 +1,4 @@
-"""Negotiation in gateway/peer.py: DTX between utterances for a listener whose offer asks for it.
+"""Negotiation in gateway/webrtc/peer.py: DTX between utterances for a listener whose offer asks for it.
 
 The end-to-end cases read the RTP timestamps of what a real aiortc listener receives
 on loopback: with DTX, the packets between utterances are keep-alives 20 frames of
@@ -13,8 +13,8 @@ import asyncio
 import pytest
 
 from voxgate.engine import tone
-from voxgate.gateway.peer import asks_for_dtx
-from voxgate.gateway.track import KEEPALIVE_FRAMES
+from voxgate.gateway.webrtc.peer import asks_for_dtx
+from voxgate.gateway.media.track import KEEPALIVE_FRAMES
 from voxgate.rtc_client import TAIL_FRAMES, RtcClient, offer_with_dtx
 
 FRAME_TICKS = 960  # 20 ms at Opus's 48 kHz RTP clock
@@ -118,7 +118,7 @@ async def test_an_offer_with_two_audio_sections_is_refused_in_plain_words():
     from aiortc import RTCConfiguration, RTCPeerConnection
 
     from voxgate.gateway.errors import GatewayError
-    from voxgate.gateway.peer import validate_offer_sdp
+    from voxgate.gateway.webrtc.peer import validate_offer_sdp
 
     pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
     pc.addTransceiver("audio", direction="sendrecv")

@@ -1,4 +1,4 @@
-"""gateway/peerless_speech.py: one utterance with no peer (its stream, its admission slot, its audio
+"""gateway/peerless/peerless_speech.py: one utterance with no peer (its stream, its admission slot, its audio
 cap, one cancel), and an HTTP request's speech as response bytes, on the gateway's tone engine.
 Over HTTP: tests/http/test_tts_http.py, test_openai_speech.py, tests/security/test_tts_limits.py."""
 
@@ -14,7 +14,7 @@ from voxgate.engine.base import SynthesisOptions
 from voxgate.engine.errors import EngineUnavailable
 from voxgate.gateway.errors import GatewayError
 from voxgate.gateway.gateway import Gateway
-from voxgate.gateway.peerless_speech import format_names, open_http_speech, open_utterance
+from voxgate.gateway.peerless.peerless_speech import format_names, open_http_speech, open_utterance
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 TEXT = "The train leaves every twenty minutes from the second platform."

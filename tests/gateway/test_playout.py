@@ -1,6 +1,6 @@
 """Playout: what the track sends each tick; pre-roll, underruns, cancel, played text."""
 
-from voxgate.gateway.playout import Playout, UtterancePlay
+from voxgate.gateway.media.playout import Playout, UtterancePlay
 
 SILENCE = b"\x00silence"
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from voxgate.config import ConfigError, Settings
-from voxgate.gateway import priority
+from voxgate.gateway.media import priority
 from voxgate.rtc_client import RtcClient
 
 from tests.gateway.test_resilience import engine_worker_pid

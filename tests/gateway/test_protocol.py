@@ -1,4 +1,4 @@
-"""The session protocol (gateway/protocol.py): each rule of `parse`, the error event, the rate limiter.
+"""The session protocol (gateway/sessions/protocol.py): each rule of `parse`, the error event, the rate limiter.
 
 tests/fuzz/test_fuzz_protocol.py throws arbitrary input at the parser; these
 name each rule once, so a broken rule fails with its own name.
@@ -11,7 +11,7 @@ import json
 import pytest
 
 from voxgate.gateway.errors import GatewayError
-from voxgate.gateway.protocol import CLIENT_TYPES, MAX_DEPTH, Limits, RateLimiter, parse
+from voxgate.gateway.sessions.protocol import CLIENT_TYPES, MAX_DEPTH, Limits, RateLimiter, parse
 
 LIMITS = Limits(max_message_bytes=200, max_text_chars=20)
 

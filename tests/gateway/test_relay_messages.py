@@ -1,10 +1,10 @@
-"""gateway/relay_messages.py: what an application sends, checked as the vendors document it."""
+"""gateway/backends/relay_messages.py: what an application sends, checked as the vendors document it."""
 
 from __future__ import annotations
 
 import pytest
 
-from voxgate.gateway import relay_messages as wire
+from voxgate.gateway.backends import relay_messages as wire
 
 
 def test_documented_examples_are_taken_with_the_documented_defaults():

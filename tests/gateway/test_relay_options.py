@@ -1,4 +1,4 @@
-"""gateway/relay_options.py and the pure parts of gateway/relay.py: the vendors' attributes as a
+"""gateway/backends/relay_options.py and the pure parts of gateway/backends/relay.py: the vendors' attributes as a
 session's relay options, the address check, the handshake's signature and the language checks."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from voxgate.gateway.errors import GatewayError
-from voxgate.gateway.relay import recognizer_speaks, twilio_signature, voice_for_language
-from voxgate.gateway.outbound import private_address
-from voxgate.gateway.relay_options import options_from_parameters, parse_options
+from voxgate.gateway.backends.relay import recognizer_speaks, twilio_signature, voice_for_language
+from voxgate.gateway.backends.outbound import private_address
+from voxgate.gateway.backends.relay_options import options_from_parameters, parse_options
 from voxgate.signaling.twilio_stream import twilio_signature as inbound_signature
 
 

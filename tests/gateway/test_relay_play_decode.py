@@ -1,4 +1,4 @@
-"""gateway/relay_play.py's pure parts: a container named by its first bytes, decoded at the output's rate
+"""gateway/backends/relay_play.py's pure parts: a container named by its first bytes, decoded at the output's rate
 (48 kHz for WebRTC's Opus, 8 kHz for a phone) within the duration cap, and a clip's loops within it."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from voxgate.gateway.relay_play import ClipStream, PlayRefused, container_of, decode
+from voxgate.gateway.backends.relay_play import ClipStream, PlayRefused, container_of, decode
 
 from tests.relay.audio_server import TONE_HZ, mp3_file, tone, wav_file
 

@@ -14,7 +14,7 @@ import pylibsrtp
 from packaging.requirements import Requirement
 
 from tests.conftest import in_process_gateway
-from voxgate.gateway import rtc_internals
+from voxgate.gateway.media import rtc_internals
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -23,7 +23,7 @@ else:  # pragma: no cover
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PRODUCT = ("voxgate", "signaling", "gateway", "engine")
-THE_MODULE = pathlib.Path("gateway/rtc_internals.py")
+THE_MODULE = pathlib.Path("gateway/media/rtc_internals.py")
 # Methods of aioice's objects that the fast paths replace on an instance: public names, private use.
 PATCHED = {"datagram_received", "data_received", "send_stun", "get_host_addresses"}
 

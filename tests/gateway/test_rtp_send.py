@@ -1,4 +1,4 @@
-"""The speech track's RTP sender (gateway/rtp_send.py): aiortc's packets, built from a template.
+"""The speech track's RTP sender (gateway/media/rtp_send.py): aiortc's packets, built from a template.
 
 The packet bytes are checked against aiortc's own `RtpPacket.serialize` for the
 same header fields; the sender over a real loopback peer is checked from the
@@ -15,7 +15,7 @@ from aiortc.rtcrtpparameters import RTCRtpHeaderExtensionParameters, RTCRtpParam
 from aiortc.rtp import HeaderExtensionsMap, RtcpSrPacket, RtpPacket
 
 from voxgate.engine import tone
-from voxgate.gateway import rtp_send
+from voxgate.gateway.media import rtp_send
 from voxgate.rtc_client import RtcClient
 
 MID_URI = "urn:ietf:params:rtp-hdrext:sdes:mid"

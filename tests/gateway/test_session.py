@@ -1,4 +1,4 @@
-"""Session (gateway/session.py): who may write what, text to the engine, audio out, cancel and close.
+"""Session (gateway/sessions/session.py): who may write what, text to the engine, audio out, cancel and close.
 
 The engine is faked here, on purpose: these tests check the Session's own
 rules (ownership of utterance ids, the writer, the queue limit, text reaching
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from voxgate.gateway.protocol import Limits
-from voxgate.gateway.caller_side import BargeInSettings
-from voxgate.gateway.session import Session, SessionOptions
-from voxgate.gateway.session_metrics import SessionMetrics
-from voxgate.gateway.text_pump import TEXT_SLICE_CHARS
+from voxgate.gateway.sessions.protocol import Limits
+from voxgate.gateway.caller.caller_side import BargeInSettings
+from voxgate.gateway.sessions.session import Session, SessionOptions
+from voxgate.gateway.media.session_metrics import SessionMetrics
+from voxgate.gateway.sessions.text_pump import TEXT_SLICE_CHARS
 
 RATE = 22050
 
@@ -185,12 +185,12 @@ async def test_text_waits_for_an_output_then_plays_with_ttfa_and_its_parts():
 
 
 async def test_the_engine_hears_when_each_utterance_is_needed_and_what_the_feeder_holds_back():
-    """The worker orders steps by playout deadline (engine/worker.py): an
+    """The worker orders steps by playout deadline (engine/runtime/worker.py): an
     utterance queued behind another is needed once that one's audio has played
     (and no sooner than the audio already encoded ahead of it), and every
     deadline comes earlier by what the resampler and the framer keep from the
     listener."""
-    from voxgate.gateway.feeder import listener_lag_s
+    from voxgate.gateway.media.feeder import listener_lag_s
 
     session, engine, events, _ = make()
     session.attach_output("opus")
@@ -406,22 +406,26 @@ def test_the_sessions_parts_import_neither_the_session_nor_each_other_type_check
     """The import contract (pyproject.toml) skips TYPE_CHECKING imports; this reads every import in
     the files, those under `if TYPE_CHECKING:` too, so no cycle can hide behind one."""
     import ast
-    import os
+    import importlib
 
-    gateway = os.path.join(os.path.dirname(__file__), "..", "..", "gateway")
-
-    def imports(module: str) -> set[str]:
-        tree = ast.parse(open(os.path.join(gateway, module + ".py"), encoding="utf-8").read())
+    def imports(name: str) -> set[str]:
+        """Every module and name `name` imports from, by its absolute name (`voxgate.gateway.sessions.session`)."""
+        package = name.rsplit(".", 1)[0].split(".")
+        tree = ast.parse(open(importlib.import_module(name).__file__, encoding="utf-8").read())
         found = set()
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                found |= {node.module} if node.module else {alias.name for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("voxgate.gateway."):
-                found.add(node.module.split(".")[2])
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+                found |= {base} | {f"{base}.{alias.name}" for alias in node.names}
         return found
 
-    parts = {"session_queue", "session_output", "caller_side"}
+    session = "voxgate.gateway.sessions.session"
+    parts = {"voxgate.gateway.sessions.session_queue", "voxgate.gateway.sessions.session_output",
+             "voxgate.gateway.caller.caller_side"}
+    assert session in imports("voxgate.gateway.webrtc.peer")  # the reading sees a relative import across packages
     for part in parts:
-        assert not imports(part) & ({"session"} | parts - {part}), part
-    assert not imports("feeder") & ({"session"} | parts)
-    assert parts <= imports("session")
+        assert not imports(part) & ({session} | parts - {part}), part
+    assert not imports("voxgate.gateway.media.feeder") & ({session} | parts)
+    assert parts <= imports(session)

@@ -1,9 +1,9 @@
-"""Session metrics hooks (gateway/session_metrics.py): the fan-out that lets a benchmark watch beside Prometheus."""
+"""Session metrics hooks (gateway/media/session_metrics.py): the fan-out that lets a benchmark watch beside Prometheus."""
 
 from __future__ import annotations
 
-from voxgate.gateway.session_metrics import HOOKS, SessionMetrics, SessionMetricsFanOut
-from voxgate.gateway.metrics import GatewayMetrics
+from voxgate.gateway.media.session_metrics import HOOKS, SessionMetrics, SessionMetricsFanOut
+from voxgate.gateway.load.metrics import GatewayMetrics
 
 
 class Calls(SessionMetrics):

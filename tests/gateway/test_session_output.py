@@ -1,4 +1,4 @@
-"""The speech output (gateway/session_output.py) alone, without a Session or its queue.
+"""The speech output (gateway/sessions/session_output.py) alone, without a Session or its queue.
 
 A list of utterances stands in for the queue (what the output asks for, through its callbacks);
 the engine stream is test_session.py's FakeStream, so the test decides when audio arrives. The
@@ -12,10 +12,10 @@ import time
 from dataclasses import dataclass, field
 
 from tests.gateway.test_session import Events, FakeStream, Samples
-from voxgate.gateway.clock import SessionClock
-from voxgate.gateway.encoder import OpusSettings
-from voxgate.gateway.playout import UtterancePlay
-from voxgate.gateway.session_output import SpeechOutput
+from voxgate.gateway.media.clock import SessionClock
+from voxgate.gateway.media.encoder import OpusSettings
+from voxgate.gateway.media.playout import UtterancePlay
+from voxgate.gateway.sessions.session_output import SpeechOutput
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""A writer's open utterance ends with its writer (gateway/session_queue.py's `writer_gone`).
+"""A writer's open utterance ends with its writer (gateway/sessions/session_queue.py's `writer_gone`).
 
 Real peers on the tone engine: an aiortc listener hears the session, backends
 write through `voxgate.client` on the session WebSocket. A backend that leaves
@@ -80,10 +80,10 @@ async def test_the_queue_alone_feeds_the_engine_and_reports_what_a_cancel_stoppe
     from dataclasses import dataclass
 
     from tests.gateway.test_session import Events, FakeEngine, Samples
-    from voxgate.gateway.clock import SessionClock
+    from voxgate.gateway.media.clock import SessionClock
     from voxgate.gateway.errors import GatewayError
-    from voxgate.gateway.playout import Playout
-    from voxgate.gateway.session_queue import UtteranceQueue
+    from voxgate.gateway.media.playout import Playout
+    from voxgate.gateway.sessions.session_queue import UtteranceQueue
 
     @dataclass
     class Options:

@@ -13,7 +13,7 @@ import pytest_asyncio
 from voxgate.config import Settings
 from voxgate.gateway.errors import GatewayError
 from voxgate.gateway.gateway import Gateway
-from voxgate.gateway.speech_contexts import (
+from voxgate.gateway.peerless.speech_contexts import (
     ContextAudio, ContextCancelled, ContextDone, ContextError, ContextOutput, SpeechContexts,
 )
 

@@ -7,7 +7,7 @@ import pytest
 from voxgate.engine.base import SynthesisOptions
 from voxgate.engine.errors import ENGINE_ERROR_TEXT, EngineCrashed, EngineStreamError, EngineUnavailable
 from voxgate.gateway.errors import GatewayError
-from voxgate.gateway.speech_request import SpeechStream, open_speech
+from voxgate.gateway.peerless.speech_request import SpeechStream, open_speech
 
 
 class FailingStream:

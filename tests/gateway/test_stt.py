@@ -1,4 +1,4 @@
-"""A session's turns cut for the recognizer (gateway/stt.py): --stt-max-turn-s, and `stt_busy` when it can't keep up.
+"""A session's turns cut for the recognizer (gateway/caller/stt.py): --stt-max-turn-s, and `stt_busy` when it can't keep up.
 
 The recognizer here is a stand-in that holds every turn until the test lets
 it go, so what is asked of it, and when, is seen exactly; the cutting, the
@@ -17,7 +17,7 @@ import numpy as np
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from voxgate.gateway.stt import MAX_PENDING_PER_SESSION, WAITING_PER_SLOT, SpeechToText, TurnTranscriber
+from voxgate.gateway.caller.stt import MAX_PENDING_PER_SESSION, WAITING_PER_SLOT, SpeechToText, TurnTranscriber
 
 from tests.conftest import in_process_gateway
 

@@ -1,4 +1,4 @@
-"""`--stt pocketsphinx` (gateway/stt_pocketsphinx.py): the decoder works in worker processes.
+"""`--stt pocketsphinx` (gateway/caller/stt_pocketsphinx.py): the decoder works in worker processes.
 
 pocketsphinx's decoder holds the GIL while it decodes. Run on a thread of the
 gateway's process it stalled the event loop for most of each recognition
@@ -17,8 +17,8 @@ import time
 import pytest
 
 from voxgate.gateway.errors import SttError
-from voxgate.gateway.stt import SpeechToText
-from voxgate.gateway.stt_pocketsphinx import Pocketsphinx, decode
+from voxgate.gateway.caller.stt import SpeechToText
+from voxgate.gateway.caller.stt_pocketsphinx import Pocketsphinx, decode
 
 from tests.transcripts import CLEAR_TURNS, turn_audio
 

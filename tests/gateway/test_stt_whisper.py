@@ -1,4 +1,4 @@
-"""`--stt whisper` (gateway/stt_whisper.py): Whisper tiny.en on CTranslate2, encoding only the audio there is.
+"""`--stt whisper` (gateway/caller/stt_whisper.py): Whisper tiny.en on CTranslate2, encoding only the audio there is.
 
 faster-whisper pads every turn to Whisper's 30 s window; the recognizer here
 encodes the turn and a second of silence. Same run, same clip, same model:
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from voxgate.config import ConfigError
-from voxgate.gateway import stt_whisper
-from voxgate.gateway.stt import SpeechToText
-from voxgate.gateway.stt_whisper import Whisper, cut_repeat, cut_restart
+from voxgate.gateway.caller import stt_whisper
+from voxgate.gateway.caller.stt import SpeechToText
+from voxgate.gateway.caller.stt_whisper import Whisper, cut_repeat, cut_restart
 
 from tests.listening_corpus import espeak
 from tests.speech import word_error_rate

@@ -1,10 +1,10 @@
-"""TextPump (gateway/text_pump.py): text reaches each stream in order, a slice per loop turn; a failed stream costs only its own text."""
+"""TextPump (gateway/sessions/text_pump.py): text reaches each stream in order, a slice per loop turn; a failed stream costs only its own text."""
 
 from __future__ import annotations
 
 import asyncio
 
-from voxgate.gateway.text_pump import TEXT_SLICE_CHARS, TextPump
+from voxgate.gateway.sessions.text_pump import TEXT_SLICE_CHARS, TextPump
 
 
 class Sink:

@@ -1,4 +1,4 @@
-"""SpeechTrack and SilentOutput (gateway/track.py): frames from the playout, on the pacer's ticks, with RTP timing.
+"""SpeechTrack and SilentOutput (gateway/media/track.py): frames from the playout, on the pacer's ticks, with RTP timing.
 
 The pacer runs on a frame clock whose time moves only when it sleeps (the
 pacer's own schedule is tested in test_pacer_vad_ice.py), so a test of many
@@ -13,9 +13,9 @@ from fractions import Fraction
 import pytest
 from aiortc.mediastreams import MediaStreamError
 
-from voxgate.gateway.pacer import FrameClock, Pacer
-from voxgate.gateway.playout import Playout, UtterancePlay
-from voxgate.gateway.track import KEEPALIVE_FRAMES, SilentOutput, SpeechTrack
+from voxgate.gateway.media.pacer import FrameClock, Pacer
+from voxgate.gateway.media.playout import Playout, UtterancePlay
+from voxgate.gateway.media.track import KEEPALIVE_FRAMES, SilentOutput, SpeechTrack
 
 SILENCE = b"\xf8\xff\xfe"
 

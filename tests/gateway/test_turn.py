@@ -6,7 +6,7 @@ import hmac
 
 import pytest
 
-from voxgate.gateway.turn import turn_credentials
+from voxgate.gateway.webrtc.turn import turn_credentials
 
 
 def test_known_vector_computed_with_openssl():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from voxgate.engine import tone
-from voxgate.gateway.encoder import ulaw_decode
+from voxgate.gateway.media.encoder import ulaw_decode
 
 TEXT = "Streaming speech over plain HTTP."
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from voxgate.engine import tone
-from voxgate.gateway import opus
+from voxgate.gateway.media import opus
 from tests.conftest import in_process_gateway
 from tests.speech import recognize, word_error_rate
 

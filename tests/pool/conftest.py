@@ -20,8 +20,8 @@ from tests.conftest import ServerProcess, free_port
 ray = pytest.importorskip("ray", reason='the engine pool tests need Ray Serve: pip install ".[scale]" in the clone')
 serve = pytest.importorskip("ray.serve")
 
-from voxgate.engine.pool import APP_NAME, PoolConfig, start_local  # noqa: E402
-from voxgate.engine.pool_protocol import STATS_PATH  # noqa: E402
+from voxgate.engine.cluster.pool import APP_NAME, PoolConfig, start_local  # noqa: E402
+from voxgate.engine.cluster.pool_protocol import STATS_PATH  # noqa: E402
 
 
 class Pool:
@@ -62,7 +62,7 @@ def pool():
     start_local(PoolConfig(engine="tone", num_cpus=1, parallel=1), "127.0.0.1", port, num_cpus=2, grpc_port=grpc_port)
     yield Pool(f"http://127.0.0.1:{port}/", f"127.0.0.1:{grpc_port}")
     # Ray's shutdown alone ends Serve's processes with it. serve.shutdown() first would wait
-    # out the replicas' draining period (engine.pool.DRAIN_S, 8 s) for gateways long gone.
+    # out the replicas' draining period (engine.cluster.pool.DRAIN_S, 8 s) for gateways long gone.
     ray.shutdown()
 
 

@@ -11,12 +11,12 @@ import pytest
 
 from voxgate.engine import tone
 from voxgate.engine.base import SynthesisOptions
-from voxgate.engine.codec import FRAME_HEAD, MAX_PCM_BYTES, FrameError, frame_sizes, pack_frame, parse_header
-from voxgate.engine.pool_protocol import (
+from voxgate.engine.runtime.codec import FRAME_HEAD, MAX_PCM_BYTES, FrameError, frame_sizes, pack_frame, parse_header
+from voxgate.engine.cluster.pool_protocol import (
     INFO_PATH, MAX_REPLICAS_LISTED, STREAM_PATH, PoolProtocolError, StreamRequest, parse_replicas,
 )
 from voxgate.engine.errors import EngineCrashed
-from voxgate.engine.remote import RemoteEngineClient
+from voxgate.engine.cluster.remote import RemoteEngineClient
 from tests.conftest import free_port
 
 
@@ -190,11 +190,11 @@ async def test_a_gateway_told_not_to_goes_through_the_proxy(pool):
 
 
 async def test_the_grpc_ingress_streams_the_same_frames(pool):
-    """Serve's gRPC proxy with the hand-written servicer (engine/pool.py): raw bytes
+    """Serve's gRPC proxy with the hand-written servicer (engine/cluster/pool.py): raw bytes
     in and out, the same request body and frames as over HTTP."""
     import grpc
 
-    from voxgate.engine.pool import APP_NAME, GRPC_SERVICE
+    from voxgate.engine.cluster.pool import APP_NAME, GRPC_SERVICE
 
     metadata = (("application", APP_NAME),)
     async with grpc.aio.insecure_channel(pool.grpc_address) as channel:

@@ -11,8 +11,8 @@ import asyncio
 
 import pytest
 
-from voxgate.engine.pool import PoolConfig, build_app
-from voxgate.engine.remote import RemoteEngineClient
+from voxgate.engine.cluster.pool import PoolConfig, build_app
+from voxgate.engine.cluster.remote import RemoteEngineClient
 
 pytest.importorskip("torch")
 serve = pytest.importorskip("ray.serve")

@@ -10,7 +10,7 @@ import time
 import aiohttp
 
 from tests.conftest import in_process_gateway
-from voxgate.engine.remote import PoolLoad
+from voxgate.engine.cluster.remote import PoolLoad
 
 
 async def test_replicas_report_their_load_and_admission_plans_with_the_pools(pool):

@@ -1,4 +1,4 @@
-"""RemoteTransport's playout deadline (engine/remote.py), reckoned as the worker's Scheduler does.
+"""RemoteTransport's playout deadline (engine/cluster/remote.py), reckoned as the worker's Scheduler does.
 
 The deadline it sends with each request to the pool is computed in the
 gateway's process from the stream's own fields and the stream queued before
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from voxgate.engine.remote_stream import RemoteTransport
+from voxgate.engine.cluster.remote_stream import RemoteTransport
 
 
 class NoStreams:

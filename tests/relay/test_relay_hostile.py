@@ -26,7 +26,7 @@ HOSTILE = {"flood": "flood", "huge": "garbage", "silent": "timeout", "close_mid_
 
 
 async def test_hostile_applications_end_only_their_own_call(caplog):
-    caplog.set_level(logging.INFO, logger="voxgate.gateway.relay")
+    caplog.set_level(logging.INFO, logger="voxgate.gateway.backends.relay")
     hostile = await asyncio.create_subprocess_exec(sys.executable, "-m", "tests.relay.relay_app",
                                                    stdout=asyncio.subprocess.PIPE)
     assert hostile.stdout is not None
@@ -70,7 +70,7 @@ async def test_hostile_applications_end_only_their_own_call(caplog):
     for mode, phone in phones.items():
         assert len(phone.received.media) >= 5, mode
     # One warning line each, no traceback, naming what went wrong.
-    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING and r.name == "voxgate.gateway.relay"]
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING and r.name == "voxgate.gateway.backends.relay"]
     assert sorted(re.search(r"relay (\w+):", r.getMessage()).group(1) for r in warnings) == sorted(HOSTILE.values())
     assert all(r.exc_info is None for r in warnings)
     for outcome in HOSTILE.values():

@@ -16,7 +16,7 @@ import aiohttp
 import numpy as np
 
 from voxgate.client import VoxgateSession
-from voxgate.gateway.encoder import ulaw_decode
+from voxgate.gateway.media.encoder import ulaw_decode
 
 from tests.conftest import in_process_gateway
 from tests.listening_corpus import espeak
@@ -24,7 +24,7 @@ from tests.relay.relay_app import RelayApp, stt_standin
 from tests.telephony.twilio_standin import TwilioStandIn
 
 
-# The keypad's frequencies (ITU-T Q.23), written here rather than taken from gateway/dtmf.py: a tone
+# The keypad's frequencies (ITU-T Q.23), written here rather than taken from gateway/phone/dtmf.py: a tone
 # the module got wrong must not be found by a detector that shares its mistake.
 ROWS = (697.0, 770.0, 852.0, 941.0)
 COLUMNS = (1209.0, 1336.0, 1477.0, 1633.0)

@@ -1,4 +1,4 @@
-"""A relay application's `play` (gateway/relay_play.py): audio from an allowed origin is heard as an
+"""A relay application's `play` (gateway/backends/relay_play.py): audio from an allowed origin is heard as an
 utterance of its own, in its place between the replies, its loops and its duration bounded; what is
 not allowed (another origin, a private address without --relay-allow-private), too big, endless,
 or not audio gets an `error` and the conversation goes on; `interruptible` holds for it as for text.
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from voxgate.config import ConfigError, Settings
-from voxgate.gateway.encoder import ulaw_decode
-from voxgate.gateway.relay_play import PlayRefused, check_source, fetch
+from voxgate.gateway.media.encoder import ulaw_decode
+from voxgate.gateway.backends.relay_play import PlayRefused, check_source, fetch
 from voxgate.rtc_client import RtcClient
 
 from tests.conftest import in_process_gateway

@@ -49,7 +49,7 @@ async def test_documented_messages_are_taken_or_refused_with_an_error_and_the_ca
         assert expected in description, (expected, description)
     assert app.invalid == []
     assert len(phone.received.media) > 20  # "Hello there." and the tones were played before the end
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r.name == "voxgate.gateway.relay"]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r.name == "voxgate.gateway.backends.relay"]
 
 
 async def test_loopback_and_private_relay_urls_need_relay_allow_private():

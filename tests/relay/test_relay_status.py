@@ -1,4 +1,4 @@
-"""A relayed conversation's end POSTed to its status callback (`action`, gateway/relay_status.py), as
+"""A relayed conversation's end POSTed to its status callback (`action`, gateway/backends/relay_status.py), as
 Twilio posts to `<Connect action>`: the application's `end` with its handoffData, a relay that failed,
 a caller who hung up; signed when the session has an auth token; one retry, one log line when it
 fails; and never sent to a private address without --relay-allow-private."""
@@ -113,7 +113,7 @@ async def test_the_end_reaches_the_status_callback_with_how_and_why(caplog):
     assert "HandoffData" not in failed and failed["CallSid"] == "CAfailed"
     assert hung_up["SessionStatus"] == "completed" and "ErrorMessage" not in hung_up and again == "/broken"
     assert int(hung_up["SessionDuration"]) >= 0 and "X-Twilio-Signature" not in callbacks.posts[2][2]
-    warnings = [r.getMessage() for r in caplog.records if r.name == "voxgate.gateway.relay_status"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "voxgate.gateway.backends.relay_status"]
     assert len(warnings) == 1 and "failed: HTTP 500" in warnings[0], warnings
 
 
@@ -128,12 +128,12 @@ async def test_the_status_callback_passes_the_outbound_guard(caplog):
             await phone.wait(lambda: phone.ws.closed, timeout=10)
             await phone.close()
             for _ in range(100):
-                if any(r.name == "voxgate.gateway.relay_status" for r in caplog.records):
+                if any(r.name == "voxgate.gateway.backends.relay_status" for r in caplog.records):
                     break
                 await asyncio.sleep(0.05)
     finally:
         await callbacks.stop()
     assert callbacks.posts == []  # never reached
-    [warning] = [r.getMessage() for r in caplog.records if r.name == "voxgate.gateway.relay_status"]
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "voxgate.gateway.backends.relay_status"]
     assert "private address" in warning and r"--relay-allow-private" in warning
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r.exc_info]  # one line, no traceback

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from voxgate.gateway.ice import IcePolicy
+from voxgate.gateway.webrtc.ice import IcePolicy
 from voxgate.rtc_client import RtcClient
 
 from sec_helpers import http_json
@@ -43,7 +43,7 @@ async def test_candidates_need_the_sessions_token(tone_server):
 async def test_with_the_token_candidates_are_checked_by_network(tone_server):
     from aiortc import RTCConfiguration, RTCPeerConnection
 
-    from voxgate.gateway.ice import restrict_host_addresses
+    from voxgate.gateway.webrtc.ice import restrict_host_addresses
 
     restrict_host_addresses(["127.0.0.1"])
     pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))

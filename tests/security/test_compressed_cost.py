@@ -10,7 +10,7 @@ one core. bench/bench_aac_encodes.py measures the late frames.
 from __future__ import annotations
 
 from tests.conftest import in_process_gateway
-from voxgate.gateway.http_audio import slots_of, threads_of
+from voxgate.gateway.peerless.http_audio import slots_of, threads_of
 
 from sec_helpers import http_json
 

@@ -11,7 +11,7 @@ import math
 import pytest
 
 from voxgate.engine.errors import EngineStreamError
-from voxgate.engine.tags import TagState, rate_factor
+from voxgate.engine.text.tags import TagState, rate_factor
 
 from sec_helpers import http_json
 

@@ -1,6 +1,6 @@
 """Issue 39, finding 9: every field a gateway reads from an engine pool or replica is range-checked.
 
-The pool here is a stand-in that speaks the pool protocol (engine/pool_protocol.py) over
+The pool here is a stand-in that speaks the pool protocol (engine/cluster/pool_protocol.py) over
 real HTTP on loopback, as a compromised or broken replica would: it is the attacker, so it
 is the one thing not real. The gateway's side is the real RemoteEngineClient.
 """
@@ -16,8 +16,8 @@ from aiohttp import web
 
 from voxgate.engine.base import SynthesisOptions
 from voxgate.engine.errors import EngineCrashed, EngineUnavailable
-from voxgate.engine.codec import pack_frame
-from voxgate.engine.remote import RemoteEngineClient
+from voxgate.engine.runtime.codec import pack_frame
+from voxgate.engine.cluster.remote import RemoteEngineClient
 
 GOOD_INFO = {"engine": "tone", "voices": ["tone"], "sample_rate": 16000, "supported_tags": []}
 GOOD_CHUNK = {"kind": "chunk", "unit_index": 0, "sample_rate": 16000, "text": "Hi.", "words": [["Hi.", 0.0, 0.1]],

@@ -24,7 +24,7 @@ import time
 from aioice import stun
 
 from tests.conftest import in_process_gateway
-from voxgate.gateway.ice import MAX_CHECKS_PER_SOURCE, MAX_REMOTE_CANDIDATES, remote_candidate_count
+from voxgate.gateway.webrtc.ice import MAX_CHECKS_PER_SOURCE, MAX_REMOTE_CANDIDATES, remote_candidate_count
 from voxgate.rtc_client import RtcClient
 
 from sec_helpers import http_json

@@ -16,7 +16,7 @@ from __future__ import annotations
 from aiortc import RTCConfiguration, RTCPeerConnection
 
 from tests.conftest import in_process_gateway
-from voxgate.gateway.ice import restrict_host_addresses
+from voxgate.gateway.webrtc.ice import restrict_host_addresses
 from voxgate.rtc_client import RtcClient
 
 from sec_helpers import http_json

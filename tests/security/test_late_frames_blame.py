@@ -2,7 +2,7 @@
 
 Before, once more than 5 % of frames went late over 10 s, admission refused every tenant's new
 sessions, so anything that made frames late (250 watchers on one session, four aac encodes) locked
-everyone out. Now the work each tenant's input and jobs cost is charged to it (gateway/late_blame.py);
+everyone out. Now the work each tenant's input and jobs cost is charged to it (gateway/load/late_blame.py);
 while frames are late, a tenant whose work is a third of the process's is to blame: only its new
 sessions are refused, and its costliest source (here a watcher taking the caller's audio) is shed.
 

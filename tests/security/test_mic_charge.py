@@ -1,4 +1,4 @@
-"""Issue 53, theme: a caller whose own datagrams make frames late is the one closed (gateway/mic_charge.py).
+"""Issue 53, theme: a caller whose own datagrams make frames late is the one closed (gateway/load/mic_charge.py).
 
 The microphone's bounds drop a flood before decrypting or decoding it, but taking each datagram
 off the socket and dropping it still costs the event loop. That cost is charged to the session's
@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from voxgate.gateway import opus
+from voxgate.gateway.media import opus
 from voxgate.rtc_client import RtcClient
 from tests.conftest import in_process_gateway
 from tests.security.rtp_flood import RtpFlood, silent_caller
@@ -62,7 +62,7 @@ async def test_a_caller_flooding_its_own_session_is_charged_for_it_and_closed_wh
 
             # Frames went late, and the attacker's tenant is to blame: a 30 s flood's charge (its
             # datagrams are 0.6 of the 8 s of CPU the process spent).
-            caplog.set_level(logging.INFO, logger="voxgate.gateway.mic_charge")
+            caplog.set_level(logging.INFO, logger="voxgate.gateway.load.mic_charge")
             closed = gw.sessions[a["session_id"]]
             blame.charge("key:attacker", 6.0)
             blame.tick(1.0, 8.0, late=True)
@@ -71,7 +71,7 @@ async def test_a_caller_flooding_its_own_session_is_charged_for_it_and_closed_wh
             assert event["code"] == "late_frames"
             await asyncio.wait_for(closed.closed_event.wait(), 5)
             assert gw.peers.get(a["session_id"]) is None or gw.peers[a["session_id"]].pc.connectionState == "closed"
-            lines = [r for r in caplog.records if r.name == "voxgate.gateway.mic_charge"]
+            lines = [r for r in caplog.records if r.name == "voxgate.gateway.load.mic_charge"]
             assert len(lines) == 1 and lines[0].exc_info is None and "closing it" in lines[0].getMessage()
 
             # The other key's session is up and speaks.

@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 from aiortc.rtp import RtpPacket
 
-from voxgate.gateway import opus
-from voxgate.gateway.mic import MEDIA_BURST_MS, MEDIA_MARGIN, Microphone
+from voxgate.gateway.media import opus
+from voxgate.gateway.caller.mic import MEDIA_BURST_MS, MEDIA_MARGIN, Microphone
 
 PT = 111
 SSRC = 53

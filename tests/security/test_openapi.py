@@ -13,7 +13,7 @@ import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection
 
 from voxgate.config import Settings
-from voxgate.gateway.ice import restrict_host_addresses
+from voxgate.gateway.webrtc.ice import restrict_host_addresses
 from voxgate.signaling.openapi import spec
 from voxgate.signaling.server import create_app
 

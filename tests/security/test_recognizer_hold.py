@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from voxgate.gateway.errors import SttError
-from voxgate.gateway.stt import SpeechToText, TurnTranscriber
+from voxgate.gateway.caller.stt import SpeechToText, TurnTranscriber
 
 FRAME = 320
 

@@ -15,7 +15,7 @@ import json
 import aiohttp
 from aiortc import RTCConfiguration, RTCPeerConnection
 
-from voxgate.gateway.ice import restrict_host_addresses
+from voxgate.gateway.webrtc.ice import restrict_host_addresses
 
 from sec_helpers import http_json
 

@@ -19,7 +19,7 @@ import aiohttp
 import numpy as np
 import pylibsrtp
 
-from voxgate.gateway import opus
+from voxgate.gateway.media import opus
 from voxgate.rtc_client import RtcClient
 from tests.conftest import in_process_gateway
 from tests.security.rtp_flood import RtpFlood

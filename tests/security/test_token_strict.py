@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from voxgate.gateway.errors import GatewayError
-from voxgate.gateway.registry import TokenSigner
+from voxgate.gateway.sessions.registry import TokenSigner
 
 from sec_helpers import http_json
 

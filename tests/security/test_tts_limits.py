@@ -14,12 +14,12 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from voxgate.engine.tags import Pause, TagState
+from voxgate.engine.text.tags import Pause, TagState
 
 from sec_helpers import http_json
 
 TONE_RATE = 16000  # the tone engine's sample rate; pcm is 2 bytes a sample
-MAX_TOTAL_BREAK_MS = 30000  # engine/tags.py: all breaks of one stream together
+MAX_TOTAL_BREAK_MS = 30000  # engine/text/tags.py: all breaks of one stream together
 
 
 async def audio_seconds(url: str, body: dict, headers: dict | None = None) -> float:
@@ -31,7 +31,7 @@ async def audio_seconds(url: str, body: dict, headers: dict | None = None) -> fl
 
 
 def test_breaks_of_one_stream_share_one_budget():
-    from voxgate.engine import tags as tag_module
+    from voxgate.engine.text import tags as tag_module
 
     assert tag_module.MAX_TOTAL_BREAK_MS == MAX_TOTAL_BREAK_MS
     tags = TagState()

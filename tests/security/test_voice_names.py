@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from voxgate.engine.base import EngineError, SynthesisOptions
-from voxgate.engine.piper_engine import PiperEngine, embedded_voice_path
+from voxgate.engine.piper.piper_engine import PiperEngine, embedded_voice_path
 from voxgate.rtc_client import OfferRefused, RtcClient
 
 from sec_helpers import http_json

@@ -114,7 +114,7 @@ async def test_barge_in_by_caller_sends_clear(tone_server, caller_speech):
         uid = await backend.say(BOT_TEXT * 3, wait=False)
         await phone.wait(lambda: len(phone.received.media) >= 25)  # half a second is playing
         # Twilio streams the caller's line all through the call, silence too: the echo canceller
-        # learns from it that this phone sends no echo back (gateway/echo.py).
+        # learns from it that this phone sends no echo back (gateway/caller/echo.py).
         await phone.send_audio(np.zeros(8000, np.int16))
         sent_at: list[float] = []
         talker = asyncio.ensure_future(phone.send_audio(caller_speech, on_first=lambda: sent_at.append(time.perf_counter())))

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from voxgate.client import VoxgateSession
 from voxgate.config import Settings
-from voxgate.gateway.encoder import ulaw_decode
+from voxgate.gateway.media.encoder import ulaw_decode
 from voxgate.signaling.server import create_app
 
 from tests.conftest import free_port

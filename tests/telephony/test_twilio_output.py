@@ -1,4 +1,4 @@
-"""TwilioOutput (gateway/twilio_output.py): μ-law media in order, marks, one clear per interruption.
+"""TwilioOutput (gateway/phone/twilio_output.py): μ-law media in order, marks, one clear per interruption.
 
 The output is driven directly here: its session is a stand-in holding a real
 Playout (the output needs only the session's playout and its departure hook),
@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import base64
 
-from voxgate.gateway.playout import Playout, UtterancePlay
-from voxgate.gateway.twilio_output import MARK_EVERY_FRAMES, TwilioOutput
+from voxgate.gateway.media.playout import Playout, UtterancePlay
+from voxgate.gateway.phone.twilio_output import MARK_EVERY_FRAMES, TwilioOutput
 
 SILENCE = b"\xff" * 160
 

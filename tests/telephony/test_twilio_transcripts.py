@@ -23,8 +23,8 @@ import numpy as np
 import soxr
 
 from voxgate.client import VoxgateSession
-from voxgate.gateway.encoder import ulaw_decode
-from voxgate.gateway.stt_pocketsphinx import decode
+from voxgate.gateway.media.encoder import ulaw_decode
+from voxgate.gateway.caller.stt_pocketsphinx import decode
 
 from tests.conftest import in_process_gateway
 from tests.transcripts import CLEAR_TURNS, corpus_wer, turn_audio

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import numpy as np
 
-from voxgate.gateway.encoder import ulaw_decode, ulaw_encode
+from voxgate.gateway.media.encoder import ulaw_decode, ulaw_encode
 
 FRAME_S = 0.020
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import soxr
 
-from voxgate.gateway.peer import asks_for_dtx
+from voxgate.gateway.webrtc.peer import asks_for_dtx
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
 
@@ -54,7 +54,7 @@ def speech_wav(tmp_path_factory) -> str:
         pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16)
     speech = soxr.resample(pcm.astype(np.float32), rate, 48000).clip(-32768, 32767).astype(np.int16)
     # Chromium loops the file: the question comes back about every six seconds. The 4.4 s of silence
-    # after it outlast the echo guard's memory of the room (4 s, gateway/echo.py): a question under
+    # after it outlast the echo guard's memory of the room (4 s, gateway/caller/echo.py): a question under
     # the guard while it is cold (the bot's first second) is learnt as the bot's echo, and with
     # 1.6 s of silence between questions, at the bot's own level, none got through a 20 s answer
     # (2 of 5 runs on a loaded machine). A caller with no echo who keeps talking over the reply's
@@ -164,7 +164,7 @@ def test_speak_queue_and_rate(page, piper_server, artifacts_dir):
     page.on("request", lambda r: requests.append(r.url))
     page.on("request", lambda r: offers.append(r.post_data_json) if r.url.endswith("/v1/offer") else None)
     open_page(page, piper_server)
-    # The page asks for DTX between utterances on its Opus line (gateway/peer.py).
+    # The page asks for DTX between utterances on its Opus line (gateway/webrtc/peer.py).
     assert len(offers) == 1
     opus = re.search(r"(?m)^a=rtpmap:(\d+) opus/48000", offers[0]["sdp"])
     assert opus and asks_for_dtx(offers[0]["sdp"], int(opus.group(1))), offers[0]["sdp"]
@@ -291,7 +291,7 @@ def test_microphone_barge_in_and_vad_toggle(page, piper_server):
     page.click("#speak")
     # The fake microphone asks its question every six seconds or so: the server hears it
     # and stops the speech. The first may come before the echo guard has heard the room
-    # (then the caller must be louder than the bot: gateway/echo.py); the next does it.
+    # (then the caller must be louder than the bot: gateway/caller/echo.py); the next does it.
     # The answer lasts ~20 s, so it cannot end first.
     interrupted = wait_event(page, "utterance.interrupted", "p1", timeout=25000)["msg"]
     assert interrupted["reason"] == "barge_in"

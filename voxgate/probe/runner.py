@@ -32,7 +32,7 @@ def synthesize_speech_48k(text: str = BARGE_IN_SPEECH) -> np.ndarray:
     import soxr
 
     from ..engine.base import SynthesisOptions
-    from ..engine.piper_engine import PiperEngine
+    from ..engine.piper.piper_engine import PiperEngine
 
     engine = PiperEngine(threads=1)
     engine.load()

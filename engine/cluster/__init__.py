@@ -1,0 +1,1 @@
+"""The engine past one machine: the pool on Ray Serve, and the gateway's client of it."""

@@ -1,0 +1,1 @@
+"""Whether this gateway takes one more: admission, whose work made frames late, the Prometheus metrics."""
