@@ -37,9 +37,11 @@ Figures go to stdout and to artifacts/bench-conversation.json (--out).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import time
+from collections.abc import AsyncIterator, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -94,6 +96,46 @@ def last_voiced_s(clip: np.ndarray, rate: int = 48000) -> float:
     return float((np.flatnonzero(rms > VOICED)[-1] + 1) * hop) / rate
 
 
+@contextlib.asynccontextmanager
+async def caller(url: str, session_id: str, token: str | None) -> AsyncIterator[RtcClient]:
+    """The caller: an aiortc client on the session whose microphone (a RecordingMic) says the turns, connected
+    until the block ends (bench/bench_relay.py's v2v arm calls with it too)."""
+    client = RtcClient(url, mic=True, session_id=session_id, token=token)
+    client.mic = RecordingMic()
+    try:
+        await client.connect()
+        yield client
+    finally:
+        await client.close()
+
+
+async def say_turn(client: RtcClient, clip: np.ndarray, final_at: Callable[[], float | None]) -> tuple[float, float, float | None]:
+    """One caller turn on `client`'s microphone (a RecordingMic): LEAD_S of silence, then the 48 kHz clip, in real
+    time; then the reply, heard at the client: its first voiced frame after both the caller's last voiced sample
+    and the turn's first final (`final_at()`: when it came, None until it has), then its end. bench/bench_relay.py's
+    v2v arm says its turns with this too. Returns (when the turn's first frame was due, when its last voiced sample
+    was, the reply's first voiced frame or None)."""
+    first = len(client.mic.sent)
+    client.mic.play(np.concatenate([np.zeros(int(LEAD_S * 48000), np.int16), clip]))
+    while len(client.mic.due) <= first:
+        await asyncio.sleep(0.01)
+    started = client.mic.due[first]
+    spoke_until = started + LEAD_S + last_voiced_s(clip)
+    deadline = time.perf_counter() + 15
+    reply_at = None
+    while time.perf_counter() < deadline:
+        await asyncio.sleep(0.05)
+        final = final_at()
+        if final is not None:
+            # The reply to this turn's final: no sound before the final arrived can be it (an earlier
+            # reply still playing on a loaded machine is not).
+            reply_at = client.audio.first_sound_after(max(spoke_until, final), VOICED)
+            if reply_at is not None and time.perf_counter() > reply_at + 2.0:
+                break
+    await asyncio.sleep(0.8)  # the reply's end, and a breath
+    return started, spoke_until, reply_at
+
+
 async def conversation(url: str, plan: list, offset_s: float, server: ServerProcess | None = None) -> list[dict]:
     await asyncio.sleep(offset_s)
     backend = VoxgateSession(url)
@@ -111,50 +153,32 @@ async def conversation(url: str, plan: list, offset_s: float, server: ServerProc
                     partials.append(time.perf_counter())
 
     answering = asyncio.ensure_future(answer())
-    client = RtcClient(url, mic=True, session_id=backend.session_id, token=backend.client_token)
-    client.mic = RecordingMic()
     out = []
     try:
-        await client.connect()
-        for phrase, voice, clip, paused in plan:
-            before = len(finals)
-            first = len(client.mic.sent)
-            client.mic.play(np.concatenate([np.zeros(int(LEAD_S * 48000), np.int16), clip]))
-            while len(client.mic.due) <= first:
-                await asyncio.sleep(0.01)
-            spoke_until = client.mic.due[first] + LEAD_S + last_voiced_s(clip)
-            # The reply: its first voiced frame after the caller's last word, then its end.
-            deadline = time.perf_counter() + 15
-            reply_at = None
-            while time.perf_counter() < deadline:
-                await asyncio.sleep(0.05)
-                if len(finals) > before:
-                    # The reply to this turn's final: no sound before the final arrived can be it (an earlier
-                    # reply still playing on a loaded machine is not).
-                    reply_at = client.audio.first_sound_after(max(spoke_until, finals[before][0]), VOICED)
-                    if reply_at is not None and time.perf_counter() > reply_at + 2.0:
-                        break
-            await asyncio.sleep(0.8)  # the reply's end, and a breath
-            mine = finals[before:]
-            ended = _turn_ended(server, mine[-1][1]) if mine and server is not None else {}
-            out.append({
-                "phrase": phrase, "voice": voice, "paused": paused,
-                "text": " ".join(e["text"] for _, e in mine),
-                "finals": len(mine),
-                "transcript_ms": round((mine[-1][0] - spoke_until) * 1000, 1) if mine else None,
-                "early": bool(mine) and mine[0][0] < spoke_until,
-                "voice_to_voice_ms": round((reply_at - spoke_until) * 1000, 1) if reply_at else None,
-                # From the final transcript to the reply's first voiced frame: the voice and the path.
-                "reply_ms": round((reply_at - mine[-1][0]) * 1000, 1) if reply_at and mine else None,
-                # The endpointer's own account (its debug log): the rule that ended the turn, its decode, the
-                # silence it waited from the last voiced frame the VAD heard.
-                "rule": ended.get("rule"), "decode_ms": ended.get("decode_ms"), "silence_ms": ended.get("silence_ms"),
-                "partials": sum(1 for t in partials if client.mic.due[first] <= t <= spoke_until),
-                "clip": clip,
-            })
+        async with caller(url, backend.session_id, backend.client_token) as client:
+            for phrase, voice, clip, paused in plan:
+                before = len(finals)
+                started, spoke_until, reply_at = await say_turn(
+                    client, clip, lambda: finals[before][0] if len(finals) > before else None)
+                mine = finals[before:]
+                ended = _turn_ended(server, mine[-1][1]) if mine and server is not None else {}
+                out.append({
+                    "phrase": phrase, "voice": voice, "paused": paused,
+                    "text": " ".join(e["text"] for _, e in mine),
+                    "finals": len(mine),
+                    "transcript_ms": round((mine[-1][0] - spoke_until) * 1000, 1) if mine else None,
+                    "early": bool(mine) and mine[0][0] < spoke_until,
+                    "voice_to_voice_ms": round((reply_at - spoke_until) * 1000, 1) if reply_at else None,
+                    # From the final transcript to the reply's first voiced frame: the voice and the path.
+                    "reply_ms": round((reply_at - mine[-1][0]) * 1000, 1) if reply_at and mine else None,
+                    # The endpointer's own account (its debug log): the rule that ended the turn, its decode, the
+                    # silence it waited from the last voiced frame the VAD heard.
+                    "rule": ended.get("rule"), "decode_ms": ended.get("decode_ms"), "silence_ms": ended.get("silence_ms"),
+                    "partials": sum(1 for t in partials if started <= t <= spoke_until),
+                    "clip": clip,
+                })
     finally:
         answering.cancel()
-        await client.close()
         await backend.close()
     return out
 

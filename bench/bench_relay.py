@@ -39,7 +39,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import aiohttp  # noqa: E402
-import numpy as np  # noqa: E402
 from aiohttp import WSMsgType, web  # noqa: E402
 
 from _common import (  # noqa: E402
@@ -70,6 +69,17 @@ class App:
         return ws
 
 
+async def serve_app(handle) -> tuple[web.AppRunner, int]:
+    """A relay application's WebSocket at /relay on loopback: its runner (the caller cleans it up) and port."""
+    web_app = web.Application()
+    web_app.router.add_get("/relay", handle)
+    runner = web.AppRunner(web_app)
+    await runner.setup()
+    app_port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", app_port).start()
+    return runner, app_port
+
+
 async def first_frame_after(phone: TwilioStandIn, t0: float, timeout: float = 30.0) -> float:
     await phone.wait(lambda: any(t > t0 for t, _ in phone.received.media), timeout)
     first = min(t for t, _ in phone.received.media if t > t0)
@@ -81,12 +91,7 @@ async def first_frame_after(phone: TwilioStandIn, t0: float, timeout: float = 30
 
 async def run(args) -> dict:
     app = App()
-    web_app = web.Application()
-    web_app.router.add_get("/relay", app.handle)
-    runner = web.AppRunner(web_app)
-    await runner.setup()
-    app_port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", app_port).start()
+    runner, app_port = await serve_app(app.handle)
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "voxgate.cli", "serve", "--engine", args.engine, "--host", "127.0.0.1",
                                "--port", str(port), "--relay-allow-private", "--ice-host", "127.0.0.1"])
@@ -159,38 +164,17 @@ class PromptApp:
 
 async def talk(url: str, plan: list, session_id: str, token: str | None, finals: list[float]) -> list[dict]:
     """bench_conversation's caller, turn by turn, on a session someone else answers; `finals` fills as they come."""
-    from bench_conversation import LEAD_S, VOICED, last_voiced_s
+    from bench_conversation import caller, say_turn
 
-    from tests.backend.test_transcripts import RecordingMic
-    from voxgate.rtc_client import RtcClient
-
-    client = RtcClient(url, mic=True, session_id=session_id, token=token)
-    client.mic = RecordingMic()
     out = []
-    try:
-        await client.connect()
+    async with caller(url, session_id, token) as client:
         for phrase, voice, clip, paused in plan:
             before = len(finals)
-            first = len(client.mic.sent)
-            client.mic.play(np.concatenate([np.zeros(int(LEAD_S * 48000), np.int16), clip]))
-            while len(client.mic.due) <= first:
-                await asyncio.sleep(0.01)
-            spoke_until = client.mic.due[first] + LEAD_S + last_voiced_s(clip)
-            deadline = time.perf_counter() + 15
-            reply_at = None
-            while time.perf_counter() < deadline:
-                await asyncio.sleep(0.05)
-                if len(finals) > before:
-                    reply_at = client.audio.first_sound_after(max(spoke_until, finals[before]), VOICED)
-                    if reply_at is not None and time.perf_counter() > reply_at + 2.0:
-                        break
-            await asyncio.sleep(0.8)  # the reply's end, and a breath
+            _, spoke_until, reply_at = await say_turn(client, clip, lambda: finals[before] if len(finals) > before else None)
             mine = finals[before:]
             out.append({"phrase": phrase, "voice": voice, "paused": paused, "finals": len(mine),
                         "early": bool(mine) and mine[0] < spoke_until,
                         "voice_to_voice_ms": round((reply_at - spoke_until) * 1000, 1) if reply_at else None})
-    finally:
-        await client.close()
     return out
 
 
@@ -235,12 +219,7 @@ async def v2v_run(args, server_url: str) -> dict:
     from bench_conversation import REPLY, turns
 
     app = PromptApp(REPLY)
-    web_app = web.Application()
-    web_app.router.add_get("/relay", app.handle)
-    runner = web.AppRunner(web_app)
-    await runner.setup()
-    app_port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", app_port).start()
+    runner, app_port = await serve_app(app.handle)
     plan = turns(args.turns)
     rows: dict[str, list[dict]] = {"relay": [], "backend": []}
     try:

@@ -95,9 +95,12 @@ if [ -n "$MISSING" ]; then
   [ -d "$SITE" ] && use_site
   MISSING=$(missing $NEEDED)
 fi
-HAS_CUDA_TORCH=$("$PY" -c 'import torch; print(1 if torch.version.cuda else 0)' 2>/dev/null || echo 0)
 WANT_CUDA=0
-if [ "$DEVICE" != cpu ] && [ -n "$GPU" ] && [ "$HAS_CUDA_TORCH" = 0 ]; then WANT_CUDA=1; fi
+# Asked only where a CUDA build could be wanted: importing torch takes seconds.
+if [ "$DEVICE" != cpu ] && [ -n "$GPU" ]; then
+  HAS_CUDA_TORCH=$("$PY" -c 'import torch; print(1 if torch.version.cuda else 0)' 2>/dev/null || echo 0)
+  [ "$HAS_CUDA_TORCH" = 0 ] && WANT_CUDA=1
+fi
 NOTE=""
 [ "$WANT_CUDA" = 1 ] && NOTE="; torch here has no CUDA build"
 step "missing: ${MISSING:-nothing}$NOTE"

@@ -79,3 +79,19 @@ def test_each_headline_links_to_its_row_in_benchmarks_md_which_cites_the_same_js
         assert len(rows) == 1, f"docs/benchmarks.md has no single row with the anchor {anchor!r}"
         _, sources = figures_and_sources(row)
         assert f"bench/results/{sources[0][0]}" in rows[0], f"benchmarks.md#{anchor} does not cite {sources[0][0]}"
+
+
+
+def test_every_result_file_is_cited_and_every_citation_is_a_file() -> None:
+    """bench/results holds one current JSON per benchmark: each is cited by a row of docs/benchmarks.md,
+    and each file that table or the README cites is there, but for those the table places in git
+    history (`... at commit abc1234`) or says are still to come (`... once it runs`)."""
+    files = {name for name in os.listdir(RESULTS) if name.endswith(".json")}
+    table = read("docs", "benchmarks.md")
+    assert sorted(name for name in files if f"bench/results/{name}" not in table) == []
+    cited = set()
+    for text in (table, read("README.md")):
+        for m in re.finditer(r"bench/results/([\w.-]+\.json)(`? (at commit [0-9a-f]{7}|once it runs))?", text):
+            if not m.group(2) and not text[max(0, m.start() - 7):m.start()].endswith("--out "):
+                cited.add(m.group(1))
+    assert sorted(cited - files) == []

@@ -17,12 +17,10 @@ from typing import TYPE_CHECKING, Callable, Protocol
 from ..errors import GatewayError
 from ..media.frames import FRAME_MS
 from ..sessions.protocol import parse
+from ..load.view import GatewayView
 
 if TYPE_CHECKING:
-    from ...config import Settings
     from ..load.admission import Admission
-    from ..load.metrics import GatewayMetrics
-    from ..sessions.registry import SessionRegistry
     from ..sessions.session import Session
 
 log = logging.getLogger(__name__)
@@ -48,18 +46,10 @@ class Socket(Protocol):
     async def close(self, *, code: int = ..., message: bytes = ...) -> bool: ...
 
 
-class LinkHost(Protocol):
+class LinkHost(GatewayView, Protocol):
     """What a backend's link uses of the gateway (gateway/gateway.py's Gateway, which makes the links):
-    the settings, the registry it is filed in, the metrics, and admission's charge for its work."""
-
-    @property
-    def settings(self) -> Settings: ...
-
-    @property
-    def registry(self) -> SessionRegistry: ...
-
-    @property
-    def metrics(self) -> GatewayMetrics: ...
+    besides the view every part has (the registry the link is filed in, the metrics), admission's charge
+    for its work and the tenant a session is charged to."""
 
     @property
     def admission(self) -> Admission: ...

@@ -41,11 +41,9 @@ from .outbound import PrivateAddress, guarded_http, private_refusal, refuse_priv
 from .relay_options import SENSITIVITY_MS, RelayOptions
 from .relay_play import PlayRefused, RelayPlayer
 from .relay_status import post_status, status_form
+from ..load.view import GatewayView
 
 if TYPE_CHECKING:
-    from ...config import Settings
-    from ...engine.runtime.client import EngineClient
-    from ..load.metrics import GatewayMetrics
     from ..sessions.session import Session
     from ..caller.stt import SpeechToText
 
@@ -105,18 +103,10 @@ def recognizer_speaks(recognizer: str | None, tag: str) -> bool:
     return True
 
 
-class RelayHost(Protocol):
+class RelayHost(GatewayView, Protocol):
     """What a relay link uses of the gateway (gateway/gateway.py's Gateway, which makes the links):
-    the settings, the metrics, the engine's voices and the speech recognizer's name."""
-
-    @property
-    def settings(self) -> Settings: ...
-
-    @property
-    def metrics(self) -> GatewayMetrics: ...
-
-    @property
-    def engine(self) -> EngineClient: ...
+    besides the view every part has (the settings, the metrics, the engine's voices), the speech
+    recognizer's name."""
 
     @property
     def stt(self) -> SpeechToText | None: ...

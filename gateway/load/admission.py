@@ -50,12 +50,9 @@ from typing import TYPE_CHECKING, Callable, Protocol
 from ...engine.runtime.capacity import LISTENER_MEDIA_COST, RESERVE, CoreShare
 from ..errors import GatewayError
 from .late_blame import LateBlame, address_tenant, key_tenant
+from .view import GatewayView
 
 if TYPE_CHECKING:
-    from ...config import Settings
-    from ...engine.runtime.client import EngineClient
-    from .metrics import GatewayMetrics
-    from ..sessions.registry import SessionRegistry
     from ..sessions.session import Session
 
 # Sent with a refusal for capacity: the client may try again shortly.
@@ -118,24 +115,12 @@ class LoadFigures:
         return self.budget - self.expected
 
 
-class AdmissionHost(Protocol):
+class AdmissionHost(GatewayView, Protocol):
     """What admission reads of the gateway it guards (gateway/gateway.py's Gateway, which owns it):
-    the sessions and who made them, the engine, the metrics it reports to, and whether it accepts
-    any; and the speech slots taken by requests, which admission counts in and out."""
+    besides the view every part has, the sessions and who made them, and whether it accepts any;
+    and the speech slots taken by requests, which admission counts in and out."""
 
     tts_active: int
-
-    @property
-    def settings(self) -> Settings: ...
-
-    @property
-    def engine(self) -> EngineClient: ...
-
-    @property
-    def metrics(self) -> GatewayMetrics: ...
-
-    @property
-    def registry(self) -> SessionRegistry: ...
 
     @property
     def sessions(self) -> Mapping[str, Session]: ...

@@ -21,7 +21,7 @@ from voxgate.engine import tone
 from voxgate.rtc_client import OfferRefused, RtcClient
 
 from tests.conftest import in_process_gateway
-from tests.llm_standin import serve_chat_completions
+from tests.llm_standin import serve_chat_completions, serve_openai_route
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENS = ["Sure", "!", " The", " store", " opens", " at", " nine", ",", " and", " closes", " at", " six", "."]
@@ -136,13 +136,7 @@ async def start_tone_stt() -> tuple[web.AppRunner, str]:
             pcm, rate = np.frombuffer(w.readframes(w.getnframes()), "<i2"), w.getframerate()
         return web.json_response({"text": tone.decode(pcm, rate)})
 
-    app = web.Application()
-    app.router.add_post("/v1/audio/transcriptions", transcriptions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"  # type: ignore[union-attr]
+    return await serve_openai_route("/v1/audio/transcriptions", transcriptions)
 
 
 async def start_failing_llm(requests: list) -> tuple[web.AppRunner, str]:

@@ -31,6 +31,7 @@ from tests.transcripts import CLEAR_TURNS, turn_audio
 
 KEY = "sk-standin-9f3a7c"
 MODEL = "whisper-standin"
+SHORT_TURN = ("Hello there.", "en-us+klatt2")
 
 
 class StandIn:
@@ -96,7 +97,9 @@ async def test_stt_url_turns_failures_timeouts_and_the_key(caplog):
     app = web.Application()
     app.router.add_post("/v1/audio/transcriptions", standin.transcriptions)
     runner, standin_url = await serve(app)
-    turns = [CLEAR_TURNS[0], CLEAR_TURNS[3], CLEAR_TURNS[3], CLEAR_TURNS[3]]
+    # One turn recognized (2.1 s of speech), then three that fail: those need speech, not words, so they are
+    # 0.7 s each (the suite waits on every turn in real time).
+    turns = [CLEAR_TURNS[2], SHORT_TURN, SHORT_TURN, SHORT_TURN]
     outcomes = []
     try:
         async with in_process_gateway(stt_url=standin_url + "/v1", stt_model=MODEL, stt_api_key=KEY,

@@ -23,6 +23,10 @@ from tests.conftest import in_process_gateway
 from tests.listening_corpus import onset_s
 from tests.transcripts import CLEAR_TURNS, corpus_wer, turn_audio
 
+# Three of the four clear turns, the one with a pause inside first: 24 words, so one word lost on the way
+# passes the 0.05 bound and two fail, as with all four (31 words), in 3.7 s less of real-time speech.
+TURNS = CLEAR_TURNS[:3]
+
 
 class RecordingMic(MicTrack):
     """The client's microphone, keeping every sample it handed to aiortc and when each frame was due.
@@ -52,7 +56,7 @@ async def test_webrtc_caller_turns_reach_the_backend_as_transcripts_as_good_as_o
         # The session's own clock: the gateway runs in this process.
         origin = app["gateway"].sessions[backend.session_id].clock.origin
         # Every clip made before the call: espeak-ng blocks the event loop, which would stall the microphone.
-        clips = [turn_audio(phrase, voice, 48000) for phrase, voice in CLEAR_TURNS]
+        clips = [turn_audio(phrase, voice, 48000) for phrase, voice in TURNS]
         client = RtcClient(url, mic=True, session_id=backend.session_id, token=backend.client_token)
         client.mic = RecordingMic()
         live, sent, spans = [], [], []
@@ -77,9 +81,9 @@ async def test_webrtc_caller_turns_reach_the_backend_as_transcripts_as_good_as_o
             await client.close()
             await backend.close()
     offline = [decode(soxr.resample(turn, 48000, 16000)) for turn in sent]
-    phrases = [p for p, _ in CLEAR_TURNS]
+    phrases = [p for p, _ in TURNS]
     wer_live, wer_offline = corpus_wer(phrases, live), corpus_wer(phrases, offline)
-    print(f"\npocketsphinx WER over {len(CLEAR_TURNS)} espeak-ng turns: live path {wer_live:.3f}, offline on the sent audio "
+    print(f"\npocketsphinx WER over {len(TURNS)} espeak-ng turns: live path {wer_live:.3f}, offline on the sent audio "
           f"{wer_offline:.3f}\n  live:    {live}\n  offline: {offline}")
     # Each transcript spans its turn's speech on the session's clock.
     for start_ms, end_ms, speech_from in spans:

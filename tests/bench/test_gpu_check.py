@@ -92,17 +92,17 @@ def test_gpu_check_sh_on_cpu_with_small_counts(tmp_path: Path) -> None:
 
     fc = s["first_chunk"]
     assert fc["torch_engine"]["device"] == "cpu" and fc["onnx_engine"]["device"] == "cpu"
-    assert len(fc["runs"]) == 3  # "Hello." and --quick's 2 of the 8 sentences
+    assert len(fc["runs"]) == 2  # "Hello." and --quick's 1 of the 8 sentences
     for text, run in fc["runs"].items():
         assert len(run["torch_s"]) == len(run["onnx_s"]) == 1 and run["audio_s"] > 0.3, text
-    for label, n in (("hello", 1), ("sentences", 2)):
+    for label, n in (("hello", 1), ("sentences", 1)):
         t, o = fc[label]["torch_ms"], fc[label]["onnx_cpu_ms"]
         assert t["n"] == o["n"] == n and 0 < t["p50"] <= t["max"] < 5000 and 0 < o["p50"] <= o["max"] < 5000
         assert fc[label]["torch_over_onnx_p50"] == pytest.approx(t["p50"] / o["p50"], rel=0.01)
 
     fp = s["fp16"]
     assert fp["dtypes"] == {"fp32": "float32", "fp16": "float16"}
-    assert fp["parity_db"]["all_same_length"] and 15.0 < fp["parity_db"]["min"] < 120.0  # 26 dB seen on this CPU
+    assert fp["parity_db"]["all_same_length"] and 15.0 < fp["parity_db"]["min"] < 120.0  # 44 dB seen on this CPU
     assert all(0.0 <= w <= 1.0 for kind in ("fp32", "fp16") for w in fp["wer"]["per_sentence"][kind])
     audio = np.load(tmp_path / fp["audio_file"])
     assert audio["fp32_0"].size == audio["fp16_0"].size == fp["sentences"][0]["samples"]

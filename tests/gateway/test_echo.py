@@ -23,15 +23,16 @@ from voxgate.gateway.media.resample import Upsampler2x
 from voxgate.gateway.caller.vad import VadSettings, VoiceActivityDetector
 
 REPLY = corpus.BOT_REPLIES[0]
+SHORT_REPLY = "Thanks for calling. Your order left our warehouse this morning and should reach you on Thursday."
 
 
-async def _start_reply(client, update: dict | None) -> None:
-    """Connect `client`, apply `update` to its session, and have the bot speak REPLY."""
+async def _start_reply(client, update: dict | None, reply: str = REPLY) -> None:
+    """Connect `client`, apply `update` to its session, and have the bot speak `reply`."""
     await client.connect()
     if update:
         client.send({"type": "session.update", **update})
         await client.wait_for("session.updated", timeout=10)
-    client.send({"type": "speak", "text": REPLY, "id": "r"})
+    client.send({"type": "speak", "text": reply, "id": "r"})
 
 
 async def _speak_over_echo(url: str, *, echo_db: float, delay_ms: int, update: dict | None = None) -> tuple:
@@ -57,10 +58,10 @@ async def test_the_bots_own_echo_never_interrupts_it(piper_server):
 
 
 async def _caller_over_echo(url: str, clip: np.ndarray, *, echo_db: float | None, update: dict | None = None,
-                            after_frames: int = 100) -> tuple:
+                            after_frames: int = 100, reply: str = REPLY) -> tuple:
     client = corpus.echo_client(url, echo_db=echo_db, delay_ms=150, background=corpus.room_noise(4.0, -60.0, 3))
     try:
-        await _start_reply(client, update)
+        await _start_reply(client, update, reply)
         started = await client.wait_for("audio.started", id="r", timeout=30)
         await client.wait_frames_after(started, after_frames)  # two seconds of the reply
         assert not [e for _, e in client.event_log if e["type"] in ("speech.started", "utterance.interrupted")]
@@ -87,8 +88,10 @@ async def test_a_caller_over_the_echo_still_interrupts(piper_server):
 
 async def test_a_backchannel_shorter_than_min_interrupt_ms_is_reported_not_obeyed(piper_server):
     clip = corpus.espeak("Okay.", "en-us-nyc+m5")
+    # The reply's first sentence (about 5 s): the backchannel comes 2 s in and is judged within a second, and
+    # the test waits for the reply's end, not REPLY's 10 s.
     end, _, events = await _caller_over_echo(piper_server.url, clip, echo_db=-10.0,
-                                             update={"barge_in": {"min_interrupt_ms": 800}})
+                                             update={"barge_in": {"min_interrupt_ms": 800}}, reply=SHORT_REPLY)
     assert end["type"] == "utterance.done", end
     backchannels = [e for e in events if e["type"] == "speech.backchannel"]
     assert len(backchannels) == 1 and backchannels[0]["id"] == "r"

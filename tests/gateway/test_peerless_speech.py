@@ -7,28 +7,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import pytest_asyncio
 
-from voxgate.config import Settings
 from voxgate.engine.base import SynthesisOptions
 from voxgate.engine.errors import EngineUnavailable
 from voxgate.gateway.errors import GatewayError
-from voxgate.gateway.gateway import Gateway
 from voxgate.gateway.peerless.peerless_speech import format_names, open_http_speech, open_utterance
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
+# `gw`: tests/gateway/conftest.py's tone-engine gateway, one for the module.
 TEXT = "The train leaves every twenty minutes from the second platform."
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def gw():
-    gw = Gateway(Settings(engine="tone", host="127.0.0.1", ice_host=["127.0.0.1"], web=False))
-    # Its engine and admission only: its loop-lag watcher would count this test process's own
-    # work (the worker's start, other tests' encodes) and refuse requests on a busy machine.
-    await gw.engine.start()
-    gw.admission.tick()
-    yield gw
-    await gw.engine.close()
 
 
 def http_speech(gw, fmt: str = "wav", family: str = "tts", max_audio_s: float = 60.0, shed=None):

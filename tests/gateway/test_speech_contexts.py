@@ -8,9 +8,7 @@ import asyncio
 import dataclasses
 
 import pytest
-import pytest_asyncio
 
-from voxgate.config import Settings
 from voxgate.gateway.errors import GatewayError
 from voxgate.gateway.gateway import Gateway
 from voxgate.gateway.peerless.speech_contexts import (
@@ -54,37 +52,26 @@ def _cid(event) -> str | None:
     return event.context_id
 
 
-# One tone-engine gateway for the module (its worker takes a second to start); each test its own
+# One tone-engine gateway for the module (`gw`, tests/gateway/conftest.py); each test its own
 # connection's contexts, with its own limits.
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def gateway():
-    gw = Gateway(Settings(engine="tone", host="127.0.0.1", ice_host=["127.0.0.1"], web=False))
-    # Its engine and admission only: its loop-lag watcher would count this test process's own
-    # work (the worker's start, other tests' encodes) and refuse requests on a busy machine.
-    await gw.engine.start()
-    gw.admission.tick()
-    yield gw
-    await gw.engine.close()
-
-
 @pytest.fixture
-def contexts(gateway):
+def contexts(gw):
     made: list[SpeechContexts] = []
 
     def make(fmt: str = "pcm16", rate: int | None = None, **limits) -> tuple[Gateway, SpeechContexts, Events]:
         sink = Events()
-        settings = dataclasses.replace(gateway.settings, **limits)
-        made.append(SpeechContexts(gateway.engine, gateway.admission, settings, "caller", None,
+        settings = dataclasses.replace(gw.settings, **limits)
+        made.append(SpeechContexts(gw.engine, gw.admission, settings, "caller", None,
                                    ContextOutput(fmt, rate, True), sink))
-        return gateway, made[-1], sink
+        return gw, made[-1], sink
 
     yield make
     for ctxs in made:
         ctxs.close()
-    assert gateway.tts_active == 0
+    assert gw.tts_active == 0
 
 
 async def test_a_context_speaks_its_text_in_order_with_words_then_done_and_frees_its_slot(contexts):

@@ -8,7 +8,6 @@ loop free, and not loop on a short input.
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from tests.listening_corpus import espeak
 from tests.speech import word_error_rate
 from tests.transcripts import turn_audio
 
-from tests.gateway.test_stt_pocketsphinx import longest_stall
+from tests.gateway.test_stt_pocketsphinx import recognize_watching_the_loop
 
 
 # Turns tiny.en gets word for word offline, in four voices (most espeak-ng voices cost it a word or two a turn).
@@ -47,13 +46,7 @@ async def test_turns_are_heard_off_the_event_loop_and_faster_than_the_padded_dec
 
     clips = [turn_audio(phrase, voice, 16000) for phrase, voice in CLEAR_TURNS]
     stt = SpeechToText(whisper, max_concurrent=2)
-    done = asyncio.Event()
-    ticker = asyncio.ensure_future(longest_stall(done))
-    began = time.perf_counter()
-    texts = await asyncio.gather(*(stt.recognize(clip) for clip in clips))
-    took = time.perf_counter() - began
-    done.set()
-    stall = await ticker
+    texts, took, stall = await recognize_watching_the_loop(stt, clips)
     errors = [word_error_rate(phrase, text) for (phrase, _), text in zip(CLEAR_TURNS, texts)]
     assert np.mean(errors) <= 0.1, list(zip(texts, errors))
     assert stall < 0.25 * took, (stall, took)

@@ -12,6 +12,7 @@ import socket
 import jsonschema
 from aiohttp import WSMsgType, web
 
+from tests.llm_standin import serve_openai_route
 from tests.relay.relay_schema import RECEIVED
 
 
@@ -147,14 +148,7 @@ async def stt_standin(texts: list[str]) -> tuple[web.AppRunner, str]:
         await request.post()
         return web.json_response({"text": queue.pop(0) if len(queue) > 1 else queue[0]})
 
-    app = web.Application()
-    app.router.add_post("/v1/audio/transcriptions", transcriptions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}/v1"
+    return await serve_openai_route("/v1/audio/transcriptions", transcriptions)
 
 
 async def _serve_hostile() -> None:
