@@ -8,7 +8,9 @@ sends audio (speech or keepalives) all along. So the time since the last datagra
 any kind, says when the path is gone, well before consent fails (docs/networks.md).
 
 Stamping is one clock read per datagram (rtc_internals.watch_datagrams); the check is one timer
-per peer, which fires about once per timeout while the peer is heard.
+per peer, which fires about once per timeout while the peer is heard. Every datagram counts, before
+any check of its source or keys: reading them would cost more per packet, and a stranger who keeps
+sending to the session's port only delays the close to where aioice's consent check ends it anyway.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import time
 
 from tests.conftest import in_process_gateway
 from voxgate.gateway.media import rtc_internals
+from voxgate.gateway.webrtc.silence import PeerSilence
 from voxgate.rtc_client import RtcClient
 
 # An idle aiortc client sends an RTCP receiver report every 0.5-1.5 s (measured: longest gap 1.47 s
@@ -56,3 +57,30 @@ async def test_a_peer_whose_path_is_cut_is_closed_with_a_reason_and_an_idle_one_
 
     lines = [r for r in caplog.records if "nothing from the peer" in r.getMessage()]
     assert len(lines) == 1 and lines[0].exc_info is None, [r.getMessage() for r in lines]
+
+
+async def test_the_watchdog_fires_once_after_the_last_datagram_and_not_while_heard_or_once_stopped():
+    fired: list[float] = []
+    done = asyncio.Event()
+
+    def on_silent(seconds: float) -> None:
+        fired.append(seconds)
+        done.set()
+
+    silence = PeerSilence(0.2, on_silent)
+    silence.start()
+    for _ in range(12):  # datagrams every 30 ms for 1.8 timeouts
+        await asyncio.sleep(0.03)
+        silence.heard()
+    last = time.monotonic()
+    assert fired == []
+    await asyncio.wait_for(done.wait(), 5)
+    assert time.monotonic() - last >= 0.2 and fired[0] >= 0.2, fired
+    await asyncio.sleep(0.3)
+    assert len(fired) == 1  # once: the session closes
+
+    stopped = PeerSilence(0.05, on_silent)
+    stopped.start()
+    stopped.stop()
+    await asyncio.sleep(0.15)
+    assert len(fired) == 1
