@@ -15,8 +15,9 @@ from voxgate.gateway.webrtc.silence import PeerSilence
 from voxgate.rtc_client import RtcClient
 
 # An idle aiortc client sends an RTCP receiver report every 0.5-1.5 s (measured: longest gap 1.47 s
-# in 15 s), so 2.5 s never trips on a live one; aioice's consent timeout would take ~30 s.
-TIMEOUT_S = 2.5
+# in 15 s), so 3 s trips on a live one only past a 1.5 s stall of the shared loop; aioice's consent
+# timeout would take ~30 s.
+TIMEOUT_S = 3.0
 MARGIN_S = 3.0  # for a loaded machine: the close is due at most TIMEOUT_S after the cut
 
 
@@ -47,13 +48,13 @@ async def test_a_peer_whose_path_is_cut_is_closed_with_a_reason_and_an_idle_one_
             assert closed[lost.session_id]["reason"] == "peer silent"
             assert TIMEOUT_S / 2 < took <= TIMEOUT_S + MARGIN_S, took
 
-            # The idle client, heard from all along, stays open past the timeout many times over.
-            wait = max(0.0, 1.6 * TIMEOUT_S - (time.monotonic() - idle_since))
+            # The idle client, heard from all along, stays open past the timeout.
+            wait = max(0.0, 1.25 * TIMEOUT_S - (time.monotonic() - idle_since))
             closing = asyncio.ensure_future(idle_session.closed_event.wait())
             done, _ = await asyncio.wait([closing], timeout=wait)
             closing.cancel()
             assert not done and not idle_session.closed, closed.get(idle.session_id)
-            assert time.monotonic() - idle_since > 1.5 * TIMEOUT_S
+            assert time.monotonic() - idle_since > 1.2 * TIMEOUT_S
 
     lines = [r for r in caplog.records if "nothing from the peer" in r.getMessage()]
     assert len(lines) == 1 and lines[0].exc_info is None, [r.getMessage() for r in lines]
