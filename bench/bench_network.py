@@ -236,6 +236,28 @@ def run_turn(args) -> dict:
     return {"turn": summary, "turn_rows": got, "engine": args.engine, "rounds": args.turn}
 
 
+MOVED_WATCH_MS = 12000  # after a move: past the gateway's default --peer-silence-timeout-s, with room
+
+
+def quiet_browser(browser, server, seconds: float) -> dict:
+    """A live browser (recvonly, as the page: no microphone) idle after an utterance: the longest it
+    went without sending the server anything, and whether the server kept its session open."""
+    with netem.RelayThread(netem.Impairment()) as relay:
+        context = browser.new_context(bypass_csp=True)
+        page = retried(browser_call.open_session, context, server.url, relay)
+        sid = page.evaluate("window.vg.events.find((e) => e.msg.type === 'session.ready').msg.session_id")
+        page.evaluate("(t) => window.vg.dc.send(JSON.stringify({type: 'speak', id: 'q', text: t}))", SENTENCES[0])
+        page.wait_for_function("window.vg.events.some((e) => e.msg.type === 'utterance.done')", timeout=30000)
+        relay.relay.quiet_reset()
+        page.wait_for_timeout(seconds * 1000)
+        closed = any(e.get("session_id") == sid and "closed" in e["message"] for e in server.log_entries())
+        got = {"idle_s": seconds, "max_up_gap_ms": round(relay.relay.up_gap_max * 1000), "server_closed": closed,
+               "browser": page.evaluate("window.vg.pc.connectionState")}
+        print(f"  quiet: {got}", flush=True)
+        context.close()
+    return got
+
+
 def run_move(args) -> dict:
     """The browser's address changes mid-utterance (the relay's server side moves to a new port, as a
     NAT rebinding or a phone's new network shows to the server), and the path is cut outright
@@ -245,7 +267,7 @@ def run_move(args) -> dict:
     from tests.conftest import ServerProcess
 
     long_text = " ".join(SENTENCES)
-    out: dict = {"move": [], "cut": []}
+    out: dict = {"move": [], "cut": [], "quiet": []}
     server = ServerProcess(args.engine, ["--log-json"])
     try:
         with sync_playwright() as p:
@@ -254,17 +276,22 @@ def run_move(args) -> dict:
                 with netem.RelayThread(netem.Impairment()) as relay:
                     context = browser.new_context(bypass_csp=True)
                     page = retried(browser_call.open_session, context, server.url, relay)
+                    sid = page.evaluate("window.vg.events.find((e) => e.msg.type === 'session.ready').msg.session_id")
                     page.evaluate("(t) => window.vg.dc.send(JSON.stringify({type: 'speak', id: 'm', text: t}))", long_text)
                     page.wait_for_timeout(1000 + 300 * n)  # the move falls at a different point of the consent cycle
                     relay.move()
-                    page.wait_for_timeout(4000)
+                    # Past the gateway's --peer-silence-timeout-s (8 s): a moved browser is heard, and stays.
+                    page.wait_for_timeout(MOVED_WATCH_MS)
                     r = relay.relay
                     gap = None if r.resumed_at is None or r.moved_at is None else (r.resumed_at - r.moved_at) * 1000
                     state = page.evaluate("window.vg.pc.connectionState")
-                    out["move"].append({"resumed_ms": gap, "browser": state})
+                    closed = any(e.get("session_id") == sid and "closed" in e["message"] for e in server.log_entries())
+                    out["move"].append({"resumed_ms": gap, "browser": state, "server_closed": closed})
                     print(f"  move {n}: the server sent to the new address after {gap if gap is None else round(gap)} ms; "
-                          f"browser {state}", flush=True)
+                          f"browser {state}; server closed the session: {closed}", flush=True)
                     context.close()
+            if args.move_quiet_s > 0:
+                out["quiet"].append(quiet_browser(browser, server, args.move_quiet_s))
             for n in range(args.move_cuts):
                 with netem.RelayThread(netem.Impairment()) as relay:
                     context = browser.new_context(bypass_csp=True)
@@ -294,7 +321,7 @@ def main() -> None:
     parser = _common.arg_parser(__doc__)
     parser.add_argument("--engine", default="piper", help="the gateway's engine (piper: the real voice)")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    parser.add_argument("--lines", nargs="*", default=[], help=f"a subset of {list(LINES)}")
+    parser.add_argument("--lines", nargs="*", default=[], help=f"a subset of {list(LINES)}".replace("%", "%%"))
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--sentences", type=int, default=len(SENTENCES))
     parser.add_argument("--turn", type=int, default=0, metavar="ROUNDS",
@@ -302,6 +329,9 @@ def main() -> None:
     parser.add_argument("--move", type=int, default=0, metavar="TRIALS",
                         help="instead: the browser's address moves mid-utterance (TRIALS times), then the path is cut")
     parser.add_argument("--move-cuts", type=int, default=2)
+    parser.add_argument("--move-quiet-s", type=float, default=20.0,
+                        help="with --move: a live browser left idle this long after an utterance; its longest "
+                             "silence toward the server, against --peer-silence-timeout-s (0: skip)")
     args = parser.parse_args()
     started = time.perf_counter()
     info = _common.machine()

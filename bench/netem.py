@@ -204,6 +204,10 @@ class Relay:
         self.cut = False  # True: every packet, both ways, is dropped
         self.moved_at: float | None = None  # loop time of the last move()
         self.resumed_at: float | None = None  # the first RTP from the server after it, on the new socket
+        # The longest wait between two browser-to-server datagrams since quiet_reset(): how quiet a
+        # live browser gets, against the gateway's --peer-silence-timeout-s.
+        self.up_last: float | None = None
+        self.up_gap_max = 0.0
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -223,6 +227,9 @@ class Relay:
         self.moved_at, self.resumed_at = asyncio.get_running_loop().time(), None
         return self.port("server_side")
 
+    def quiet_reset(self) -> None:
+        self.up_last, self.up_gap_max = None, 0.0
+
     def port(self, side: str) -> int:
         transport = self._sides[side].transport
         assert transport is not None
@@ -239,6 +246,10 @@ class Relay:
             return
         if side == "browser_side":
             self.browser = self.browser or addr  # chromium checks from the address its offer named
+            now = asyncio.get_running_loop().time()
+            if self.up_last is not None:
+                self.up_gap_max = max(self.up_gap_max, now - self.up_last)
+            self.up_last = now
             if self.server:
                 self._send("server_side", data, self.server)
                 self.stats.other["up " + _kind(data)] += 1

@@ -222,6 +222,7 @@ class Gateway:
         for another offer. Refused with GatewayError."""
         peer = PeerConnection(session, self.ice, rtp_sender=self.settings.rtp_sender, max_ssrcs=self.settings.max_ssrcs,
                               mic_max_packets_per_s=self.settings.mic_max_packets_per_s,
+                              peer_silence_timeout_s=self.settings.peer_silence_timeout_s,
                               charge=MicCharge(self.admission.blame, self.tenant_of(session.id), session))
         self.peers[session.id] = peer
         try:

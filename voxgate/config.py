@@ -206,6 +206,12 @@ class Settings:
     session_lifetime_s: float = setting(3600.0, LIMITS, "close a session after this long in any case", low=1.0, high=604800.0)
     connect_timeout_s: float = setting(20.0, LIMITS, "close a WebRTC session not connected by then",
                                        low=1.0, high=3600.0)
+    # A live peer is never this quiet: an idle chromium page sent the gateway something at least every
+    # 2.66 s (consent checks, RTCP receiver reports), an idle aiortc client every 1.47 s, an aiortc peer
+    # with only a data channel every 4.9 s (consent, every 4-6 s): docs/networks.md. 8 s is over all
+    # of these, and a cut path still closes within 10 s (7.9 s measured).
+    peer_silence_timeout_s: float = setting(8.0, LIMITS, "close a WebRTC session whose peer sent nothing this long",
+                                            low=1.0, high=600.0, zero="off")
     drain_timeout_s: float = setting(10.0, LIMITS, "on SIGTERM, time current utterances may take to finish", low=0.0, high=3600.0)
     max_text_chars: int = setting(4000, LIMITS, "characters of text per message", low=1, high=1000000)
     max_utterance_chars: int = setting(20000, LIMITS, "characters of text per utterance", low=1, high=10000000)

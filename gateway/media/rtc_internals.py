@@ -3,7 +3,8 @@
 Voxgate's fast paths read state below aiortc's public API (`aiortc.__all__`):
 the RTP sender loop it replaces (rtp_send.py), the SRTP datagrams it takes for
 the microphone (mic.py), the RTCP reports it watches for FEC (fec.py), the ICE
-connection it guards and the host addresses it offers (ice.py), and a
+connection it guards and the host addresses it offers (ice.py), the datagrams
+it times for a peer's silence (webrtc/silence.py), and a
 receiver's remote streams (voxgate/rtc_client.py). Every such name is here,
 behind a small accessor; tests/gateway/test_rtc_internals.py fails when any
 other product module names one, and when a fast path would not apply to the
@@ -61,6 +62,7 @@ FAST_PATHS = {
     "loss_reports": "RTCP receiver reports watched for in-band FEC (fec.py)",
     "ice_guard": "remote candidates, binding requests and checks bounded per ICE connection (ice.py)",
     "host_addresses": "only the configured host addresses offered as ICE candidates (ice.py)",
+    "peer_datagrams": "each datagram from a peer timed, for --peer-silence-timeout-s (silence.py)",
 }
 
 
@@ -369,6 +371,29 @@ def wrap_protocols(connection: Any, receive: Callable[[Callable], Callable], sen
             protocol.send_stun = send(protocol.send_stun)
 
 
+def watch_datagrams(pc: Any, heard: Callable[[], None]) -> bool:
+    """Call heard() for every datagram any of the peer connection's ICE connections receive (STUN,
+    DTLS, SRTP, SRTCP, through a TURN relay too), before anything else reads it. Installed last, so
+    that it wraps the microphone's and the ICE guard's handlers. False, with nothing changed, where
+    this aioice keeps its protocols elsewhere."""
+    connections = ice_connections(pc)
+    if not connections or not all(hasattr(c, "_protocols") for c in connections):
+        return False
+    for connection in connections:
+        for protocol in connection._protocols:
+            if hasattr(protocol, "datagram_received"):
+                protocol.datagram_received = _heard_first(protocol.datagram_received, heard)
+    return True
+
+
+def _heard_first(datagram_received: Callable[[bytes, Any], None], heard: Callable[[], None]) -> Callable[[bytes, Any], None]:
+    def received(data: bytes, addr: Any) -> None:
+        heard()
+        datagram_received(data, addr)
+
+    return received
+
+
 _original_get_host_addresses = aioice.ice.get_host_addresses
 
 
@@ -427,6 +452,8 @@ def fast_paths() -> dict[str, bool]:
         "ice_guard": connection is not None and ice_guardable(connection)
         and all(hasattr(stun, n) for n in ("datagram_received", "send_stun")),
         "host_addresses": callable(getattr(aioice.ice, "get_host_addresses", None)),
+        "peer_datagrams": connection is not None and hasattr(connection, "_protocols")
+        and hasattr(stun, "datagram_received"),
     }
 
 

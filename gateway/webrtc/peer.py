@@ -13,6 +13,7 @@ from ...config import Settings
 
 from ..media.rtc_internals import SessionDescription, candidate_from_sdp
 from .ice import MAX_REMOTE_CANDIDATES, IcePolicy, guard_ice, remote_candidate_count
+from .silence import PeerSilence
 from ..media import fec, rtc_internals, rtp_send
 from ..caller.mic import Microphone
 from ..load.mic_charge import MicCharge
@@ -110,7 +111,8 @@ class PeerConnection:
     def __init__(self, session: Session, ice: IcePolicy, *, rtp_sender: str = "voxgate",
                  max_ssrcs: int = Settings.max_ssrcs,
                  mic_max_packets_per_s: float = Settings.mic_max_packets_per_s,
-                 charge: MicCharge | None = None) -> None:
+                 charge: MicCharge | None = None,
+                 peer_silence_timeout_s: float = Settings.peer_silence_timeout_s) -> None:
         self.session = session
         # Charges the CPU time of the peer's inbound datagrams to the session's tenant, and closes
         # the session when late-frame admission sheds it (mic_charge.py).
@@ -132,6 +134,8 @@ class PeerConnection:
         session.add_listener("peer", self._keep_early)
         self.dropped_candidates = 0
         self.ice_guards: list = []
+        # Closes the session once a connected peer has sent nothing for the timeout (0: off).
+        self.silence = PeerSilence(peer_silence_timeout_s, self._on_silent) if peer_silence_timeout_s > 0 else None
         self.pc.on("datachannel", self._on_datachannel)
         self.pc.on("connectionstatechange", self._on_state)
         session.on_close.append(self._on_session_close)
@@ -195,6 +199,11 @@ class PeerConnection:
             self.silent = SilentOutput(self.session.playout)
             self.silent.start()
         self._guard_srtp()
+        # Last: it wraps every handler above, so that it hears each datagram first.
+        if self.silence is not None and not rtc_internals.watch_datagrams(self.pc, self.silence.heard):
+            log.warning("session %s: this aioice keeps its protocols elsewhere: --peer-silence-timeout-s is off",
+                        self.session.id, extra={"session_id": self.session.id})
+            self.silence = None
         return local
 
     @property
@@ -295,18 +304,37 @@ class PeerConnection:
         (log.debug if state in ("new", "connecting") else log.info)(
             "session %s: connection %s", self.session.id, state, extra={"session_id": self.session.id})
         self.session.emit({"type": "connection.state", "state": state})
+        if self.silence is not None:
+            if state == "connected":
+                self.silence.start()
+            else:
+                self.silence.stop()
         if state in ("failed", "closed"):
             await self.session.close(f"connection {state}")
+
+    def _on_silent(self, seconds: float) -> None:
+        """The peer's path is gone (a cut network, a closed laptop): end the session now rather than
+        after aioice's consent timeout, ~30 s of speech sent into nothing."""
+        session = self.session
+        if session.closed:
+            return
+        log.info("session %s: nothing from the peer for %.1f s (over --peer-silence-timeout-s); closing",
+                 session.id, seconds, extra={"session_id": session.id})
+        asyncio.ensure_future(session.close("peer silent"))
 
     async def detach(self) -> None:
         """Let go of the session without closing it (a failed offer to a session made ahead,
         which stays for another try), and close the peer connection."""
         self.session.remove_listener("peer")
+        if self.silence is not None:
+            self.silence.stop()
         if self._on_session_close in self.session.on_close:
             self.session.on_close.remove(self._on_session_close)
         await self.close_pc()
 
     async def _on_session_close(self, session: Session) -> None:
+        if self.silence is not None:
+            self.silence.stop()
         if self.track is not None:
             self.track.stop()
         if self.silent is not None:
