@@ -391,6 +391,7 @@ def _heard_first(datagram_received: Callable[[bytes, Any], None], heard: Callabl
         heard()
         datagram_received(data, addr)
 
+    received.__wrapped__ = datagram_received  # type: ignore[attr-defined]  # inspect.unwrap finds the handler within
     return received
 
 

@@ -1,6 +1,7 @@
 """The microphone reader: RTP packets to 16 kHz PCM for the VAD, gaps as silence, nothing decoded when unwanted."""
 
 import asyncio
+import inspect
 import itertools
 import struct
 
@@ -252,7 +253,7 @@ async def test_a_real_peers_microphone_is_read_from_its_datagrams_not_aiortcs_qu
             # aioice would parse each of them as STUN first (RFC 7983: they never are).
             connection = mic_receiver.transport.transport._connection
             assert connection._protocols and all(
-                p.datagram_received.__qualname__.startswith("_demultiplex.") for p in connection._protocols)
+                inspect.unwrap(p.datagram_received).__qualname__.startswith("_demultiplex.") for p in connection._protocols)
 
 
 def header_extensions(*uris: str):
