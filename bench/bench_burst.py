@@ -30,17 +30,15 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import subprocess
 import sys
 import time
 
-import aiohttp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import ARTIFACTS, arg_parser, finish, free_port, machine, percentile, print_machine, section, stop_server, wait_ready  # noqa: E402
-from bench_past_capacity import GAP_S, LoopWatch, gaps_between, server_figures  # noqa: E402
+from _common import arg_parser, finish, machine, percentile, print_machine, section, wait_ready  # noqa: E402
+from bench_past_capacity import GAP_S, LoopWatch, Server, gaps_between, server_figures  # noqa: E402
 
 from voxgate.rtc_client import OfferRefused, RtcClient  # noqa: E402
 
@@ -52,34 +50,10 @@ TTFA_LIMIT = 1.1
 GAP_LIMIT = 1.2
 
 
-class Server:
-    def __init__(self, arm: str, extra: list[str]) -> None:
-        self.arm = arm
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        os.makedirs(ARTIFACTS, exist_ok=True)
-        self.log = open(os.path.join(ARTIFACTS, f"bench-burst-{arm}.log"), "w")
-        flag = "--engine-hold-new" if arm == "hold" else "--no-engine-hold-new"
-        self.cmd = [sys.executable, "-m", "voxgate.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                    "--ice-host", "127.0.0.1", "--no-web", flag, *extra]
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
-
-    async def get(self, path: str):
-        async with aiohttp.ClientSession() as http:
-            async with http.get(self.url + path) as resp:
-                return await resp.json() if path == "/readyz" else await resp.text()
-
-    async def wait_empty(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if (await self.get("/readyz"))["sessions"] == 0:
-                return
-            await asyncio.sleep(0.2)  # another process's state
-        raise RuntimeError(f"{self.arm}: sessions still open after the clients closed")
-
-    def stop(self) -> None:
-        stop_server(self.proc)
-        self.log.close()
+def arm_server(arm: str, extra: list[str]) -> Server:
+    """One arm's server: the same but for the hold."""
+    flag = "--engine-hold-new" if arm == "hold" else "--no-engine-hold-new"
+    return Server([flag, *extra], f"bench-burst-{arm}.log")
 
 
 async def burst(server: Server, n: int, tag: str) -> dict:
@@ -96,12 +70,12 @@ async def burst(server: Server, n: int, tag: str) -> dict:
             continue
         clients.append(client)
     await asyncio.sleep(1.0)  # the peers' DTLS and first keep-alives settle before the burst
-    m0 = await server.get("/metrics")
+    _, m0 = await server.get("/metrics")
     results = []
     with LoopWatch() as watch:
         sent = [c.send({"type": "speak", "text": SENTENCE, "id": f"{tag}{i}"}) for i, c in enumerate(clients)]
         events = await asyncio.gather(*(_heard(c) for c in clients))
-    m1 = await server.get("/metrics")
+    _, m1 = await server.get("/metrics")
     for c, at, (started, done) in zip(clients, sent, events):
         if started is None or done is None:
             results.append({"ok": False})
@@ -149,12 +123,12 @@ def pooled(runs: list[dict]) -> dict:
 
 async def run(args) -> dict:
     extra = args.server_args.split() if args.server_args else []
-    servers = {arm: Server(arm, extra) for arm in ARMS}
+    servers = {arm: arm_server(arm, extra) for arm in ARMS}
     try:
         for s in servers.values():
             await asyncio.get_running_loop().run_in_executor(None, wait_ready, s.url, 180)
         await asyncio.sleep(3.0)  # admission's budget once the workers have calibrated
-        capacity = min([float((await s.get("/readyz"))["budget_rtf"]) for s in servers.values()])
+        capacity = min([float((await s.get("/readyz"))[1]["budget_rtf"]) for s in servers.values()])
         sizes = [5, 10] + ([] if args.quick else [2 * math.ceil(capacity)])
         rounds = 1 if args.quick else args.rounds
         print(f"capacity C {capacity:.2f} (the smaller budget_rtf of the two); sizes {sizes}; {rounds} round(s)")

@@ -139,11 +139,13 @@ def server_figures(m0: str, m1: str) -> dict:
 
 
 class Server:
-    def __init__(self, extra: list[str]) -> None:
+    """`voxgate serve` on loopback as users run it, with `extra` arguments, logging to ARTIFACTS/`log_name`."""
+
+    def __init__(self, extra: list[str], log_name: str = "bench-past-capacity-server.log") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         os.makedirs(ARTIFACTS, exist_ok=True)
-        self.log = open(os.path.join(ARTIFACTS, "bench-past-capacity-server.log"), "w")
+        self.log = open(os.path.join(ARTIFACTS, log_name), "w")
         self.cmd = [sys.executable, "-m", "voxgate.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                     "--ice-host", "127.0.0.1", "--no-web", *extra]
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)

@@ -78,8 +78,8 @@ async def test_stream_takes_tokens_as_they_come_and_shares_the_connection(piper_
         first_audio_report["livekit_stream_first_audio_ms"] = round(first_ms, 1)
         print(f"livekit plugin, stream(): first audio {first_ms:.1f} ms")
         assert {e.segment_id for e in events} == {events[0].segment_id} and events[-1].is_final
-        heard = recognize(pcm_of(events), RATE)
-        assert heard_well(reply, heard), heard
+        pcm = pcm_of(events)
+        assert heard_well(reply, pcm, RATE), recognize(pcm, RATE)
         assert words("".join(timed_words(events))) == words(reply)
         connection = engine._conn
 

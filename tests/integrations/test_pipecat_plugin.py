@@ -145,8 +145,8 @@ async def test_an_llm_turn_streamed_token_by_token_is_one_context(piper_server, 
     first_ms = (audio[0][0] - sent_at["t"]) * 1000.0
     first_audio_report["pipecat_tokens_first_audio_ms"] = round(first_ms, 1)
     print(f"pipecat plugin, token mode: first audio {first_ms:.1f} ms after the turn began")
-    heard = recognize(spoken(collector), RATE)
-    assert heard_well(reply, heard), heard
+    pcm = spoken(collector)
+    assert heard_well(reply, pcm, RATE), recognize(pcm, RATE)
     assert words(" ".join(f.text for _, f in collector.of(TTSTextFrame))) == words(reply)
 
 
